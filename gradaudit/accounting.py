@@ -1,0 +1,114 @@
+"""Byte accounting by storage: what autograd holds, and what dropping or bit-packing saves frees.
+
+Rules (autograd-facts.md, "Counting bytes honestly"):
+- bytes are counted once per storage, whole storage (a saved view keeps its whole base alive);
+- parameters, buffers and the caller's inputs are alive anyway and cost nothing;
+- a storage is freed only when *every* save referencing it is dropped (or bit-packed), and it is
+  not a parameter, buffer, input or model output.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+from .records import NOT_NEEDED, SIGN_ONLY, ModuleTotal, SavedTensor, Storage
+
+HELD_KINDS = ("activation", "output")
+
+
+def held(tensors: Iterable[SavedTensor]) -> list[SavedTensor]:
+    """Saves autograd holds until backward: reachable, not checkpointed/offloaded, storage known."""
+    return [t for t in tensors if t.node_id >= 0 and t.managed_by == "autograd" and t.storage_id >= 0]
+
+
+def packed_bits_nbytes(t: SavedTensor) -> int:
+    """Bytes of a 1-bit-per-element copy of a save: ceil(numel / 8)."""
+    return (t.numel + 7) // 8
+
+
+class Accountant:
+    """Answers "how many bytes would this set of fixes free" for one report's saves."""
+
+    def __init__(self, tensors: list[SavedTensor], storages: list[Storage]) -> None:
+        self.tensors = tensors
+        self.storages = storages
+        self.refs: dict[int, list[SavedTensor]] = defaultdict(list)
+        for t in held(tensors):
+            self.refs[t.storage_id].append(t)
+
+    def saved_bytes(self) -> int:
+        return sum(self.storages[s].nbytes for s in self.refs if self.storages[s].kind in HELD_KINDS)
+
+    def freed(self, dropped: set[int], bitpacked: set[int] = frozenset()) -> int:
+        """Bytes freed when saves in ``dropped`` are replaced by nothing and those in ``bitpacked``
+        by 1 bit per element (``SavedTensor.index`` values)."""
+        return sum(self.freed_by_storage(dropped, bitpacked).values())
+
+    def freed_by_storage(self, dropped: set[int], bitpacked: set[int] = frozenset()) -> dict[int, int]:
+        result: dict[int, int] = {}
+        touched = {self.tensors[i].storage_id for i in (dropped | bitpacked) if self.tensors[i].storage_id >= 0}
+        for storage_id in touched:
+            storage = self.storages[storage_id]
+            refs = self.refs.get(storage_id, [])
+            if storage.kind != "activation" or not refs:
+                continue
+            if not all(t.index in dropped or t.index in bitpacked for t in refs):
+                continue
+            # one packed copy per distinct view that is bit-packed rather than dropped
+            views = {(t.storage_offset, t.shape, t.stride): t for t in refs
+                     if t.index in bitpacked and t.index not in dropped}
+            kept = sum(packed_bits_nbytes(t) for t in views.values())
+            if storage.nbytes > kept:
+                result[storage_id] = storage.nbytes - kept
+        return result
+
+    def not_needed(self) -> set[int]:
+        return {t.index for t in held(self.tensors) if t.verdict == NOT_NEEDED}
+
+    def bitpackable(self) -> set[int]:
+        return {t.index for t in held(self.tensors) if t.bitpackable or t.verdict == SIGN_ONLY}
+
+    def reclaimable_bytes(self) -> int:
+        return self.freed(self.not_needed())
+
+    def reclaimable_with_bitpacking_bytes(self) -> int:
+        dropped = self.not_needed()
+        return self.freed(dropped, self.bitpackable() - dropped)
+
+
+def module_totals(tensors: list[SavedTensor], storages: list[Storage], accountant: Accountant,
+                  module_classes: dict[str, str]) -> list[ModuleTotal]:
+    """Held and reclaimable bytes per module, own and including children.
+
+    Each storage counts once, for the module of the first save that referenced it, so the root's
+    total equals the report's saved_bytes.
+    """
+    own: dict[str, int] = defaultdict(int)
+    own_reclaimable: dict[str, int] = defaultdict(int)
+    reclaimable = accountant.freed_by_storage(accountant.not_needed())
+    for storage_id in accountant.refs:
+        storage = storages[storage_id]
+        if storage.kind not in HELD_KINDS:
+            continue
+        own[storage.module] += storage.nbytes
+        own_reclaimable[storage.module] += reclaimable.get(storage_id, 0)
+    paths = set(own)
+    for path in list(paths):  # every ancestor gets a row
+        parts = path.split(".") if path else []
+        for i in range(len(parts)):
+            paths.add(".".join(parts[:i]))
+    paths.add("")
+    totals = defaultdict(int)
+    totals_reclaimable = defaultdict(int)
+    for path, value in own.items():
+        parts = path.split(".") if path else []
+        for i in range(len(parts) + 1):
+            ancestor = ".".join(parts[:i])
+            totals[ancestor] += value
+            totals_reclaimable[ancestor] += own_reclaimable[path]
+    return [
+        ModuleTotal(path, module_classes.get(path, ""), own.get(path, 0), totals[path],
+                    own_reclaimable.get(path, 0), totals_reclaimable[path])
+        for path in sorted(paths, key=lambda p: (p != "", p))
+    ]

@@ -1,0 +1,195 @@
+"""``gradaudit.audit(model, inputs)``: one traced forward, a Report, and the model left as it was."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .analysis import build_report
+from .errors import ForwardError, GradauditError, NothingRequiresGradError
+from .recorder import Recorder
+from .records import Report
+
+
+def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Tensor -> one positional argument; tuple -> positional arguments; dict -> keyword arguments.
+
+    Anything else (a list, a custom object) is passed as one positional argument.
+    """
+    if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
+        return inputs, {}
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    return (inputs,), {}
+
+
+def iter_tensors(value: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested tuples, lists, dicts, dataclasses and ModelOutput objects."""
+    if _depth > 20:
+        return
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):  # includes transformers' ModelOutput (an OrderedDict)
+        for v in value.values():
+            yield from iter_tensors(v, _depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from iter_tensors(v, _depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from iter_tensors(getattr(value, f.name, None), _depth + 1)
+    elif hasattr(value, "to_tuple") and callable(value.to_tuple):
+        yield from iter_tensors(value.to_tuple(), _depth + 1)
+
+
+def unique(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def matching_parameters(model: nn.Module, patterns: Sequence[str]) -> set[str]:
+    names = [n for n, _ in model.named_parameters()]
+    return {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+
+
+class ModelState:
+    """Everything an audit could disturb, captured before and put back afterwards.
+
+    Parameters are restored by identity and flags (a forward does not change their values; if one
+    does, in place, the audit reports it rather than silently keeping a copy of every weight).
+    Buffers are copied because a train-mode forward updates BatchNorm running statistics.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.modules = list(model.modules())
+        self.training = [m.training for m in self.modules]
+        self.param_slots = [(m, dict(m._parameters)) for m in self.modules]
+        self.buffer_slots = [(m, dict(m._buffers)) for m in self.modules]
+        params = list(model.parameters())
+        self.flags = [(p, p.requires_grad, p.grad, p._version) for p in params]
+        self.buffer_values = [(b, b.detach().clone(), b._version) for b in model.buffers()]
+        self.hook_counts = self._hook_counts()
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = (torch.cuda.get_rng_state_all()
+                         if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+
+    def _hook_counts(self) -> list[tuple[int, ...]]:
+        return [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
+                 len(getattr(m, "_backward_pre_hooks", {}))) for m in self.modules]
+
+    def restore(self) -> list[str]:
+        """Put everything back; returns notes about what could not be restored exactly."""
+        notes = []
+        for m, flag in zip(self.modules, self.training):
+            m.training = flag
+        for m, slots in self.param_slots:
+            m._parameters.clear()
+            m._parameters.update(slots)
+        for m, slots in self.buffer_slots:
+            m._buffers.clear()
+            m._buffers.update(slots)
+        with torch.no_grad():
+            for buffer, value, version in self.buffer_values:
+                if buffer._version != version:
+                    buffer.copy_(value)
+        for p, requires_grad, grad, version in self.flags:
+            if p.requires_grad != requires_grad:
+                p.requires_grad_(requires_grad)
+            if p.grad is not grad:
+                p.grad = grad
+            if p._version != version:
+                notes.append("the forward modified a parameter in place; gradaudit cannot undo that")
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        if self._hook_counts() != self.hook_counts:  # our hooks are removed by handle; check anyway
+            notes.append("module hook counts changed during the audit")
+        return notes
+
+
+def audit(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    verify: bool = False,
+    trainable: Optional[Sequence[str]] = None,
+    frozen: Optional[Sequence[str]] = None,
+    select: Sequence[str] = (),
+    ignore: Sequence[str] = (),
+    progress: Optional[Callable[[str], None]] = None,
+) -> Report:
+    """Run one forward of ``model`` on ``inputs`` and report what autograd saved for backward.
+
+    inputs: a Tensor (one positional argument), a tuple (positional arguments) or a dict
+        (keyword arguments). The forward runs in the model's current train/eval mode.
+    verify: prove each verdict empirically by calling the backward nodes with poisoned values
+        (CPU/GPU only; not on the meta device).
+    trainable: glob patterns over ``named_parameters()`` names; when given, exactly the matching
+        parameters require grad during the audit (a what-if). ``frozen``: patterns to freeze on top.
+    select / ignore: rule code prefixes (longest prefix wins).
+
+    The model is left exactly as found: parameters, buffers, requires_grad flags, ``.grad``,
+    train/eval flags, the RNG state and module hooks - also when the forward raises.
+    """
+    if not isinstance(model, nn.Module):
+        raise GradauditError(f"audit() needs a torch.nn.Module, got {type(model).__name__}")
+    args, kwargs = split_inputs(inputs)
+    input_tensors = unique(list(iter_tensors((args, kwargs))))
+    if verify and any(t.device.type == "meta" for t in input_tensors + list(model.parameters())[:1]):
+        raise GradauditError("verify=True needs real values; it cannot run on the meta device "
+                             "(audit on CPU or GPU, or drop verify)")
+    state = ModelState(model)
+    notes: list[str] = []
+    try:
+        if trainable is not None or frozen:
+            chosen = matching_parameters(model, trainable) if trainable is not None else None
+            blocked = matching_parameters(model, frozen) if frozen else set()
+            for name, p in model.named_parameters():
+                want = (name in chosen) if chosen is not None else p.requires_grad
+                if name in blocked:
+                    want = False
+                if p.requires_grad != want:
+                    p.requires_grad_(want)
+        if progress:
+            progress("running the forward")
+        recorder = Recorder(model)
+        with recorder:
+            try:
+                output = model(*args, **kwargs)
+            except GradauditError:
+                raise
+            except Exception as error:
+                raise ForwardError(f"the model's forward raised {type(error).__name__}: {error}") from error
+        outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
+        if not outputs:
+            raise NothingRequiresGradError(
+                "nothing requires grad: no output of the forward has a grad_fn. Unfreeze parameters "
+                "(trainable=[...] / --trainable GLOB) or pass inputs with requires_grad=True")
+        leaf_names = {id(p): f"param:{n}" for n, p in model.named_parameters()}
+        for i, t in enumerate(input_tensors):
+            leaf_names.setdefault(id(t), f"input:{i}")
+        if progress:
+            progress("walking the autograd graph")
+        recording = recorder.collect(outputs, leaf_names)
+        prove = None
+        if verify:
+            from .verify import prove  # noqa: WPS433 (imported only when asked for)
+        if progress:
+            progress("analysing saved tensors")
+        report = build_report(model, recording, inputs=input_tensors, verify=verify, select=select,
+                              ignore=ignore, prove=prove)
+        del recording, output, outputs
+    finally:
+        notes = state.restore()
+    report.notes.extend(notes)
+    return report

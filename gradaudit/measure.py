@@ -1,0 +1,59 @@
+"""An independent measurement of what autograd holds, for tests and benchmarks.
+
+It shares nothing with the recorder: a TorchDispatchMode weak-references every storage that any op
+produces during a plain forward (no saved-tensor hooks). After the forward, with the caller's
+references to the outputs dropped, the storages still alive are held by the autograd graph.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class StorageTracker(TorchDispatchMode):
+    """Weak-references every storage produced by an op while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                ref = StorageWeakRef(storage)
+                self.storages.setdefault(ref.cdata, (ref, storage.nbytes()))
+        return out
+
+    def live_bytes(self, exclude: set[int]) -> int:
+        return sum(nbytes for cdata, (ref, nbytes) in self.storages.items()
+                   if not ref.expired() and cdata not in exclude)
+
+
+def held_bytes_after_forward(model: torch.nn.Module, inputs: Any) -> int:
+    """Bytes the autograd graph keeps alive after ``model(inputs)``, measured without gradaudit.
+
+    Parameters, buffers and the inputs are excluded (alive anyway). The outputs themselves are
+    dropped first, so an output storage counts only if a backward node saved it.
+    """
+    from .audit import iter_tensors, split_inputs
+
+    args, kwargs = split_inputs(inputs)
+    exclude = {StorageWeakRef(t.untyped_storage()).cdata
+               for t in [*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs))]}
+    tracker = StorageTracker()
+    with tracker:
+        output = model(*args, **kwargs)
+    roots = [t.grad_fn for t in iter_tensors(output) if t.grad_fn is not None]
+    del output
+    gc.collect()
+    held = tracker.live_bytes(exclude)
+    del roots
+    return held

@@ -1,0 +1,1 @@
+"""pytest plugin registered through the ``pytest11`` entry point (see gradaudit.testing)."""

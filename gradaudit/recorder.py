@@ -1,0 +1,408 @@
+"""Record what autograd saves during one forward pass and tie each save to its node, module and line.
+
+Mechanism (see tests/test_facts.py for the pinned autograd behaviour it relies on):
+- a saved-tensors hook whose ``pack`` wraps every saved tensor in a ``_Packed`` box;
+- a node-creation hook that notes the running module and user source line of every new node;
+- after the forward, a walk from the outputs through ``next_functions`` that reads each saved
+  slot's *packed* object (``SavedTensor.data``), never its unpacked value. Reading the packed object
+  does not run anybody's unpack hook, so a ``torch.utils.checkpoint`` region is never recomputed.
+
+The recorder never decides anything about the tensors; it only observes (rules live elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_PACKAGE_DIR = os.path.dirname(__file__) + os.sep
+_NO_SEQUENCE = (1 << 64) - 1  # AccumulateGrad nodes report this sequence number
+
+
+class _Packed:
+    """What autograd stores instead of the tensor while gradaudit records."""
+
+    __slots__ = ("tensor", "index", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, index: int) -> None:
+        self.tensor = tensor
+        self.index = index
+
+
+@dataclass
+class NodeSite:
+    """Where a node was created: the module running and the user's source line."""
+
+    module: str
+    module_class: str
+    source: Optional[str]
+
+
+@dataclass
+class LiveSave:
+    """A saved slot found in the graph walk, still tied to live objects."""
+
+    index: int
+    node_pos: int  # position in Recording.nodes
+    attr: str
+    tensor: Optional[torch.Tensor]  # None when the tensor is not held (checkpointed, unknown)
+    managed_by: str
+    site: NodeSite
+    shape: Optional[tuple[int, ...]] = None  # set when tensor is None but the shape is known
+    dtype: Optional[torch.dtype] = None
+
+
+@dataclass
+class LiveNode:
+    node: Any  # torch.autograd.graph.Node
+    name: str
+    site: NodeSite
+    next_positions: list[Optional[int]] = field(default_factory=list)
+    edge_mask: list[bool] = field(default_factory=list)
+    saves: list[int] = field(default_factory=list)  # positions in Recording.saves
+    variable: Optional[str] = None
+    scalars: dict[str, Any] = field(default_factory=dict)
+    created_here: bool = True
+
+
+@dataclass
+class Recording:
+    """The raw result of a traced forward: live nodes and saves, valid while the graph lives."""
+
+    nodes: list[LiveNode]
+    saves: list[LiveSave]
+    outputs: list[torch.Tensor]
+    pack_count: int  # tensors packed during the forward (reachable or not)
+    node_sites: dict[int, NodeSite]
+
+
+# ----------------------------------------------------------------------------------------------
+# Where in the user's code
+
+
+_internal_cache: dict[Any, bool] = {}
+
+
+def _is_internal(code: Any) -> bool:
+    hit = _internal_cache.get(code)
+    if hit is None:
+        name = code.co_filename
+        hit = name.startswith(_TORCH_DIR) or name.startswith(_PACKAGE_DIR) or name.startswith("<frozen")
+        _internal_cache[code] = hit
+    return hit
+
+
+def short_path(filename: str) -> str:
+    """A path readable and stable across machines: relative to cwd or to site-packages."""
+    if not os.path.isabs(filename):
+        return filename
+    cwd = os.getcwd() + os.sep
+    if filename.startswith(cwd):
+        return filename[len(cwd):]
+    marker = os.sep + "site-packages" + os.sep
+    if marker in filename:
+        return filename.split(marker, 1)[1]
+    return filename
+
+
+def user_source_line() -> Optional[str]:
+    """``file:line`` of the innermost frame outside torch and gradaudit."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if not _is_internal(frame.f_code):
+            return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Which module is running
+
+
+class ModuleTracker:
+    """Keeps a stack of the module paths whose forward is running, via per-module forward hooks."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.stack: list[tuple[str, str]] = [("", type(model).__name__)]
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "ModuleTracker":
+        for path, module in self.model.named_modules():
+            if module is self.model:
+                continue
+            entry = (path, type(module).__name__)
+            self._handles.append(module.register_forward_pre_hook(self._make_pre(entry)))
+            self._handles.append(module.register_forward_hook(self._post, always_call=True))
+        return self
+
+    def _make_pre(self, entry: tuple[str, str]):
+        stack = self.stack
+
+        def pre(module: nn.Module, args: Any) -> None:
+            stack.append(entry)
+
+        return pre
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if len(self.stack) > 1:
+            self.stack.pop()
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+# ----------------------------------------------------------------------------------------------
+# The recording
+
+
+def _manager_of(unpack_hook: Any) -> str:
+    module = getattr(unpack_hook, "__module__", "") or ""
+    qualname = getattr(unpack_hook, "__qualname__", "") or ""
+    if module.startswith("torch.utils.checkpoint"):
+        return "checkpoint"
+    if "save_on_cpu" in qualname or "cpu" in qualname.lower() or "offload" in qualname.lower():
+        return "offload"
+    return "hooks"
+
+
+def current_sequence_number() -> int:
+    return int(torch._C._autograd._get_sequence_nr())
+
+
+class Recorder:
+    """Context manager around a forward pass; ``collect(outputs)`` returns the Recording."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.tracker = ModuleTracker(model)
+        self._boxes: list[weakref.ref] = []
+        self.node_sites: dict[int, NodeSite] = {}
+        self.pack_sites: list[NodeSite] = []
+        self.pack_owners: list[tuple[str, int]] = []  # (type, sequence nr) of the newest node at pack time
+        self._last_node: tuple[str, int] = ("unknown", -1)
+        self._node_hook_installed = False
+        self.start_sequence = 0
+        self.end_sequence = 0
+        self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _site(self) -> NodeSite:
+        path, cls = self.tracker.stack[-1]
+        return NodeSite(path, cls, user_source_line())
+
+    def _pack(self, tensor: torch.Tensor) -> _Packed:
+        box = _Packed(tensor, len(self._boxes))
+        self._boxes.append(weakref.ref(box))
+        self.pack_owners.append(self._last_node)
+        if not self._node_hook_installed:
+            self.pack_sites.append(self._site())
+        return box
+
+    @staticmethod
+    def _unpack(box: _Packed) -> torch.Tensor:
+        return box.tensor
+
+    def _on_node(self, node: Any) -> None:
+        seq = node._sequence_nr()
+        if seq != _NO_SEQUENCE:
+            self.node_sites[seq] = self._site()
+            self._last_node = (type(node).__name__, seq)
+
+    def __enter__(self) -> "Recorder":
+        self.tracker.__enter__()
+        push_node_hook = getattr(torch._C._autograd, "_push_node_creation_hook", None)
+        if push_node_hook is not None:
+            push_node_hook(self._on_node)
+            self._node_hook_installed = True
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.start_sequence = current_sequence_number()
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.end_sequence = current_sequence_number()
+        try:
+            if self._hooks is not None:
+                self._hooks.__exit__(*exc)
+        finally:
+            if self._node_hook_installed:
+                torch._C._autograd._pop_node_creation_hook()
+            self.tracker.__exit__(*exc)
+
+    def _collect_hidden(self, nodes: list[LiveNode], saves: list[LiveSave]) -> None:
+        """Saves still alive but held by nodes the walk cannot see.
+
+        An in-place op on a view wraps its node inside a CopySlices node, which does not expose
+        it. Its saved tensors are alive (their boxes are), so they are held: report them under
+        ``CopySlices[<inner node type>]`` with verdict unknown.
+        """
+        found = {s.index for s in saves if s.index >= 0}
+        hidden: dict[int, LiveNode] = {}
+        for index, ref in enumerate(self._boxes):
+            box = ref()
+            if box is None or index in found:
+                continue
+            name, seq = self.pack_owners[index] if index < len(self.pack_owners) else ("unknown", -1)
+            live = hidden.get(seq)
+            if live is None:
+                site = self.node_sites.get(seq) or (self.pack_sites[index] if index < len(self.pack_sites)
+                                                    else NodeSite("", type(self.model).__name__, None))
+                live = hidden[seq] = LiveNode(node=None, name="CopySlices", site=site)
+                nodes.append(live)
+            saves.append(LiveSave(index, len(nodes) - 1 if hidden[seq] is nodes[-1] else nodes.index(live),
+                                  f"hidden[{len(live.saves)}]", box.tensor, "autograd", live.site))
+            live.saves.append(len(saves) - 1)
+
+    # -- the walk ------------------------------------------------------------------------------
+    def _owned(self, packed: Any) -> bool:
+        if not isinstance(packed, _Packed):
+            return False
+        index = packed.index
+        return index < len(self._boxes) and self._boxes[index]() is packed
+
+    def collect(self, outputs: list[torch.Tensor], leaf_names: dict[int, str]) -> Recording:
+        """Walk the graph from ``outputs`` and tie every saved slot to its node.
+
+        ``leaf_names`` maps ``id(tensor)`` of parameters/inputs to a label for AccumulateGrad nodes.
+        """
+        roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        positions: dict[Any, int] = {}
+        nodes: list[LiveNode] = []
+        saves: list[LiveSave] = []
+        order: list[Any] = []
+        unknown_site = NodeSite("", type(self.model).__name__, None)
+
+        def visit(node: Any) -> int:
+            pos = positions.get(node)
+            if pos is None:
+                pos = len(order)
+                positions[node] = pos
+                order.append(node)
+            return pos
+
+        for root in roots:
+            visit(root)
+        cursor = 0
+        while cursor < len(order):
+            node = order[cursor]
+            cursor += 1
+            seq = node._sequence_nr()
+            created_here = seq == _NO_SEQUENCE or self.start_sequence <= seq < self.end_sequence
+            site = self.node_sites.get(seq)
+            live = LiveNode(node=node, name=type(node).__name__, site=site or unknown_site)
+            nodes.append(live)
+            if live.name == "AccumulateGrad":
+                variable = getattr(node, "variable", None)
+                if variable is not None:
+                    live.variable = leaf_names.get(id(variable), "leaf")
+            live.created_here = created_here
+            if not created_here:
+                # A node from before the audit (e.g. the inputs came out of an earlier graph): its
+                # saved tensors may be managed by hooks we do not own; do not touch them.
+                live.next_positions = [None for _ in node.next_functions]
+                live.edge_mask = [fn is not None for fn, _ in node.next_functions]
+                continue
+            live.scalars = node_scalars(node)
+            for fn, _ in node.next_functions:
+                live.next_positions.append(None if fn is None else visit(fn))
+                live.edge_mask.append(fn is not None)
+            for attr, raw in _raw_saved_slots(node):
+                packed = raw.data
+                if packed is None:
+                    continue  # an optional save that was not made
+                if self._owned(packed):
+                    tensor, managed = packed.tensor, "autograd"
+                    index = packed.index
+                    if site is None and index < len(self.pack_sites):
+                        live.site = self.pack_sites[index]
+                elif isinstance(packed, torch.Tensor):
+                    # saved while hooks were disabled: held plainly by autograd
+                    tensor, managed, index = packed, "autograd", -1
+                else:
+                    managed = _manager_of(raw.unpack_hook)
+                    tensor, index = None, -1
+                    # save_on_cpu packs (device, tensor): the shape is readable without unpacking
+                    if isinstance(packed, tuple) and packed and isinstance(packed[-1], torch.Tensor):
+                        shadow = packed[-1]
+                        saves.append(LiveSave(index, cursor - 1, attr, None, managed, live.site,
+                                              tuple(shadow.shape), shadow.dtype))
+                        live.saves.append(len(saves) - 1)
+                        continue
+                saves.append(LiveSave(index, cursor - 1, attr, tensor, managed, live.site))
+                live.saves.append(len(saves) - 1)
+        for live in nodes:
+            live.next_positions = [
+                None if fn is None else positions.get(fn) for fn, _ in live.node.next_functions
+            ]
+        self._collect_hidden(nodes, saves)
+        return Recording(nodes=nodes, saves=saves, outputs=outputs,
+                         pack_count=len(self._boxes), node_sites=self.node_sites)
+
+
+_slot_names: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _names_of(node: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(tensor slot names, scalar attribute names) of a node type, cached per type."""
+    kind = type(node)
+    names = _slot_names.get(kind)
+    if names is None:
+        listing = dir(node)
+        tensors = tuple(n[len("_raw_saved_"):] for n in listing if n.startswith("_raw_saved_"))
+        scalars = tuple(
+            n[len("_saved_"):] for n in listing
+            if n.startswith("_saved_") and n[len("_saved_"):] not in tensors
+        )
+        names = _slot_names[kind] = (tensors, scalars)
+    return names
+
+
+def _raw_saved_slots(node: Any) -> Iterator[tuple[str, Any]]:
+    """Yield (attribute name, raw SavedTensor) for every tensor slot a node saved."""
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        raws = node._raw_saved_tensors or ()
+        for i, raw in enumerate(raws):
+            if raw is not None:
+                yield f"saved_tensors[{i}]", raw
+        return
+    for attr in _names_of(node)[0]:
+        raw = getattr(node, "_raw_saved_" + attr)
+        if isinstance(raw, (list, tuple)):
+            for i, item in enumerate(raw):
+                if item is not None:
+                    yield f"{attr}[{i}]", item
+        elif raw is not None:
+            yield attr, raw
+
+
+_SCALAR_TYPES = (bool, int, float, str)
+
+
+def node_scalars(node: Any) -> dict[str, Any]:
+    """The node's non-tensor saved values (BN's ``training``, threshold values, strides...).
+
+    Reading these never runs an unpack hook: only tensor slots are packed.
+    """
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        return {}
+    values: dict[str, Any] = {}
+    for attr in _names_of(node)[1]:
+        try:
+            value = getattr(node, "_saved_" + attr)
+        except Exception:  # some symbolic-size attributes cannot be read on every device
+            continue
+        if isinstance(value, _SCALAR_TYPES) or value is None:
+            values[attr] = value
+        elif isinstance(value, (tuple, list)) and all(isinstance(v, _SCALAR_TYPES) for v in value):
+            values[attr] = list(value)
+    return values

@@ -1,0 +1,251 @@
+"""The data gradaudit produces: saved tensors, graph nodes, findings and the report that holds them.
+
+Everything here is plain data (no tensors, no autograd objects), so a report can be kept, compared,
+serialised and rendered long after the audited forward is gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+SCHEMA_VERSION = 1
+
+# What a saved tensor's storage is. Only "activation" and "output" storages cost memory because
+# of autograd; parameters, buffers and the caller's inputs are alive anyway.
+STORAGE_KINDS = ("activation", "output", "parameter", "buffer", "input")
+
+# Who holds a saved tensor between forward and backward.
+#   autograd:   autograd holds it (through gradaudit's recording hooks) - it is counted as held.
+#   checkpoint: torch.utils.checkpoint dropped it; backward recomputes it.
+#   offload:    torch.autograd.graph.save_on_cpu (or similar) moved it elsewhere.
+#   hooks:      the user's own saved-tensor hooks manage it; gradaudit cannot say where it lives.
+MANAGERS = ("autograd", "checkpoint", "offload", "hooks")
+
+# Verdicts on whether backward can need a saved tensor.
+NEEDED = "needed"
+NOT_NEEDED = "not-needed"
+SIGN_ONLY = "sign-only"  # only a 1-bit pattern (sign / mask) of the values is needed
+UNKNOWN = "unknown"
+VERDICTS = (NEEDED, NOT_NEEDED, SIGN_ONLY, UNKNOWN)
+
+
+@dataclass
+class SavedTensor:
+    """One tensor an autograd node saved for backward, as seen during the audited forward."""
+
+    index: int  # order in which autograd saved it during the forward
+    node_id: int  # index into Report.nodes; -1 when the save is not reachable from the outputs
+    node: str  # autograd node type, e.g. "ConvolutionBackward0"
+    attr: str  # saved attribute, e.g. "input", "result", "saved_tensors[0]"
+    shape: tuple[int, ...]
+    dtype: str  # e.g. "float32"
+    device: str
+    numel: int
+    itemsize: int
+    storage_id: int  # index into Report.storages; -1 when unknown (checkpointed tensors)
+    storage_kind: str  # one of STORAGE_KINDS
+    module: str  # module path running when it was saved ("" is the root module)
+    module_class: str
+    source: Optional[str]  # "file.py:123" of the innermost frame outside torch
+    managed_by: str = "autograd"  # one of MANAGERS
+    verdict: str = UNKNOWN  # one of VERDICTS
+    proven: bool = False  # True when the verdict comes from the empirical check (verify=True)
+    reason: str = ""  # why the verdict holds, in one sentence
+    rule: Optional[str] = None  # code of the finding that covers it, if any
+    bitpackable: bool = False  # backward needs at most 1 bit per element (a sign pattern or 0/c mask)
+    source_index: int = -1  # order in which autograd packed it (-1: not packed by gradaudit)
+    storage_offset: int = 0
+    stride: tuple[int, ...] = ()
+
+    @property
+    def view_nbytes(self) -> int:
+        """Bytes of the elements the saved view itself covers (numel * itemsize)."""
+        return self.numel * self.itemsize
+
+    @property
+    def needed(self) -> Optional[bool]:
+        """True/False when known; None when no rule or proof decided."""
+        if self.verdict == UNKNOWN:
+            return None
+        return self.verdict != NOT_NEEDED
+
+    def to_dict(self, report: "Report") -> dict[str, Any]:
+        storage = report.storages[self.storage_id] if self.storage_id >= 0 else None
+        return {
+            "index": self.index,
+            "node": self.node,
+            "node_id": self.node_id,
+            "attr": self.attr,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "device": self.device,
+            "nbytes": storage.nbytes if storage else None,
+            "view_nbytes": self.view_nbytes,
+            "storage": self.storage_id if storage else None,
+            "storage_kind": self.storage_kind,
+            "module": self.module,
+            "module_class": self.module_class,
+            "source": self.source,
+            "managed_by": self.managed_by,
+            "needed": self.needed,
+            "verdict": self.verdict,
+            "proven": self.proven,
+            "reason": self.reason,
+            "rule": self.rule,
+            "bitpackable": self.bitpackable,
+        }
+
+
+@dataclass
+class Storage:
+    """One storage referenced by saved tensors; bytes are counted once per storage."""
+
+    id: int
+    nbytes: int
+    kind: str  # one of STORAGE_KINDS
+    module: str  # module of the first save that referenced it (attribution for per-module totals)
+    tensors: list[int] = field(default_factory=list)  # SavedTensor.index values referencing it
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class GraphNode:
+    """One autograd node created during the audited forward."""
+
+    id: int
+    name: str  # node type, e.g. "AddmmBackward0"
+    module: str  # module of its first save ("" when it saved nothing or ran at the root)
+    next_ids: list[Optional[int]]  # next_functions as node ids; None = that input needs no gradient
+    edge_mask: list[bool]  # which inputs of the op need a gradient
+    saved: list[int] = field(default_factory=list)  # SavedTensor.index values
+    variable: Optional[str] = None  # AccumulateGrad: the leaf it accumulates into ("param:fc.weight", "input:0")
+    scalars: dict[str, Any] = field(default_factory=dict)  # non-tensor saved values (BN "training"...)
+    created_here: bool = True  # False: the node predates the audited forward and was not inspected
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One piece of memory autograd holds that backward does not need (or needs less of)."""
+
+    code: str  # "GA101"
+    name: str  # "conv-input-saved-for-frozen-weight"
+    severity: str  # "waste" (memory to reclaim), "warning" (correctness hazard), "info"
+    message: str
+    module: str
+    module_class: str
+    node: str
+    attrs: tuple[str, ...]
+    source: Optional[str]
+    tensors: tuple[int, ...]  # SavedTensor.index values the finding is about
+    bytes: int  # bytes freed by fixing this finding alone (storage-aware)
+    bytes_together: int  # this finding's share when every finding is fixed (shares sum to the total)
+    fix: str  # one-line fix title
+    fix_code: str  # a snippet the user can paste
+    fix_safe: bool  # True: gradients stay bit-identical
+    proven: bool = False
+
+    @property
+    def docs(self) -> str:
+        return f"gradaudit explain {self.code}"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["attrs"] = list(self.attrs)
+        data["tensors"] = list(self.tensors)
+        data["docs"] = self.docs
+        return data
+
+
+@dataclass
+class ModuleTotal:
+    path: str
+    module_class: str
+    own_bytes: int  # held bytes attributed to this module itself
+    total_bytes: int  # including its children
+    own_reclaimable_bytes: int
+    total_reclaimable_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Report:
+    """The result of one audit. Plain data; see docs/schema in README for the JSON form."""
+
+    model: str  # class name of the audited model
+    torch_version: str
+    device: str
+    training: bool
+    verified: bool
+    tensors: list[SavedTensor]
+    storages: list[Storage]
+    nodes: list[GraphNode]
+    modules: list[ModuleTotal]
+    findings: list[Finding]
+    saved_bytes: int
+    reclaimable_bytes: int
+    reclaimable_with_bitpacking_bytes: int
+    recomputed_bytes: int  # bytes checkpointing recomputes instead of holding (known part)
+    offloaded_bytes: int
+    parameters_requiring_grad: int
+    inputs_requiring_grad: int
+    unexplained: list[dict[str, Any]] = field(default_factory=list)  # blind spots
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def held_tensors(self) -> list[SavedTensor]:
+        return [t for t in self.tensors if t.node_id >= 0 and t.managed_by == "autograd"]
+
+    @property
+    def waste_findings(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "waste"]
+
+    def summary(self) -> dict[str, Any]:
+        held = self.held_tensors
+        return {
+            "saved_bytes": self.saved_bytes,
+            "reclaimable_bytes": self.reclaimable_bytes,
+            "reclaimable_with_bitpacking_bytes": self.reclaimable_with_bitpacking_bytes,
+            "recomputed_bytes": self.recomputed_bytes,
+            "offloaded_bytes": self.offloaded_bytes,
+            "saved_tensors": len(held),
+            "unknown_tensors": sum(1 for t in held if t.verdict == UNKNOWN),
+            "findings": len(self.findings),
+            "waste_findings": len(self.waste_findings),
+            "parameters_requiring_grad": self.parameters_requiring_grad,
+            "inputs_requiring_grad": self.inputs_requiring_grad,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "tool": "gradaudit",
+            "model": self.model,
+            "torch_version": self.torch_version,
+            "device": self.device,
+            "training": self.training,
+            "verified": self.verified,
+            "summary": self.summary(),
+            "findings": [f.to_dict() for f in self.findings],
+            "tensors": [t.to_dict(self) for t in self.tensors],
+            "storages": [s.to_dict() for s in self.storages],
+            "modules": [m.to_dict() for m in self.modules],
+            "nodes": [n.to_dict() for n in self.nodes],
+            "unexplained": list(self.unexplained),
+            "notes": list(self.notes),
+        }
+
+    def __repr__(self) -> str:  # keep the repr short: reports can hold thousands of tensors
+        return (
+            f"<gradaudit.Report {self.model}: {len(self.held_tensors)} saved tensors, "
+            f"saved_bytes={self.saved_bytes}, reclaimable_bytes={self.reclaimable_bytes}, "
+            f"{len(self.findings)} findings>"
+        )

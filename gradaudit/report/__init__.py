@@ -1,0 +1,1 @@
+"""Reporters: pure functions from a Report to text (terminal, JSON, DOT/SVG, HTML)."""

@@ -1,0 +1,175 @@
+"""One registry for rules: a decorator fills it, duplicate codes raise, docs come from docstrings.
+
+Two kinds of entries live here:
+- op knowledge (``@needs("ConvolutionBackward0")``): given a node's edge mask and scalars, which of
+  its saved attributes backward needs. This sets each SavedTensor's verdict.
+- rules (``@rule("GA101", "conv-input-saved-for-frozen-weight")``): read the verdicts and the graph
+  and emit flags; the analysis turns flags into Findings with storage-aware byte figures.
+Rules are pure functions of the recording's plain data: they never touch tensors or hooks.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+from ..records import GraphNode, SavedTensor
+
+DOC_SECTIONS = ("What it flags", "Why it costs memory", "Example", "Fix", "Fix safety", "Known limits")
+SEVERITIES = ("waste", "warning", "info")
+CODE_PATTERN = re.compile(r"^GA\d{3}$")
+NAME_PATTERN = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    verdict: str  # records.NEEDED / NOT_NEEDED / SIGN_ONLY / UNKNOWN
+    reason: str
+    bitpackable: bool = False
+
+
+NeedsFunction = Callable[[GraphNode, dict[str, SavedTensor]], dict[str, Verdict]]
+_NEEDS: dict[str, NeedsFunction] = {}
+
+
+def needs(*node_names: str) -> Callable[[NeedsFunction], NeedsFunction]:
+    """Register what an autograd node type's backward reads, as a function of its edge mask."""
+
+    def register(function: NeedsFunction) -> NeedsFunction:
+        for name in node_names:
+            if name in _NEEDS:
+                raise ValueError(f"op knowledge for {name} registered twice")
+            _NEEDS[name] = function
+        return function
+
+    return register
+
+
+def op_knowledge(node_name: str) -> Optional[NeedsFunction]:
+    return _NEEDS.get(node_name)
+
+
+def known_ops() -> list[str]:
+    return sorted(_NEEDS)
+
+
+@dataclass
+class Flag:
+    """What a rule reports; the analysis adds bytes and turns it into a Finding."""
+
+    node: Optional[GraphNode]
+    tensors: Sequence[SavedTensor]
+    message: str
+    fix: Optional[str] = None  # default: the rule's fix title
+    fix_code: Optional[str] = None  # default: the rule's fix snippet
+    module: Optional[str] = None  # default: the node's module
+    severity: Optional[str] = None  # default: the rule's severity
+    bytes: Optional[int] = None  # override storage-derived bytes (e.g. what SDPA would save)
+
+
+@dataclass
+class RuleContext:
+    """What a rule can read: plain data only."""
+
+    tensors: list[SavedTensor]
+    nodes: list[GraphNode]
+    storages: list[Any]
+    covered: set[int] = field(default_factory=set)  # tensor indices already in a finding
+    parameter_names: dict[str, bool] = field(default_factory=dict)  # name -> requires_grad
+    training: bool = False
+
+    def nodes_named(self, *names: str) -> Iterator[GraphNode]:
+        wanted = set(names)
+        return (n for n in self.nodes if n.name in wanted and n.created_here)
+
+    def saved(self, node: GraphNode) -> dict[str, SavedTensor]:
+        return {self.tensors[i].attr: self.tensors[i] for i in node.saved}
+
+    def held(self) -> Iterator[SavedTensor]:
+        return (t for t in self.tensors if t.node_id >= 0 and t.managed_by == "autograd")
+
+
+@dataclass(frozen=True)
+class Rule:
+    code: str
+    name: str
+    severity: str
+    summary: str  # first docstring line
+    doc: str  # the whole docstring, sections included
+    fix: str  # fix title
+    fix_code: str
+    fix_safe: bool
+    check: Callable[[RuleContext], Iterable[Flag]]
+
+    @property
+    def family(self) -> int:
+        return int(self.code[2])
+
+    def sections(self) -> dict[str, str]:
+        return parse_sections(self.doc)
+
+
+_RULES: dict[str, Rule] = {}
+
+
+def rule(code: str, name: str, *, severity: str = "waste", fix: str, fix_code: str = "",
+         fix_safe: bool = True) -> Callable[[Callable[[RuleContext], Iterable[Flag]]], Callable]:
+    """Register a rule. Its docstring is its documentation (sections: DOC_SECTIONS)."""
+    if not CODE_PATTERN.match(code):
+        raise ValueError(f"rule code {code!r} must look like GA123")
+    if not NAME_PATTERN.match(name):
+        raise ValueError(f"rule name {name!r} must be kebab-case")
+    if severity not in SEVERITIES:
+        raise ValueError(f"severity {severity!r} not in {SEVERITIES}")
+
+    def register(check: Callable[[RuleContext], Iterable[Flag]]) -> Callable:
+        if code in _RULES:
+            raise ValueError(f"rule code {code} registered twice")
+        if any(r.name == name for r in _RULES.values()):
+            raise ValueError(f"rule name {name} registered twice")
+        doc = inspect.cleandoc(check.__doc__ or "")
+        _RULES[code] = Rule(code, name, severity, doc.splitlines()[0] if doc else "", doc,
+                            fix, inspect.cleandoc(fix_code) if fix_code else "", fix_safe, check)
+        return check
+
+    return register
+
+
+def all_rules() -> list[Rule]:
+    return [_RULES[c] for c in sorted(_RULES)]
+
+
+def get_rule(code: str) -> Rule:
+    code = code.upper()
+    if code not in _RULES:
+        raise KeyError(code)
+    return _RULES[code]
+
+
+def parse_sections(doc: str) -> dict[str, str]:
+    """Split a rule docstring into its named sections ("What it flags:" ... )."""
+    sections: dict[str, str] = {}
+    current: Optional[str] = None
+    lines: list[str] = []
+    for line in doc.splitlines()[1:]:
+        header = line.rstrip().rstrip(":")
+        if line.rstrip().endswith(":") and header in DOC_SECTIONS:
+            if current:
+                sections[current] = "\n".join(lines).strip()
+            current, lines = header, []
+        elif current:
+            lines.append(line)
+    if current:
+        sections[current] = "\n".join(lines).strip()
+    return sections
+
+
+def selected(code: str, select: Sequence[str] = (), ignore: Sequence[str] = ()) -> bool:
+    """Prefix selection, longest matching prefix wins; ties go to select."""
+    best_select = max((len(p) for p in select if code.startswith(p.upper())), default=-1)
+    best_ignore = max((len(p) for p in ignore if code.startswith(p.upper())), default=-1)
+    if not select:
+        best_select = 0
+    return best_select >= best_ignore if best_select >= 0 else False
