@@ -1,0 +1,114 @@
+"""Terminal summary: what autograd holds, what can be reclaimed, and where to act first."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..records import Report
+from .units import human_bytes, share
+from .views import ranked_findings
+
+_RESET = "\033[0m"
+_STYLES = {"bold": "\033[1m", "dim": "\033[2m", "red": "\033[31m", "amber": "\033[33m", "green": "\033[32m"}
+
+
+class _Painter:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def __call__(self, text: str, style: str) -> str:
+        # colour wraps already padded text, so it never disturbs the column arithmetic
+        if not self.enabled or not text:
+            return text
+        return f"{_STYLES[style]}{text}{_RESET}"
+
+
+def _clip(text: str, width: int) -> str:
+    if width <= 0:
+        return ""
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def _columns(rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[list[str]]:
+    """Pad every cell to its column's width (right-aligned where asked)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [[cell.rjust(widths[i]) if right[i] else cell.ljust(widths[i]) for i, cell in enumerate(row)]
+            for row in rows]
+
+
+def render(report: Report, *, color: bool = False, top: int = 10, width: int = 100) -> str:
+    """The summary a person reads in a terminal. ``color`` adds ANSI colours (the CLI asks on a TTY)."""
+    paint = _Painter(color)
+    lines: list[str] = []
+    mode = "train" if report.training else "eval"
+    checked = "verified by the empirical check" if report.verified else "static rules"
+    lines.append(paint(f"gradaudit: {report.model}", "bold")
+                 + f" (torch {report.torch_version}, {report.device}, {mode} mode, {checked})")
+    lines.append("")
+
+    summary = report.summary()
+    held = report.saved_bytes
+    figures = [
+        ("held by autograd", human_bytes(held), f"{summary['saved_tensors']} saved tensors", ""),
+        ("reclaimable", human_bytes(report.reclaimable_bytes), share(report.reclaimable_bytes, held), "red"),
+        ("reclaimable with bit-packing", human_bytes(report.reclaimable_with_bitpacking_bytes),
+         share(report.reclaimable_with_bitpacking_bytes, held), "amber"),
+    ]
+    if report.recomputed_bytes:
+        figures.append(("recomputed by checkpointing", human_bytes(report.recomputed_bytes), "not held", ""))
+    if report.offloaded_bytes:
+        figures.append(("offloaded", human_bytes(report.offloaded_bytes), "not held", ""))
+    padded = _columns([f[:3] for f in figures], (False, True, False))
+    for (label, amount, note), (_, _, _, style) in zip(padded, figures):
+        amount = paint(amount, style) if style and amount.strip() != "0 B" else amount
+        lines.append(f"  {label}  {amount}  {note}".rstrip())
+    if summary["unknown_tensors"]:
+        lines.append(paint(f"  {summary['unknown_tensors']} saved tensors have no verdict (no rule knows "
+                           f"their op); see the report's unexplained list", "dim"))
+    lines.append("")
+
+    findings = ranked_findings(report)
+    if findings:
+        shown = findings[:top]
+        heading = f"Top findings by bytes ({len(shown)} of {len(findings)})"
+        lines.append(paint(heading, "bold"))
+        rows = [["CODE", "ALONE", "ALL FIXES", "MODULE", "SOURCE"]]
+        for f in shown:
+            module = f.module or "(root)"
+            if f.module_class:
+                module += f" ({f.module_class})"
+            rows.append([f.code, human_bytes(f.bytes), human_bytes(f.bytes_together), module, f.source or "?"])
+        table = _columns(rows, (False, True, True, False, False))
+        for i, row in enumerate(table):
+            text = _clip("  " + "  ".join(row).rstrip(), width)
+            if i == 0:
+                lines.append(paint(text, "dim"))
+                continue
+            finding = shown[i - 1]
+            style = "red" if finding.severity == "waste" else "amber"
+            lines.append(paint(text[:7], style) + text[7:] if text.startswith("  GA") else text)
+            indent = " " * (2 + len(row[0]) + 2)
+            lines.append(paint(_clip(f"{indent}{finding.name}: {finding.fix}", width), "dim"))
+        if len(findings) > len(shown):
+            lines.append(f"  … {len(findings) - len(shown)} more (JSON or HTML report lists them all)")
+        lines.append(paint(f"  explain a rule: {shown[0].docs}", "dim"))
+    else:
+        lines.append(paint("No findings: backward needs everything autograd holds here.", "green"))
+    lines.append("")
+
+    modules = sorted((m for m in report.modules if m.own_bytes > 0),
+                     key=lambda m: (-m.own_bytes, m.path))[:top]
+    if modules:
+        lines.append(paint("Top modules by held bytes (their own saves)", "bold"))
+        rows = [["MODULE", "CLASS", "HELD", "SHARE", "RECLAIMABLE"]]
+        for m in modules:
+            rows.append([m.path or "(root)", m.module_class, human_bytes(m.own_bytes), share(m.own_bytes, held),
+                         human_bytes(m.own_reclaimable_bytes)])
+        for i, row in enumerate(_columns(rows, (False, False, True, True, True))):
+            text = _clip("  " + "  ".join(row).rstrip(), width)
+            lines.append(paint(text, "dim") if i == 0 else text)
+        lines.append("")
+
+    for note in report.notes:
+        lines.append(_clip(f"note: {note}", width) if len(note) < width else f"note: {note}")
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,35 @@
+"""Human-readable figures for reports: binary byte units and shares."""
+
+from __future__ import annotations
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_bytes(n: int | float | None) -> str:
+    """``1536 -> "1.5 KiB"``; at most three significant figures from KiB up, exact bytes below."""
+    if n is None:
+        return "?"
+    sign = "-" if n < 0 else ""
+    value = float(abs(n))
+    unit = 0
+    while value >= 1024 and unit < len(_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    if unit == 0:
+        return f"{sign}{int(value)} B"
+    # 1023.9 KiB would print as "1024 KiB" with 3 significant figures; keep it in the current unit
+    digits = 2 if value < 10 else 1 if value < 100 else 0
+    figure = f"{value:.{digits}f}"
+    if "." in figure:
+        figure = figure.rstrip("0").rstrip(".")
+    return f"{sign}{figure} {_UNITS[unit]}"
+
+
+def share(part: int, whole: int) -> str:
+    """``part`` as a percentage of ``whole`` ("-" when there is nothing to share)."""
+    if whole <= 0:
+        return "-"
+    percent = 100.0 * part / whole
+    if 0 < percent < 0.1:
+        return "<0.1%"
+    return f"{percent:.1f}%"

@@ -1,0 +1,79 @@
+"""Figures several reporters derive from a Report: ranked findings, per-module savings, timeline.
+
+Pure functions of the report's plain data, so the terminal, HTML and graph views agree.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional
+
+from ..accounting import HELD_KINDS, Accountant, held
+from ..records import Finding, Report
+
+
+def finding_rank(finding: Finding) -> tuple:
+    """Sort key: most bytes first (alone or as a share of all fixes), then stable by place."""
+    return (-max(finding.bytes, finding.bytes_together), finding.code, finding.module, finding.tensors)
+
+
+def ranked_findings(report: Report) -> list[Finding]:
+    return sorted(report.findings, key=finding_rank)
+
+
+def freed_with_all_fixes(report: Report) -> dict[int, int]:
+    """Bytes each storage frees when every not-needed save is dropped and every 1-bit one packed."""
+    accountant = Accountant(report.tensors, report.storages)
+    dropped = accountant.not_needed()
+    return accountant.freed_by_storage(dropped, accountant.bitpackable() - dropped)
+
+
+def module_bitpacking_totals(report: Report) -> dict[str, int]:
+    """Per module path (children included): bytes freed by all fixes, bit-packing included.
+
+    Attributed like ModuleTotal: each storage to the module of its first save, so the root's figure
+    equals report.reclaimable_with_bitpacking_bytes.
+    """
+    totals: dict[str, int] = defaultdict(int)
+    for storage_id, freed in freed_with_all_fixes(report).items():
+        path = report.storages[storage_id].module
+        parts = path.split(".") if path else []
+        for i in range(len(parts) + 1):
+            totals[".".join(parts[:i])] += freed
+    return dict(totals)
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    module: str  # module whose saves ended here (a run of consecutive saves in one module)
+    saves: int  # saves packed so far
+    held_bytes: int  # bytes autograd holds so far
+    held_after_fixes_bytes: int  # what it would hold with every finding fixed (bit-packing included)
+
+
+def timeline(report: Report) -> list[TimelinePoint]:
+    """Bytes held by autograd as the forward proceeds, one point per run of saves in one module.
+
+    Saves are taken in the order autograd packed them; each held storage counts once, at its first
+    save, whole (the same rule as the report's saved_bytes, so the last point equals it).
+    """
+    freed = freed_with_all_fixes(report)
+    saves = sorted((t for t in held(report.tensors) if t.source_index >= 0), key=lambda t: t.source_index)
+    seen: set[int] = set()
+    points: list[TimelinePoint] = []
+    total = after = 0
+    current: Optional[str] = None
+    for count, t in enumerate(saves, 1):
+        storage = report.storages[t.storage_id]
+        if t.storage_id not in seen:
+            seen.add(t.storage_id)
+            if storage.kind in HELD_KINDS:
+                total += storage.nbytes
+                after += storage.nbytes - freed.get(t.storage_id, 0)
+        if points and current == t.module:
+            points[-1] = TimelinePoint(t.module, count, total, after)
+        else:
+            points.append(TimelinePoint(t.module, count, total, after))
+            current = t.module
+    return points
