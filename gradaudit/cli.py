@@ -1,8 +1,439 @@
-"""The ``gradaudit`` command line."""
+"""The ``gradaudit`` command line: ``scan`` a model factory, list ``rules``, ``explain`` one rule.
 
+Only this module prints or writes files; everything it shows comes from a Report and the reporters.
+Heavy imports (torch, the reporters) happen inside the commands so ``--help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
 import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import click
+
+from .errors import ForwardError, GradauditError
+
+EXIT_OK, EXIT_THRESHOLD, EXIT_ERROR = 0, 1, 2
+
+EXIT_CODES_HELP = """\b
+Exit codes:
+  0  the scan ran (findings, if any, are reported)
+  1  a --fail-on-waste or --max-reclaimable threshold was exceeded
+  2  something prevented the scan: a bad SPEC, a missing file or factory,
+     a factory or forward that raised, nothing requiring grad, an
+     unwritable output path (one or two lines on stderr; --debug for the
+     traceback)
+"""
 
 
-def main() -> None:
-    sys.stderr.write("gradaudit: the command line is not built yet\n")
-    sys.exit(2)
+class ScanFailed(Exception):
+    """Ends the scan with exit code 2 after printing ``message`` (one or two lines)."""
+
+    def __init__(self, message: str, cause: Optional[BaseException] = None) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+def _split_codes(values: Sequence[str]) -> tuple[str, ...]:
+    """``--select GA1,GA2 --select GA301`` -> ("GA1", "GA2", "GA301")."""
+    return tuple(part.strip().upper() for v in values for part in v.split(",") if part.strip())
+
+
+class Progress:
+    """One overwritten status line on stderr, only when stderr is a terminal (and not -q)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.start = time.monotonic()
+        self.shown = False
+
+    def __call__(self, step: str) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.monotonic() - self.start
+        line = f"gradaudit: {step}... ({elapsed:.1f}s)"
+        width = shutil.get_terminal_size((80, 20)).columns - 1
+        sys.stderr.write("\r" + line[:width].ljust(width))
+        sys.stderr.flush()
+        self.shown = True
+
+    def done(self) -> None:
+        if self.shown:
+            width = shutil.get_terminal_size((80, 20)).columns - 1
+            sys.stderr.write("\r" + " " * width + "\r")
+            sys.stderr.flush()
+            self.shown = False
+
+
+def _check_writable(path: str, option: str) -> None:
+    """Fail before the scan, not after it, when an output cannot be written."""
+    if path == "-":
+        return
+    if os.path.isdir(path):
+        raise ScanFailed(f"cannot write {option} {path}: it is a directory; give a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ScanFailed(f"cannot write {option} {path}: folder {folder} does not exist; create it or "
+                         f"choose another path")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ScanFailed(f"cannot write {option} {path}: permission denied; choose another path")
+
+
+def _write(path: str, text: str, option: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as error:
+        raise ScanFailed(f"cannot write {option} {path}: {error.strerror or error}; choose another path",
+                         error) from error
+
+
+@dataclass
+class ScanOptions:
+    spec: str
+    inputs: Optional[str] = None
+    input_shape: Optional[str] = None
+    dtype: str = "float32"
+    input_requires_grad: bool = False
+    trainable: tuple[str, ...] = ()
+    freeze: tuple[str, ...] = ()
+    mode: Optional[bool] = None  # True train, False eval, None as the factory left it
+    device: str = "auto"
+    html: Optional[str] = "gradaudit-report.html"
+    json: Optional[str] = None
+    svg: Optional[str] = None
+    dot: Optional[str] = None
+    verify: bool = False
+    select: tuple[str, ...] = ()
+    ignore: tuple[str, ...] = ()
+    fail_on_waste: bool = False
+    max_reclaimable: Optional[str] = None
+    top: int = 10
+    quiet: bool = False
+    trim: bool = False
+    progress: "Progress" = field(default_factory=lambda: Progress(enabled=False))
+
+
+def prepare(options: ScanOptions) -> tuple[Any, Any]:
+    """Build the model and its inputs as the options say (device, mode, inputs)."""
+    import torch
+
+    from . import loading
+
+    device = options.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ScanFailed("--device cuda: no CUDA device is available; use --device cpu or meta")
+    build_device = "meta" if device == "meta" else None
+    options.progress(f"building the model ({options.spec})")
+    model, inputs = loading.build_model(options.spec, build_device)
+    if device in ("cpu", "cuda"):
+        try:
+            model = model.to(device)
+        except Exception as error:  # e.g. a factory that builds on meta: there are no values to copy
+            raise ScanFailed(f"cannot move the model to {device}: {loading.first_line(error)}\n"
+                             f"a factory that builds on the meta device needs --device meta (or auto)",
+                             error) from error
+    first = next(iter(model.parameters()), None)
+    if first is None:
+        first = next(iter(model.buffers()), None)
+    where = device if device != "auto" else (str(first.device) if first is not None else "cpu")
+    if options.inputs:
+        options.progress(f"building the inputs ({options.inputs})")
+        inputs = loading.load_inputs(options.inputs, build_device)
+    elif options.input_shape:
+        shape = loading.parse_shape(options.input_shape)
+        inputs = loading.random_input(shape, loading.parse_dtype(options.dtype), where,
+                                      options.input_requires_grad)
+    if inputs is None:
+        raise ScanFailed(f"no inputs: the factory {options.spec} returned only a model; return (model, "
+                         f"inputs), or pass --inputs SPEC or --input-shape 8,3,224,224")
+    inputs = loading.to_device(inputs, where)
+    if options.mode is not None:
+        model.train(options.mode)
+    return model, inputs
+
+
+def run_scan(options: ScanOptions) -> int:
+    """The scan itself; returns the exit code. The summary goes to stdout (stderr with --json -)."""
+    from . import loading
+
+    to_stderr = options.json == "-"
+
+    def out(text: str) -> None:
+        click.echo(text, err=to_stderr)
+
+    for path, option in ((options.html, "--html"), (options.json, "--json"), (options.svg, "--svg"),
+                         (options.dot, "--dot")):
+        if path:
+            _check_writable(path, option)
+    limit = loading.parse_size(options.max_reclaimable) if options.max_reclaimable else None
+    if options.verify and options.device == "meta":
+        raise ScanFailed("--verify needs real values and cannot run on --device meta; use --device cpu "
+                         "(or cuda), or drop --verify")
+
+    model, inputs = prepare(options)
+
+    from .audit import audit
+
+    report = audit(model, inputs, verify=options.verify,
+                   trainable=list(options.trainable) if options.trainable else None,
+                   frozen=list(options.freeze), select=options.select, ignore=options.ignore,
+                   progress=options.progress)
+
+    options.progress("writing the reports")
+    written = []
+    if options.json:
+        from .report import jsonout
+
+        document = jsonout.render(report)
+        if options.json == "-":
+            sys.stdout.write(document.rstrip("\n") + "\n")
+        else:
+            _write(options.json, document, "--json")
+            written.append(("JSON", options.json))
+    if options.dot:
+        from .report import graph
+
+        _write(options.dot, graph.to_dot(report), "--dot")
+        written.append(("DOT graph", options.dot))
+    if options.svg:
+        from .report import graph
+
+        try:
+            svg = graph.to_svg(report)
+        except graph.GraphvizMissing as error:
+            raise ScanFailed(f"cannot write --svg: {loading.first_line(error)} (install Graphviz, or "
+                             f"use --dot and render it elsewhere)", error) from error
+        _write(options.svg, svg, "--svg")
+        written.append(("SVG graph", options.svg))
+    if options.html:
+        from .report import html
+
+        _write(options.html, html.render(report, title=f"gradaudit: {options.spec}"), "--html")
+        written.append(("HTML report", options.html))
+
+    trim_figures = None
+    if options.trim:
+        trim_figures = _trim(model, inputs, options)
+    options.progress.done()
+
+    if options.quiet:
+        out(_one_line(report))
+    else:
+        from .report import text
+
+        stream = sys.stderr if to_stderr else sys.stdout
+        width = max(60, min(shutil.get_terminal_size((100, 20)).columns, 120))
+        color = stream.isatty() and "NO_COLOR" not in os.environ
+        out(text.render(report, color=color, top=options.top, width=width).rstrip("\n"))
+    if trim_figures is not None:
+        out(_trim_lines(trim_figures))
+    for what, path in written:
+        out(f"{what}: {path}")
+
+    return _thresholds(report, options, limit)
+
+
+def _one_line(report: Any) -> str:
+    from .report.units import human_bytes
+
+    return (f"{report.model}: {human_bytes(report.saved_bytes)} held for backward, "
+            f"{human_bytes(report.reclaimable_bytes)} reclaimable "
+            f"({human_bytes(report.reclaimable_with_bitpacking_bytes)} with bit-packing), "
+            f"{len(report.waste_findings)} waste findings")
+
+
+def _trim(model: Any, inputs: Any, options: ScanOptions) -> dict[str, int]:
+    try:
+        from .trimming import compare
+    except ImportError as error:
+        raise ScanFailed(f"--trim is not available in this installation ({error})", error) from error
+    from .audit import matching_parameters
+
+    if options.device == "meta":
+        raise ScanFailed("--trim measures real memory and cannot run on --device meta; use --device cpu")
+    # The audit applied --trainable/--freeze only for its own forward; do the same here.
+    if options.trainable or options.freeze:
+        chosen = matching_parameters(model, options.trainable) if options.trainable else None
+        blocked = matching_parameters(model, options.freeze)
+        for name, p in model.named_parameters():
+            want = (name in chosen) if chosen is not None else p.requires_grad
+            p.requires_grad_(want and name not in blocked)
+    options.progress("measuring held and peak memory with and without trimming")
+    try:
+        return compare(model, inputs)
+    except GradauditError:
+        raise
+    except Exception as error:
+        raise ScanFailed(f"--trim failed: {type(error).__name__}: {error}", error) from error
+
+
+def _trim_lines(figures: dict[str, int]) -> str:
+    from .report.units import human_bytes
+
+    lines = ["With gradaudit.trim (measured):"]
+    for label, key in (("held for backward", "held"), ("peak during forward", "peak")):
+        before, after = figures[f"{key}_before"], figures[f"{key}_after"]
+        lines.append(f"  {label:<20} {human_bytes(before):>10} -> {human_bytes(after):>10}  "
+                     f"(-{human_bytes(before - after)})")
+    return "\n".join(lines)
+
+
+def _thresholds(report: Any, options: ScanOptions, limit: Optional[int]) -> int:
+    from .report.units import human_bytes
+
+    code = EXIT_OK
+    if options.fail_on_waste and report.waste_findings:
+        click.echo(f"gradaudit: {len(report.waste_findings)} waste findings (--fail-on-waste)", err=True)
+        code = EXIT_THRESHOLD
+    if limit is not None and report.reclaimable_bytes > limit:
+        click.echo(f"gradaudit: {human_bytes(report.reclaimable_bytes)} reclaimable "
+                   f"({report.reclaimable_bytes} bytes) exceeds --max-reclaimable "
+                   f"{options.max_reclaimable} ({limit} bytes)", err=True)
+        code = EXIT_THRESHOLD
+    return code
+
+
+# -- click -------------------------------------------------------------------------------------------
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+             epilog=EXIT_CODES_HELP)
+@click.version_option(package_name="gradaudit", prog_name="gradaudit")
+def cli() -> None:
+    """Find the memory PyTorch autograd holds for backward that backward can never use."""
+
+
+@cli.command(epilog=EXIT_CODES_HELP, short_help="Audit a model built by a factory.")
+@click.argument("spec", metavar="SPEC")
+@click.option("--inputs", "inputs", metavar="SPEC", help="Factory returning the inputs (Tensor, tuple of "
+              "positional arguments, or dict of keyword arguments), e.g. data.py:batch.")
+@click.option("--input-shape", metavar="SHAPE", help="One random input of this shape, e.g. 8,3,224,224.")
+@click.option("--dtype", default="float32", show_default=True, help="dtype for --input-shape "
+              "(integer dtypes give zeros: valid token ids).")
+@click.option("--input-requires-grad", is_flag=True, help="The --input-shape tensor requires grad "
+              "(e.g. adversarial attacks on a frozen model).")
+@click.option("--trainable", multiple=True, metavar="GLOB", help="Only parameters matching GLOB "
+              "(fnmatch over named_parameters) require grad during the audit. Repeatable.")
+@click.option("--freeze", multiple=True, metavar="GLOB", help="Parameters matching GLOB need no grad "
+              "during the audit. Repeatable.")
+@click.option("--train/--eval", "mode", default=None, help="Put the model in train or eval mode "
+              "[default: as the factory left it].")
+@click.option("--device", type=click.Choice(["auto", "meta", "cpu", "cuda"]), default="auto",
+              show_default=True, help="meta: build the model under torch.device('meta') and use meta "
+              "inputs (no memory, no weights); auto: the device the model is on.")
+@click.option("--html", metavar="PATH", default="gradaudit-report.html", show_default=True,
+              help="Write the self-contained HTML report here.")
+@click.option("--no-html", is_flag=True, help="Do not write the HTML report.")
+@click.option("--json", "json_path", metavar="PATH", help="Write the JSON report ('-' for stdout; the "
+              "summary then goes to stderr).")
+@click.option("--svg", metavar="PATH", help="Write the annotated autograd graph as SVG (needs Graphviz).")
+@click.option("--dot", metavar="PATH", help="Write the annotated autograd graph as Graphviz DOT.")
+@click.option("--verify", is_flag=True, help="Prove each verdict by running backward nodes on poisoned "
+              "values (real devices only).")
+@click.option("--select", multiple=True, metavar="CODES", help="Only these rule code prefixes "
+              "(comma-separated or repeated; longest prefix wins).")
+@click.option("--ignore", multiple=True, metavar="CODES", help="Skip these rule code prefixes.")
+@click.option("--fail-on-waste", is_flag=True, help="Exit 1 when any waste finding remains.")
+@click.option("--max-reclaimable", metavar="SIZE", help="Exit 1 when more than SIZE (e.g. 64MiB) is "
+              "reclaimable.")
+@click.option("--trim", is_flag=True, help="Also measure held and peak memory with gradaudit.trim.")
+@click.option("-q", "--quiet", is_flag=True, help="Print one summary line.")
+@click.option("-v", "--verbose", count=True, help="List more findings (-v: 50, -vv: all).")
+@click.option("--debug", is_flag=True, help="Show full tracebacks.")
+def scan(spec: str, inputs: Optional[str], input_shape: Optional[str], dtype: str, input_requires_grad: bool,
+         trainable: tuple[str, ...], freeze: tuple[str, ...], mode: Optional[bool], device: str, html: str,
+         no_html: bool, json_path: Optional[str], svg: Optional[str], dot: Optional[str], verify: bool,
+         select: tuple[str, ...], ignore: tuple[str, ...], fail_on_waste: bool,
+         max_reclaimable: Optional[str], trim: bool, quiet: bool, verbose: int, debug: bool) -> None:
+    """Audit the model built by SPEC (path/to/file.py:factory or package.module:factory).
+
+    The factory takes no arguments and returns a torch.nn.Module, or (module, inputs). Without
+    inputs from the factory, give --inputs or --input-shape.
+
+    \b
+    Examples:
+      gradaudit scan examples/resnet_surgical.py:build
+      gradaudit scan examples/llama_probe.py:build --device meta --json report.json
+      gradaudit scan mymodel.py:make --input-shape 8,3,224,224 --trainable 'fc.*'
+      gradaudit scan mymodel.py:make --inputs mymodel.py:batch --fail-on-waste --ignore GA401
+    """
+    progress = Progress(enabled=sys.stderr.isatty() and not quiet)
+    options = ScanOptions(
+        spec=spec, inputs=inputs, input_shape=input_shape, dtype=dtype,
+        input_requires_grad=input_requires_grad, trainable=trainable, freeze=freeze, mode=mode,
+        device=device, html=None if no_html else html, json=json_path, svg=svg, dot=dot, verify=verify,
+        select=_split_codes(select), ignore=_split_codes(ignore), fail_on_waste=fail_on_waste,
+        max_reclaimable=max_reclaimable, top={0: 10, 1: 50}.get(verbose, 1_000_000), quiet=quiet, trim=trim,
+        progress=progress,
+    )
+    try:
+        code = run_scan(options)
+    except (GradauditError, ScanFailed) as error:
+        progress.done()
+        message = str(error)
+        if isinstance(error, ForwardError):
+            from .loading import first_line
+
+            message = (first_line(error) + "\ncheck that the inputs (factory, --inputs or --input-shape) "
+                       "match what the model's forward expects")
+        _fail(message, debug)
+    except KeyboardInterrupt:
+        progress.done()
+        click.echo("gradaudit: interrupted", err=True)
+        sys.exit(130)
+    except Exception as error:  # a bug in gradaudit or a reporter: say so, still without a wall of text
+        progress.done()
+        _fail(f"internal error: {type(error).__name__}: {error}\n"
+              f"this is a gradaudit bug; run again with --debug and report the traceback", debug)
+    sys.exit(code)
+
+
+def _fail(message: str, debug: bool) -> None:
+    if debug:
+        traceback.print_exc()
+    lines = message.strip().splitlines() or ["failed"]
+    click.echo(f"gradaudit: error: {lines[0]}", err=True)
+    for line in lines[1:2]:
+        click.echo(f"  {line}", err=True)
+    sys.exit(EXIT_ERROR)
+
+
+@cli.command("rules", short_help="List the rule catalogue.")
+def rules_command() -> None:
+    """List the rule catalogue: code, name, severity and what each rule flags."""
+    from .rules import all_rules
+
+    catalogue = all_rules()
+    name_width = max((len(r.name) for r in catalogue), default=4)
+    for r in catalogue:
+        click.echo(f"{r.code}  {r.name:<{name_width}}  {r.severity:<7}  {r.summary}")
+    click.echo(f"\n{len(catalogue)} rules. `gradaudit explain CODE` prints one rule's documentation.")
+
+
+@cli.command(short_help="Print one rule's documentation.")
+@click.argument("code")
+def explain(code: str) -> None:
+    """Print one rule's documentation, e.g. `gradaudit explain GA101`."""
+    from .rules import all_rules
+
+    wanted = code.strip()
+    found = [r for r in all_rules() if r.code == wanted.upper() or r.name == wanted.lower()]
+    if not found:
+        click.echo(f"gradaudit: error: no rule {code!r}; `gradaudit rules` lists the codes", err=True)
+        sys.exit(EXIT_ERROR)
+    r = found[0]
+    click.echo(f"{r.code} {r.name} ({r.severity})\n")
+    click.echo(r.doc)
+    if r.fix_code:
+        click.echo(f"\nFix ({'gradients stay bit-identical' if r.fix_safe else 'changes numerics'}): {r.fix}")
+        click.echo("\n".join("    " + line for line in r.fix_code.splitlines()))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Console-script entry point (also ``python -m gradaudit``)."""
+    cli.main(args=list(argv) if argv is not None else None, prog_name="gradaudit")

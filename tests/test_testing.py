@@ -1,0 +1,230 @@
+"""assert_no_waste and the pytest plugin: fail on waste (every waste rule), pass on clean models."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import gradaudit
+from gradaudit.rules import all_rules
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def frozen(module: nn.Module) -> nn.Module:
+    return module.requires_grad_(False)
+
+
+class Autocast(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(x)
+
+
+class EagerAttention(nn.Module):
+    def __init__(self, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x):
+        b, n, w = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        probabilities = (q @ k.transpose(-2, -1) / (w // self.heads) ** 0.5).softmax(-1)
+        return (probabilities @ v).transpose(1, 2).reshape(b, n, w)
+
+
+class LastToken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 64)
+        self.head = nn.Linear(64, 2)
+
+    def forward(self, x):
+        return self.head(self.body(x)[:, -1])
+
+
+class SavesInputToo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(x, y)  # backward reads only y
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        _x, y = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+
+class Tanh(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+
+class Apply(nn.Module):
+    def __init__(self, function, width: int = 32) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.function = function
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.out(self.function.apply(self.linear(x)))
+
+
+def _trigger(code: str):
+    """(model, inputs, verify) whose audit yields a waste finding ``code`` with bytes to free."""
+    torch.manual_seed(0)
+    images = torch.randn(2, 3, 16, 16)
+    if code == "GA101":  # trainable conv, then a frozen one holding the first one's output
+        return nn.Sequential(nn.Conv2d(3, 8, 3), frozen(nn.Conv2d(8, 4, 3))), images, False
+    if code == "GA102":  # a computed (normalised) weight, input needs no gradient
+        conv = nn.utils.parametrizations.weight_norm(nn.Conv2d(3, 4, 3))
+        return conv, images, False
+    if code == "GA201":
+        return nn.Sequential(nn.Conv2d(3, 8, 3), frozen(nn.BatchNorm2d(8))).eval(), images, False
+    if code == "GA301":
+        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.MaxPool2d(2)), images, False
+    if code == "GA401":  # the next Linear is frozen, so only ReLU keeps its result: as a sign
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), frozen(nn.Linear(16, 4))), torch.randn(4, 8), False
+    if code == "GA402":
+        return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4)).train(), torch.randn(4, 8), False
+    if code == "GA501":  # the input requires grad, only the head trains
+        model = nn.Sequential(frozen(nn.Linear(8, 16)), nn.GELU(), frozen(nn.Linear(16, 16)), nn.GELU(),
+                              nn.Linear(16, 4))
+        return model, torch.randn(4, 8, requires_grad=True), False
+    if code == "GA601":
+        return LastToken(), torch.randn(4, 32, 16), False
+    if code == "GA701":
+        model = nn.Sequential(nn.Linear(16, 16), frozen(nn.Linear(16, 16)), frozen(nn.Linear(16, 16)))
+        return Autocast(model), torch.randn(4, 16), False
+    if code == "GA801":
+        return EagerAttention(), torch.randn(2, 8, 16), False
+    if code == "GA000":
+        return Apply(SavesInputToo), torch.randn(8, 32), True
+    return None
+
+
+WASTE_RULES = [r.code for r in all_rules() if r.severity == "waste"]
+
+
+@pytest.mark.parametrize("code", WASTE_RULES)
+def test_fails_on_each_waste_rule(code):
+    case = _trigger(code)
+    assert case is not None, f"add a wasteful model for the new rule {code} to _trigger"
+    model, inputs, verify = case
+    with pytest.raises(AssertionError) as caught:
+        gradaudit.assert_no_waste(model, inputs, verify=verify)
+    message = str(caught.value)
+    assert f"  {code} " in message
+    assert f"docs: gradaudit explain {code}" in message
+    # the same model passes once that rule's code is allowed, unless other rules fire too
+    report = gradaudit.audit(model, inputs, verify=verify)
+    if {f.code for f in report.waste_findings} == {code}:
+        gradaudit.assert_no_waste(model, inputs, verify=verify, allow=[code])
+
+
+def test_message_names_module_code_source_bytes_and_fix():
+    model, images, _ = _trigger("GA101")
+    with pytest.raises(AssertionError) as caught:
+        gradaudit.assert_no_waste(model, images)
+    message = str(caught.value)
+    held = 2 * 8 * 14 * 14 * 4  # = 12544: the first conv's 2x8x14x14 float32 output, kept by the frozen conv
+    assert message.startswith(f"gradaudit: Sequential holds 12.2 KiB ({held} bytes) for backward that "
+                              f"backward cannot use: 1 waste finding")
+    assert "  GA101 conv-input-saved-for-frozen-weight  1 (Conv2d)  at tests/test_testing.py:" in message
+    assert f"frees 12.2 KiB alone ({held} bytes)" in message
+    assert "fix: Drop the saved input while the weight is frozen" in message
+
+
+def test_max_reclaimable_bytes_is_a_budget():
+    model, images, _ = _trigger("GA101")
+    held = 2 * 8 * 14 * 14 * 4  # = 12544
+    gradaudit.assert_no_waste(model, images, max_reclaimable_bytes=held)
+    with pytest.raises(AssertionError, match=r"\(limit 12.2 KiB\)"):
+        gradaudit.assert_no_waste(model, images, max_reclaimable_bytes=held - 1)
+
+
+def test_allow_takes_code_prefixes():
+    # a frozen stem with a max-pool and a ReLU: several families fire
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.MaxPool2d(2), frozen(nn.Conv2d(8, 4, 3)))
+    images = torch.randn(2, 3, 16, 16)
+    codes = {f.code for f in gradaudit.audit(model, images).waste_findings}
+    assert {"GA101", "GA301", "GA401"} <= codes
+    with pytest.raises(AssertionError) as caught:
+        gradaudit.assert_no_waste(model, images, allow=["GA1"])
+    assert "GA101" not in str(caught.value) and "allowed: GA1" in str(caught.value)
+    gradaudit.assert_no_waste(model, images, allow=sorted({c[:3] for c in codes}))
+
+
+def test_trainable_patterns_change_the_verdict():
+    model, images, _ = _trigger("GA101")
+    gradaudit.assert_no_waste(model, images, trainable=["*"])  # every conv trains: nothing wasted
+    assert not model[1].weight.requires_grad  # and the model is left as found
+
+
+@pytest.mark.parametrize("name, model, inputs, verify", [
+    ("linear-gelu mlp", nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)), torch.randn(8, 16), False),
+    ("layer norm", nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)), torch.randn(8, 16), False),
+    ("layer norm, input only", frozen(nn.LayerNorm(16)), torch.randn(8, 16, requires_grad=True), False),
+    ("lean custom function", Apply(Tanh), torch.randn(8, 32), True),
+])
+def test_passes_on_clean_models(name, model, inputs, verify):
+    report = gradaudit.assert_no_waste(model, inputs, verify=verify)
+    assert report.saved_bytes > 0  # something was audited
+
+
+def test_works_on_the_meta_device():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), frozen(nn.Conv2d(8, 4, 3)))
+        images = torch.empty(2, 3, 16, 16)
+    with pytest.raises(AssertionError, match="12544 bytes"):  # 2*8*14*14*4, as on CPU
+        gradaudit.assert_no_waste(model, images)
+
+
+def test_example_user_test_file_shows_the_failure_text():
+    folder = os.path.join(ROOT, "examples", "no_waste")
+    result = subprocess.run([sys.executable, "-m", "pytest", "check_layer.py", "-p", "no:cacheprovider",
+                             "-q", "--rootdir", folder], cwd=folder, capture_output=True, text=True,
+                            timeout=300)
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    assert "1 failed, 2 passed" in out
+    assert "FAILED check_layer.py::test_regressed_layer_is_caught" in out
+    # 16 x 256 float32 = 16384 bytes: the input of the squared ReLU, never read by its backward
+    assert ("E       AssertionError: gradaudit: FeedForward holds 16 KiB (16384 bytes) for backward that "
+            "backward cannot use: 1 waste finding") in out
+    assert "GA000 unexplained-unneeded-save" in out and "layer.py:" in out
+    assert "SquaredReLUSavingInputBackward" in out
+    assert "def assert_no_waste" not in out  # the traceback stops at the user's test line
+
+
+def test_plugin_fixtures_are_registered_through_the_entry_point(tmp_path):
+    (tmp_path / "test_user.py").write_text(
+        "import torch\n"
+        "from torch import nn\n\n"
+        "def test_clean(no_waste, gradaudit_audit):\n"
+        "    report = no_waste(nn.Linear(4, 4), torch.randn(2, 4))\n"
+        "    assert gradaudit_audit(nn.Linear(4, 4), torch.randn(2, 4)).saved_bytes == report.saved_bytes\n")
+    result = subprocess.run([sys.executable, "-m", "pytest", "test_user.py", "-p", "no:cacheprovider", "-q"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed" in result.stdout
