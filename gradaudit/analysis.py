@@ -43,11 +43,29 @@ class KnownStorages:
             self.kind[storage_key(t)] = "input"
         for b in model.buffers():
             self.kind[storage_key(b)] = "buffer"
+        for t in _tensor_attributes(model):
+            # an unregistered tensor kept on a module (``self.mask = torch.ones(...)``) lives with
+            # the module like a buffer: saving it costs autograd nothing
+            self.kind[storage_key(t)] = "buffer"
         for p in model.parameters():
             self.kind[storage_key(p)] = "parameter"
 
     def classify(self, key: int) -> str:
         return self.kind.get(key, "activation")
+
+
+def _tensor_attributes(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Plain tensor attributes of the model's modules (also inside a list, tuple or dict)."""
+    found = []
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name in ("_parameters", "_buffers"):
+                continue
+            if isinstance(value, dict):
+                value = list(value.values())
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            found.extend(v for v in items if isinstance(v, torch.Tensor))
+    return found
 
 
 def build_report(
@@ -124,9 +142,10 @@ def build_report(
             if v is not None:
                 t.verdict, t.reason, t.bitpackable = v.verdict, v.reason, v.bitpackable
 
+    proof_notes: list[str] = []
     if verify and prove is not None:
-        prove(recording=recording, nodes=nodes, tensors=tensors, live_tensors=live_tensors,
-              order=order)
+        proof_notes = list(prove(recording=recording, nodes=nodes, tensors=tensors,
+                                 live_tensors=live_tensors, order=order) or ())
 
     # -- accounting -----------------------------------------------------------------------------
     accountant = Accountant(tensors, storages)
@@ -146,7 +165,7 @@ def build_report(
     unexplained = blind_spots(tensors, storages)
     offloaded = sum(t.view_nbytes for t in tensors if t.managed_by == "offload" and t.node_id >= 0)
     recomputed = sum(t.view_nbytes for t in tensors if t.managed_by == "checkpoint" and t.node_id >= 0)
-    notes = list(notes)
+    notes = list(notes) + proof_notes
     if any(t.managed_by == "checkpoint" for t in tensors):
         notes.append("some saves are managed by torch.utils.checkpoint: they are recomputed in backward, "
                      "not held, and their sizes are not known without recomputing (gradaudit does not)")
@@ -173,7 +192,8 @@ def run_rules(ctx: RuleContext, accountant: Accountant, select: Sequence[str] = 
               ignore: Sequence[str] = ()) -> list[Finding]:
     """Run every selected rule; attach storage-aware bytes to each flag."""
     flagged: list[tuple[Any, Flag]] = []
-    for r in all_rules():
+    # the catch-all family (GA0xx) runs last: it reports what no other rule covered
+    for r in sorted(all_rules(), key=lambda r: (r.family == 0, r.code)):
         if not selected(r.code, select, ignore):
             continue
         for flag in r.check(ctx) or ():

@@ -66,7 +66,9 @@ class ModelState:
 
     Parameters are restored by identity and flags (a forward does not change their values; if one
     does, in place, the audit reports it rather than silently keeping a copy of every weight).
-    Buffers are copied because a train-mode forward updates BatchNorm running statistics.
+    Buffers are copied because a train-mode forward updates BatchNorm running statistics (in
+    place, without bumping their version counter, so values are compared, not versions).
+    Submodule slots are kept too: a forward may replace a submodule.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -75,9 +77,11 @@ class ModelState:
         self.training = [m.training for m in self.modules]
         self.param_slots = [(m, dict(m._parameters)) for m in self.modules]
         self.buffer_slots = [(m, dict(m._buffers)) for m in self.modules]
+        self.module_slots = [(m, dict(m._modules)) for m in self.modules]
         params = list(model.parameters())
         self.flags = [(p, p.requires_grad, p.grad, p._version) for p in params]
-        self.buffer_values = [(b, b.detach().clone(), b._version) for b in model.buffers()]
+        # meta buffers have no values to restore (and cloning them would be free anyway)
+        self.buffer_values = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
         self.hook_counts = self._hook_counts()
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = (torch.cuda.get_rng_state_all()
@@ -98,10 +102,17 @@ class ModelState:
         for m, slots in self.buffer_slots:
             m._buffers.clear()
             m._buffers.update(slots)
+        for m, slots in self.module_slots:
+            m._modules.clear()
+            m._modules.update(slots)
         with torch.no_grad():
-            for buffer, value, version in self.buffer_values:
-                if buffer._version != version:
-                    buffer.copy_(value)
+            for buffer, value in self.buffer_values:
+                # compared by value: native_batch_norm updates running statistics without bumping
+                # the buffers' version counter
+                if not torch.equal(buffer, value):
+                    # through .data, which does not bump the version either: a graph the caller
+                    # built before the audit (it may have saved this buffer) can still run backward
+                    buffer.data.copy_(value)
         for p, requires_grad, grad, version in self.flags:
             if p.requires_grad != requires_grad:
                 p.requires_grad_(requires_grad)

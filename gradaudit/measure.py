@@ -3,6 +3,10 @@
 It shares nothing with the recorder: a TorchDispatchMode weak-references every storage that any op
 produces during a plain forward (no saved-tensor hooks). After the forward, with the caller's
 references to the outputs dropped, the storages still alive are held by the autograd graph.
+
+One thing no op produces: a Python number passed where an op takes a tensor (``0.5 * x``) becomes a
+0-dim "wrapped number" tensor before dispatch, and autograd may save it (8 bytes each). Those are
+found by reading the graph's saved attributes plainly (no saved-tensor hooks are installed here).
 """
 
 from __future__ import annotations
@@ -55,5 +59,32 @@ def held_bytes_after_forward(model: torch.nn.Module, inputs: Any) -> int:
     del output
     gc.collect()
     held = tracker.live_bytes(exclude)
+    seen = set(tracker.storages) | exclude
+    for t in _saved_scalars(roots):
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref.cdata not in seen:
+            seen.add(ref.cdata)
+            held += t.untyped_storage().nbytes()
     del roots
     return held
+
+
+def _saved_scalars(roots: list[Any]) -> Any:
+    """0-dim tensors saved by the graph under ``roots`` (wrapped Python numbers among them)."""
+    stack, visited = list(roots), set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        stack.extend(fn for fn, _ in node.next_functions)
+        for name in dir(node):
+            if not name.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, name)
+            except Exception:  # released or unreadable slots hold nothing
+                continue
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor) and t.dim() == 0:
+                    yield t

@@ -12,6 +12,7 @@ The recorder never decides anything about the tensors; it only observes (rules l
 
 from __future__ import annotations
 
+import bisect
 import os
 import sys
 import weakref
@@ -24,6 +25,7 @@ from torch import nn
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PACKAGE_DIR = os.path.dirname(__file__) + os.sep
 _NO_SEQUENCE = (1 << 64) - 1  # AccumulateGrad nodes report this sequence number
+_COPY_SLICES_REACH = 4  # nodes announced between an in-place-on-view save and its CopySlices
 
 
 class _Packed:
@@ -188,8 +190,11 @@ class Recorder:
         self._boxes: list[weakref.ref] = []
         self.node_sites: dict[int, NodeSite] = {}
         self.pack_sites: list[NodeSite] = []
-        self.pack_owners: list[tuple[str, int]] = []  # (type, sequence nr) of the newest node at pack time
-        self._last_node: tuple[str, int] = ("unknown", -1)
+        # Nodes announce themselves only after their saves are packed, so a pack belongs to a node
+        # announced later. For each pack: how many nodes had been announced when it happened.
+        self.pack_owners: list[int] = []
+        self._announced = 0
+        self._copy_slices: list[tuple[int, int]] = []  # (announce position, sequence nr) of CopySlices
         self._node_hook_installed = False
         self.start_sequence = 0
         self.end_sequence = 0
@@ -203,7 +208,7 @@ class Recorder:
     def _pack(self, tensor: torch.Tensor) -> _Packed:
         box = _Packed(tensor, len(self._boxes))
         self._boxes.append(weakref.ref(box))
-        self.pack_owners.append(self._last_node)
+        self.pack_owners.append(self._announced)
         if not self._node_hook_installed:
             self.pack_sites.append(self._site())
         return box
@@ -216,7 +221,9 @@ class Recorder:
         seq = node._sequence_nr()
         if seq != _NO_SEQUENCE:
             self.node_sites[seq] = self._site()
-            self._last_node = (type(node).__name__, seq)
+            if type(node).__name__ == "CopySlices":
+                self._copy_slices.append((self._announced, seq))
+        self._announced += 1
 
     def __enter__(self) -> "Recorder":
         self.tracker.__enter__()
@@ -243,24 +250,33 @@ class Recorder:
         """Saves still alive but held by nodes the walk cannot see.
 
         An in-place op on a view wraps its node inside a CopySlices node, which does not expose
-        it. Its saved tensors are alive (their boxes are), so they are held: report them under
-        ``CopySlices[<inner node type>]`` with verdict unknown.
+        it, and the inner node is never announced to the node-creation hook. Its saved tensors are
+        alive (their boxes are), so they are held: report them on the CopySlices node announced
+        next after they were packed, as ``hidden[i]``, with verdict unknown.
         """
         found = {s.index for s in saves if s.index >= 0}
-        hidden: dict[int, LiveNode] = {}
+        by_sequence = {}
+        for pos, live in enumerate(nodes):
+            if live.name == "CopySlices" and live.node is not None:
+                by_sequence[live.node._sequence_nr()] = pos
+        announced = [position for position, _ in self._copy_slices]
+        fallback = NodeSite("", type(self.model).__name__, None)
         for index, ref in enumerate(self._boxes):
             box = ref()
             if box is None or index in found:
                 continue
-            name, seq = self.pack_owners[index] if index < len(self.pack_owners) else ("unknown", -1)
-            live = hidden.get(seq)
-            if live is None:
+            k = bisect.bisect_left(announced, self.pack_owners[index])
+            # only the in-place op's own helper nodes (clone, as_strided) are announced in between
+            near = k < len(announced) and announced[k] - self.pack_owners[index] <= _COPY_SLICES_REACH
+            seq = self._copy_slices[k][1] if near else -1
+            pos = by_sequence.get(seq)
+            if pos is None:  # not reachable, or no CopySlices followed: keep it visible anyway
                 site = self.node_sites.get(seq) or (self.pack_sites[index] if index < len(self.pack_sites)
-                                                    else NodeSite("", type(self.model).__name__, None))
-                live = hidden[seq] = LiveNode(node=None, name="CopySlices", site=site)
-                nodes.append(live)
-            saves.append(LiveSave(index, len(nodes) - 1 if hidden[seq] is nodes[-1] else nodes.index(live),
-                                  f"hidden[{len(live.saves)}]", box.tensor, "autograd", live.site))
+                                                    else fallback)
+                pos = by_sequence[seq] = len(nodes)
+                nodes.append(LiveNode(node=None, name="CopySlices", site=site))
+            live = nodes[pos]
+            saves.append(LiveSave(index, pos, f"hidden[{len(live.saves)}]", box.tensor, "autograd", live.site))
             live.saves.append(len(saves) - 1)
 
     # -- the walk ------------------------------------------------------------------------------

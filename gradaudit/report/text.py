@@ -93,7 +93,12 @@ def render(report: Report, *, color: bool = False, top: int = 10, width: int = 1
             lines.append(f"  … {len(findings) - len(shown)} more (JSON or HTML report lists them all)")
         lines.append(paint(f"  explain a rule: {shown[0].docs}", "dim"))
     else:
-        lines.append(paint("No findings: backward needs everything autograd holds here.", "green"))
+        unknown = sum(1 for t in report.held_tensors if t.verdict == "unknown")
+        if unknown:
+            lines.append(paint("No findings among the saves the rules understand (see the tensors "
+                               "without a verdict above; --verify proves them).", "amber"))
+        else:
+            lines.append(paint("No findings: backward needs everything autograd holds here.", "green"))
     lines.append("")
 
     modules = sorted((m for m in report.modules if m.own_bytes > 0),

@@ -1,0 +1,176 @@
+"""The Python API: how inputs are passed, the trainable what-if, and the JSON document."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import gradaudit
+from gradaudit.errors import ForwardError, GradauditError, NothingRequiresGradError
+
+
+class TwoArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 5)
+        self.b = nn.Linear(6, 5)
+
+    def forward(self, x, y=None):
+        out = torch.tanh(self.a(x))
+        if y is not None:
+            out = out + torch.tanh(self.b(y))
+        return out
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Linear(4 * 3 * 3, 2)
+
+    def forward(self, x):
+        return self.head(self.features(x).flatten(1))
+
+
+def _tanh_results(report):
+    return sorted(t.module for t in report.held_tensors if t.node == "TanhBackward0")
+
+
+def test_a_tensor_is_one_positional_argument():
+    report = gradaudit.audit(TwoArgs(), torch.randn(3, 6))
+    assert _tanh_results(report) == [""]  # one tanh: y was not passed
+    assert report.saved_bytes == 3 * 5 * 4  # 60: the tanh result
+
+
+def test_a_tuple_is_positional_arguments_and_a_dict_keyword_arguments():
+    model = TwoArgs()
+    x, y = torch.randn(3, 6), torch.randn(3, 6)
+    by_tuple = gradaudit.audit(model, (x, y))
+    by_dict = gradaudit.audit(model, {"x": x, "y": y})
+    assert _tanh_results(by_tuple) == _tanh_results(by_dict) == ["", ""]
+    assert by_tuple.saved_bytes == by_dict.saved_bytes == 2 * 3 * 5 * 4  # 120: two tanh results
+
+
+def test_anything_else_is_one_positional_argument():
+    class TakesList(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 5)
+
+        def forward(self, items):
+            return sum(torch.tanh(self.lin(t)) for t in items)
+
+    report = gradaudit.audit(TakesList(), [torch.randn(3, 6), torch.randn(3, 6)])
+    assert len(_tanh_results(report)) == 2
+    # the tensors inside the list count as the caller's inputs (free)
+    assert {t.storage_kind for t in report.held_tensors if t.node == "AddmmBackward0" and t.attr == "mat1"} == {"input"}
+
+
+def test_trainable_globs_are_a_what_if_and_flags_are_restored():
+    model = Stack().eval()
+    model.head.requires_grad_(False)
+    before = {n: p.requires_grad for n, p in model.named_parameters()}
+    x = torch.randn(2, 3, 8, 8)
+    report = gradaudit.audit(model, x, trainable=["head.*"])
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == before
+    assert report.parameters_requiring_grad == 2  # head.weight, head.bias
+    # only the head trains: nothing before it needs a gradient, so only the head's input is saved
+    assert {t.module for t in report.held_tensors} == {"head"}
+    frozen_all_but_conv = gradaudit.audit(model, x, trainable=["features.0.*"], frozen=["features.0.bias"])
+    assert frozen_all_but_conv.parameters_requiring_grad == 1
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == before
+
+
+def test_nothing_requiring_grad_is_an_error_that_says_what_to_do():
+    model = Stack().requires_grad_(False)
+    with pytest.raises(NothingRequiresGradError, match="trainable"):
+        gradaudit.audit(model, torch.randn(2, 3, 8, 8))
+
+
+def test_a_failing_forward_raises_forward_error_and_restores_flags():
+    model = Stack()
+    with pytest.raises(ForwardError, match="RuntimeError"):
+        gradaudit.audit(model, torch.randn(2, 5, 8, 8), trainable=["head.*"])  # wrong channel count
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_verify_on_meta_is_refused():
+    with torch.device("meta"):
+        model = Stack()
+    with pytest.raises(GradauditError, match="meta"):
+        gradaudit.audit(model, torch.randn(2, 3, 8, 8, device="meta"), verify=True)
+
+
+def test_not_a_module_is_refused():
+    with pytest.raises(GradauditError):
+        gradaudit.audit(lambda x: x, torch.randn(2))
+
+
+def test_json_document_shape():
+    torch.manual_seed(0)
+    model = Stack().eval()
+    model.features.requires_grad_(False)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    report = gradaudit.audit(model, x)
+    doc = json.loads(json.dumps(report.to_dict()))  # plain JSON types only
+    assert doc["schema_version"] == gradaudit.SCHEMA_VERSION == 1
+    summary = doc["summary"]
+    for key in ("saved_bytes", "reclaimable_bytes", "reclaimable_with_bitpacking_bytes"):
+        assert summary[key] == getattr(report, key)
+    tensors = doc["tensors"]
+    assert tensors and all({"node", "attr", "shape", "dtype", "nbytes", "module", "needed"} <= set(t) for t in tensors)
+    conv_input = next(t for t in tensors if t["node"] == "ConvolutionBackward0" and t["attr"] == "input")
+    assert conv_input["shape"] == [2, 3, 8, 8] and conv_input["dtype"] == "float32"
+    assert conv_input["module"] == "features.0"
+    # frozen weight: the input is not needed (but it is the caller's input, so it costs nothing)
+    assert conv_input["needed"] is False and conv_input["storage_kind"] == "input"
+    assert {True, False} <= {t["needed"] for t in tensors}
+    relu = next(t for t in tensors if t["node"] == "ReluBackward0")
+    assert relu["needed"] is True  # sign-only still means needed
+    # an op no rule knows: needed is null
+    unknown = [t for t in report.tensors if t.verdict == "unknown"]
+    for t in unknown:
+        assert doc["tensors"][t.index]["needed"] is None
+    for f in doc["findings"]:
+        assert {"code", "name", "module", "bytes", "message", "fix"} <= set(f)
+    assert [f.code for f in report.findings] == [f["code"] for f in doc["findings"]]
+    bn_input = next(t for t in report.tensors if t.node == "NativeBatchNormBackward0" and t.attr == "input")
+    # BN in eval with a frozen affine does not need the conv output: 2*4*6*6*4 = 1152 bytes
+    assert bn_input.verdict == "not-needed" and report.storages[bn_input.storage_id].nbytes == 1152
+    assert any(f.code == "GA201" for f in report.findings)
+
+
+def test_needed_is_null_for_unknown_ops():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            return torch.atan2(x, self.w)  # no rule knows atan2
+
+    report = gradaudit.audit(Odd(), torch.randn(3, 4))
+    doc = report.to_dict()
+    atan2 = [t for t in doc["tensors"] if t["node"] == "Atan2Backward0"]
+    assert atan2 and all(t["needed"] is None for t in atan2)
+    assert report.summary()["unknown_tensors"] == len(atan2)
+    # its saves are the caller's input and a parameter: free, so not listed as a blind spot
+    assert sorted(t["storage_kind"] for t in atan2) == ["input", "parameter"]
+    assert not any(u["node"] == "Atan2Backward0" for u in doc["unexplained"])
+
+
+def test_without_a_node_creation_hook_saves_are_attributed_at_pack_time(monkeypatch):
+    # torch 2.13 has no node-creation hook: the recorder falls back to the module running when
+    # each tensor is packed. Same modules, same bytes.
+    torch.manual_seed(0)
+    model = Stack().train()
+    x = torch.randn(2, 3, 8, 8)
+    with_hook = gradaudit.audit(model, x)
+    if hasattr(torch._C._autograd, "_push_node_creation_hook"):
+        monkeypatch.delattr(torch._C._autograd, "_push_node_creation_hook")
+    without = gradaudit.audit(model, x)
+    assert [(t.node, t.attr, t.module, t.module_class) for t in without.tensors] == [
+        (t.node, t.attr, t.module, t.module_class) for t in with_hook.tensors]
+    assert without.saved_bytes == with_hook.saved_bytes
+    assert {t.module for t in without.held_tensors} >= {"features.0", "features.1", "features.2", "head"}
