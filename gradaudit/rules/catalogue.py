@@ -9,8 +9,15 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from ..records import NOT_NEEDED, SIGN_ONLY
+from ..records import NEEDED, NOT_NEEDED, SIGN_ONLY, GraphNode
 from .registry import Flag, RuleContext, rule
+
+HELD_KINDS = ("activation", "output")
+LOW_PRECISION = ("float16", "bfloat16")
+
+
+def _shape(t) -> str:
+    return "x".join(map(str, t.shape))
 
 
 def _not_needed(ctx: RuleContext, node_names: tuple[str, ...], attrs: tuple[str, ...]) -> Iterator[tuple]:
@@ -194,3 +201,364 @@ def sign_only_save_kept_as_float(ctx: RuleContext):
             yield Flag(node, hits, f"{node.module or 'model'} keeps a "
                                    f"{hits[0].dtype} tensor of {'x'.join(map(str, hits[0].shape))} "
                                    f"where backward reads only its sign")
+
+
+@rule("GA402", "dropout-mask-saved-as-float",
+      fix="Keep dropout's mask as bool (1 byte) or bit-packed instead of float",
+      fix_code="""
+        def dropout_bool(x, p, training=True):
+            if not training or p == 0:
+                return x
+            keep = torch.rand_like(x) >= p              # bool mask: 1 byte per element
+            return torch.where(keep, x / (1 - p), 0.0)  # WhereBackward0 saves only the bool mask
+      """, fix_safe=False)
+def dropout_mask_saved_as_float(ctx: RuleContext):
+    """Dropout keeps its keep-mask as a float tensor although it holds only two values.
+
+    What it flags:
+        nn.Dropout/Dropout1d/2d/3d running in training mode where PyTorch implements dropout as
+        ``input * mask`` (on CPU, and wherever the fused native_dropout is not used): the
+        MulBackward0 node saves ``other``, a float mask holding only 0 and 1/(1-p).
+    Why it costs memory:
+        The mask has the input's size and dtype (32 bits per element in float32); its information
+        is one bit per element.
+    Example:
+        nn.Sequential(nn.Linear(512, 512), nn.Dropout(0.1), nn.Linear(512, 10)).train()
+    Fix:
+        Bit-pack the saved mask (``gradaudit.trim(model, bitpack=True)``), or use a dropout that
+        saves a bool mask (the snippet: ``torch.where`` saves only its bool condition).
+    Fix safety:
+        Bit-packing is bit-identical. The ``torch.where`` rewrite draws its random numbers
+        differently and rounds ``x / (1 - p)`` once instead of ``x * mask``: not bit-identical.
+    Known limits:
+        Recognised by module class (Dropout*) and the node (MulBackward0 ``other``); with
+        verify=True the two-valuedness is checked on the actual mask.
+    """
+    for node in ctx.nodes_named("MulBackward0"):
+        mask = ctx.saved(node).get("other")
+        if (mask is not None and mask.bitpackable and mask.verdict == NEEDED
+                and mask.managed_by == "autograd" and mask.storage_kind in HELD_KINDS):
+            yield Flag(node, [mask], f"{node.module or 'model'} ({mask.module_class}) keeps a {mask.dtype} "
+                                     f"dropout mask of {_shape(mask)} that holds only two values")
+
+
+def _reaches(nodes: list[GraphNode], wanted) -> list[bool]:
+    """For every node: does it, or a node its gradient flows to (next_ids), satisfy wanted?"""
+    result: list = [None] * len(nodes)
+    expanded = [False] * len(nodes)
+    for start in range(len(nodes)):
+        stack = [start]
+        while stack:  # iterative post-order: graphs of deep models overflow Python's recursion
+            pos = stack[-1]
+            if result[pos] is not None:
+                stack.pop()
+                continue
+            children = [c for c in nodes[pos].next_ids if c is not None]
+            todo = [c for c in children if result[c] is None]
+            if todo and not expanded[pos]:
+                expanded[pos] = True
+                stack.extend(todo)
+                continue
+            result[pos] = bool(wanted(nodes[pos]) or any(result[c] for c in children))
+            stack.pop()
+    return result
+
+
+@rule("GA501", "saved-only-for-input-gradient",
+      fix="Stop asking for the input's gradient when only parameters train",
+      fix_code="""
+        x = x.detach()                        # or: x.requires_grad_(False)
+        # Hugging Face: model.disable_input_require_grads()  (undoes enable_input_require_grads)
+      """)
+def saved_only_for_input_gradient(ctx: RuleContext):
+    """Tensors are saved only to compute the gradient of a non-parameter leaf (usually the input).
+
+    What it flags:
+        Per module: saves held by nodes from which no path leads to a trainable parameter, only to
+        an input (or another leaf tensor) that requires grad - while parameters do train.
+        Typical causes: ``enable_input_require_grads()`` left on, an input created with
+        requires_grad=True, frozen layers below the first trainable one.
+    Why it costs memory:
+        Each such node exists only because the leaf requires grad; without it autograd would not
+        record the frozen part at all and keep none of its activations.
+    Example:
+        model.requires_grad_(False); model.head.requires_grad_(True)
+        model(images.requires_grad_())       # every frozen layer below head keeps activations
+    Fix:
+        Detach the input (or call ``model.disable_input_require_grads()`` in Hugging Face) unless
+        you need ``x.grad``.
+    Fix safety:
+        Parameter gradients are bit-identical; ``x.grad`` is no longer computed.
+    Known limits:
+        If you do need the input's gradient (adversarial training, saliency maps), ignore this
+        rule (``ignore=["GA501"]``). Nodes recorded before the audited forward count as reaching
+        parameters (they are not inspected).
+    """
+    if not any(ctx.parameter_names.values()):
+        return
+    nodes = ctx.nodes
+    to_param = _reaches(nodes, lambda n: (n.variable or "").startswith("param:") or not n.created_here)
+    to_leaf = _reaches(nodes, lambda n: n.name == "AccumulateGrad" and not (n.variable or "").startswith("param:"))
+    only_leaf = {n.id for n in nodes if to_leaf[n.id] and not to_param[n.id]}
+    chosen = [t for t in ctx.held() if t.node_id in only_leaf and t.storage_kind in HELD_KINDS]
+    if not chosen:
+        return
+    freed = ctx.freed_by_storage(t.index for t in chosen)
+    by_module: dict[str, list] = {}
+    for t in chosen:
+        by_module.setdefault(ctx.storages[t.storage_id].module, []).append(t)
+    for module, hits in sorted(by_module.items()):
+        cost = sum(freed.get(sid, 0) for sid in {t.storage_id for t in hits})
+        if cost == 0:
+            continue
+        yield Flag(None, hits, f"{module or 'model'} ({hits[0].module_class}) keeps {cost} bytes only for "
+                               f"the gradient of a non-parameter leaf (the input?)", module=module, bytes=cost)
+
+
+@rule("GA601", "saved-view-keeps-large-base",
+      fix="Save a compact copy of the slice instead of a view of the whole tensor",
+      fix_code="""
+        last = hidden[:, -1].clone()   # the copy owns its memory; the full `hidden` can be freed
+        logits = head(last)
+      """)
+def saved_view_keeps_large_base(ctx: RuleContext):
+    """A saved view keeps a much larger base storage alive.
+
+    What it flags:
+        A held saved tensor that is a view covering at most half of its storage (at least 4 KiB
+        more), where no other held save covers more of it: e.g. ``x[:, -1]`` fed to a trainable
+        Linear keeps all of ``x``.
+    Why it costs memory:
+        Autograd saves the view, and a view keeps its whole base storage alive until backward.
+    Example:
+        h = encoder(x)                 # B x L x H
+        logits = head(h[:, -1])        # head saves h[:, -1], keeping all B x L x H
+    Fix:
+        ``.clone()`` (or ``.contiguous()`` for non-contiguous slices) the slice before the op.
+    Fix safety:
+        Gradients are bit-identical: the values are the same, only their memory differs.
+    Known limits:
+        The bytes assume nothing outside autograd's saves (your own references) keeps the base.
+    """
+    seen: set[int] = set()
+    for t in ctx.held():
+        if t.storage_id < 0 or t.storage_id in seen or t.storage_kind != "activation":
+            continue
+        storage = ctx.storages[t.storage_id]
+        refs = ctx.storage_refs(t.storage_id)
+        views = {(r.storage_offset, r.shape, r.stride): r.view_nbytes for r in refs}
+        covered = sum(views.values())
+        if covered * 2 > storage.nbytes or storage.nbytes - covered < 4096:
+            continue
+        seen.add(t.storage_id)
+        yield Flag(ctx.nodes[t.node_id], refs, f"{t.module or 'model'} saves a {_shape(t)} view "
+                                                f"({covered} bytes) that keeps a {storage.nbytes}-byte "
+                                                f"storage alive", bytes=storage.nbytes - covered)
+
+
+_WEIGHT_SLOTS = {"AddmmBackward0": "mat2", "MmBackward0": "mat2", "ConvolutionBackward0": "weight",
+                 "LinearBackward0": "weight"}
+
+
+@rule("GA701", "frozen-weight-cast-copy-saved",
+      fix="Cast the frozen weights once instead of on every step (autocast casts them per call)",
+      fix_code="""
+        frozen.to(torch.bfloat16)       # frozen parameters stored in the autocast dtype:
+        with torch.autocast("cuda", dtype=torch.bfloat16):   # no per-step cast copy to save
+            loss = model(x).sum()
+      """)
+def frozen_weight_cast_copy_saved(ctx: RuleContext):
+    """A dtype-cast copy of a frozen weight is saved for backward (autocast).
+
+    What it flags:
+        Linear/convolution nodes whose saved weight is a 16-bit activation (a copy autocast made
+        this step) in a module whose ``weight`` parameter is frozen.
+    Why it costs memory:
+        Autocast casts float32 parameters to 16 bits on every call; the input gradient reads the
+        weight, so autograd keeps the copy until backward: one extra copy of every frozen weight
+        per micro-batch in flight.
+    Example:
+        model.base.requires_grad_(False)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model(x)                   # every frozen Linear saves a bf16 copy of its weight
+    Fix:
+        Store frozen parameters in the compute dtype (``frozen.to(torch.bfloat16)``) so autocast
+        does not cast them; or keep them in float32 and accept the copy.
+    Fix safety:
+        Gradients are bit-identical when the stored bf16 weights equal autocast's cast (rounding
+        the same float32 values once).
+    Known limits:
+        Recognised by module (``<module>.weight`` frozen) and node type; weights used outside
+        their module are not seen.
+    """
+    for node in ctx.nodes_named(*_WEIGHT_SLOTS):
+        weight = ctx.saved(node).get(_WEIGHT_SLOTS[node.name])
+        if (weight is None or weight.managed_by != "autograd" or weight.storage_kind != "activation"
+                or weight.dtype not in LOW_PRECISION or weight.verdict == NOT_NEEDED):
+            continue
+        name = f"{weight.module}.weight" if weight.module else "weight"
+        if ctx.parameter_names.get(name) is False:
+            yield Flag(node, [weight], f"{weight.module or 'model'} saves a {weight.dtype} copy of its frozen "
+                                       f"weight ({_shape(weight)}) made by a dtype cast this step",
+                       bytes=sum(ctx.freed_by_storage([weight.index]).values()))
+
+
+@rule("GA801", "eager-attention-saves-probabilities",
+      fix="Use scaled_dot_product_attention: it keeps no B x H x L x L matrix for backward",
+      fix_code="""
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=p if self.training else 0.0)
+        # Hugging Face: AutoModel.from_config(config, attn_implementation="sdpa")
+      """, fix_safe=False)
+def eager_attention_saves_probabilities(ctx: RuleContext):
+    """Eager attention keeps the full B x H x L x L attention-probability matrix for backward.
+
+    What it flags:
+        A 4-D softmax result (batch, heads, queries, keys) saved for backward, together with the
+        other saves of the same size in the same module (dropout mask, dropped probabilities
+        saved by the value matmul).
+    Why it costs memory:
+        These matrices grow with the square of the sequence length. Fused attention
+        (``scaled_dot_product_attention``) saves only the output and one logsumexp value per
+        query, and recomputes the probabilities in backward.
+    Example:
+        attn = (q @ k.transpose(-2, -1) / d ** 0.5).softmax(-1)
+        out = attn @ v
+    Fix:
+        Call ``F.scaled_dot_product_attention``; in Hugging Face build the model with
+        ``attn_implementation="sdpa"``.
+    Fix safety:
+        Not bit-identical: fused kernels sum in a different order (differences at rounding level).
+    Known limits:
+        ``bytes`` assumes every probability-sized save of the module goes away and adds back one
+        float32 logsumexp per (batch, head, query).
+    """
+    for node in ctx.nodes_named("SoftmaxBackward0", "SafeSoftmaxBackward0"):
+        result = ctx.saved(node).get("result")
+        if result is None or len(result.shape) != 4 or result.managed_by != "autograd" \
+                or result.storage_kind not in HELD_KINDS:
+            continue
+        batch, heads, queries, keys = result.shape
+        same_size = [t for t in ctx.held() if t.module == result.module and t.numel == result.numel
+                     and t.storage_kind in HELD_KINDS and t.node_id >= 0]
+        logsumexp = batch * heads * queries * 4
+        freed = sum(ctx.freed_by_storage(t.index for t in same_size).values())
+        yield Flag(node, same_size, f"{result.module or 'model'} keeps {batch}x{heads}x{queries}x{keys} "
+                                    f"attention probabilities ({len(same_size)} saves of that size)",
+                   bytes=max(0, freed - logsumexp))
+
+
+@rule("GA901", "trainable-parameters-get-no-gradient", severity="warning",
+      fix="Use non-reentrant checkpointing (or make an input of the checkpointed block require grad)",
+      fix_code="""
+        from torch.utils.checkpoint import checkpoint
+        y = checkpoint(block, x, use_reentrant=False)   # parameters inside get their gradients
+      """)
+def trainable_parameters_get_no_gradient(ctx: RuleContext):
+    """Parameters that require grad are not in the autograd graph: they will get no gradient.
+
+    What it flags:
+        Parameters with requires_grad=True that no output of the forward depends on through
+        autograd. The usual cause is ``checkpoint(..., use_reentrant=True)`` around a block whose
+        inputs need no grad: the block's output then does not require grad and the parameters
+        inside silently get no gradient. Also: modules whose output is unused.
+    Why it costs memory:
+        It is a correctness hazard, not memory: those parameters' optimizer states cost memory
+        for nothing and the layers do not train.
+    Example:
+        x = embed(ids).detach()                              # or a frozen embedding
+        y = checkpoint(block, x, use_reentrant=True)         # block's weights get no .grad
+    Fix:
+        ``use_reentrant=False``; or freeze the parameters you do not mean to train.
+    Fix safety:
+        Changes training: those parameters start receiving gradients.
+    Known limits:
+        Parameters used only outside the audited forward (a loss module, tied weights used
+        elsewhere) are reported too; ignore with ``ignore=["GA901"]`` when intended.
+    """
+    reached = {n.variable[len("param:"):] for n in ctx.nodes if (n.variable or "").startswith("param:")}
+    if not any(n.name == "AccumulateGrad" or n.saved for n in ctx.nodes):
+        return
+    missing = sorted(name for name, trains in ctx.parameter_names.items() if trains and name not in reached)
+    by_module: dict[str, list[str]] = {}
+    for name in missing:
+        by_module.setdefault(name.rpartition(".")[0], []).append(name)
+    for module, names in by_module.items():
+        yield Flag(None, [], f"{module or 'model'}: {len(names)} trainable parameter(s) get no gradient "
+                             f"from this forward ({', '.join(n.rpartition('.')[2] for n in names)})",
+                   module=module, bytes=0)
+
+
+@rule("GA902", "batchnorm-train-in-checkpoint", severity="warning",
+      fix="Keep batch norm outside the checkpointed region (its running statistics update again on recompute)",
+      fix_code="""
+        from torch.utils.checkpoint import checkpoint
+        h = checkpoint(block.conv, x, use_reentrant=False)   # recompute only the convolution
+        h = block.bn(h)                                      # batch norm runs once per step
+      """, fix_safe=False)
+def batchnorm_train_in_checkpoint(ctx: RuleContext):
+    """Batch norm in training mode runs inside a checkpointed block.
+
+    What it flags:
+        NativeBatchNormBackward0 nodes with training=True whose saves are managed by
+        ``torch.utils.checkpoint``.
+    Why it costs memory:
+        Not memory but correctness: backward recomputes the block's forward, so the running
+        mean/variance are updated twice per step (momentum applied twice).
+    Example:
+        y = checkpoint(nn.Sequential(conv, nn.BatchNorm2d(64), nn.ReLU()), x, use_reentrant=False)
+    Fix:
+        Checkpoint only the layers around batch norm, or put batch norm in eval mode.
+    Fix safety:
+        Changes the running statistics (they are updated once, as without checkpointing).
+    Known limits:
+        Reentrant checkpoints hide their inner nodes; only non-reentrant ones are seen.
+    """
+    for node in ctx.nodes_named("NativeBatchNormBackward0", "CudnnBatchNormBackward0",
+                                "MiopenBatchNormBackward0"):
+        if node.scalars.get("training") is not True:
+            continue
+        hits = [t for t in ctx.saved(node).values() if t.managed_by == "checkpoint"]
+        if hits:
+            yield Flag(node, hits, f"{node.module or 'model'} (batch norm, training mode) runs inside a "
+                                   f"checkpoint: its running statistics are updated again on recompute",
+                       bytes=0)
+
+
+@rule("GA000", "unexplained-unneeded-save",
+      fix="Drop the save (gradaudit.trim with verify=True results), and report the op to gradaudit",
+      fix_code="""
+        import gradaudit
+        report = gradaudit.audit(model, x, verify=True)
+        with gradaudit.trim(model):     # drops saves the audit found unneeded
+            model(x).sum().backward()
+      """)
+def unexplained_unneeded_save(ctx: RuleContext):
+    """The proof shows backward never reads this save, and no rule explains why.
+
+    What it flags:
+        With verify=True: held saves (activations) proven not needed that no other finding
+        covers, grouped by node, with the node type - gaps in gradaudit's catalogue.
+    Why it costs memory:
+        Autograd holds the tensor until backward, which never reads it.
+    Example:
+        A custom ``autograd.Function`` that calls ``ctx.save_for_backward(x, y)`` but whose
+        backward uses only ``y``.
+    Fix:
+        Stop saving it (custom Functions), or drop it with ``gradaudit.trim``.
+    Fix safety:
+        Gradients are bit-identical for the inputs and freezing pattern audited; the proof covers
+        one set of values, so re-audit when shapes or freezing change.
+    Known limits:
+        Only runs with verify=True (static mode has no evidence for unknown ops).
+    """
+    by_node: dict[int, list] = {}
+    for t in ctx.held():
+        if (t.proven and t.verdict == NOT_NEEDED and t.index not in ctx.covered
+                and t.storage_kind in HELD_KINDS):
+            by_node.setdefault(t.node_id, []).append(t)
+    for node_id, hits in by_node.items():
+        node = ctx.nodes[node_id]
+        yield Flag(node, hits, f"{node.module or 'model'}: {node.name} saves "
+                               f"{', '.join(t.attr for t in hits)} but backward never reads "
+                               f"{'it' if len(hits) == 1 else 'them'} (proven; no rule explains it)")

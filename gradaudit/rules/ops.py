@@ -90,12 +90,29 @@ def threshold(node: GraphNode, saved: dict[str, SavedTensor]) -> dict[str, Verdi
     return {"self": Verdict(NEEDED, "compared against the threshold")}
 
 
+# nn.Dropout on CPU (and wherever native_dropout is not used) multiplies by a float mask.
+DROPOUT_MODULES = ("Dropout", "Dropout1d", "Dropout2d", "Dropout3d")
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+@needs("MulBackward0")
+def mul(node: GraphNode, saved: dict[str, SavedTensor]) -> dict[str, Verdict]:
+    # grad_self = grad * other, grad_other = grad * self; codegen saves each only when needed.
+    verdicts = {attr: Verdict(NEEDED, "read by the gradient of the other factor") for attr in saved}
+    mask = saved.get("other")
+    if (mask is not None and mask.module_class in DROPOUT_MODULES and not _edge(node, 1)
+            and mask.dtype in _FLOATS):
+        verdicts["other"] = Verdict(NEEDED, "the dropout mask scales the gradient; it holds only 0 and "
+                                            "1/(1-p), so one bit per element would do", bitpackable=True)
+    return verdicts
+
+
 # Ops whose every save is read by the gradient formula of an input that needs a gradient: PyTorch's
 # codegen saves each tensor only when such a formula needs it (single-output derivative formulas).
 # Reviewed one by one against derivatives.yaml; extend only after checking with verify=True.
 _GUARDED = (
     "AddmmBackward0", "MmBackward0", "BmmBackward0", "AddbmmBackward0", "BaddbmmBackward0",
-    "MulBackward0", "DivBackward0", "PowBackward0", "PowBackward1", "PowBackward2",
+    "DivBackward0", "PowBackward0", "PowBackward1", "PowBackward2",
     "SoftmaxBackward0", "LogSoftmaxBackward0", "GeluBackward0", "SiluBackward0", "SigmoidBackward0",
     "TanhBackward0", "HardtanhBackward0", "EluBackward0", "SoftplusBackward0", "HardswishBackward0",
     "HardsigmoidBackward0", "MishBackward0", "ExpBackward0", "LogBackward0", "SqrtBackward0",

@@ -90,6 +90,24 @@ class RuleContext:
     def held(self) -> Iterator[SavedTensor]:
         return (t for t in self.tensors if t.node_id >= 0 and t.managed_by == "autograd")
 
+    def freed_by_storage(self, indices: Iterable[int]) -> dict[int, int]:
+        """Storage id -> bytes freed if the saves ``indices`` were gone (storage-aware: a storage
+        counts only when every held save of it is among them and it is an activation)."""
+        chosen = set(indices)
+        refs: dict[int, list[SavedTensor]] = {}
+        for t in self.held():
+            if t.storage_id >= 0:
+                refs.setdefault(t.storage_id, []).append(t)
+        freed: dict[int, int] = {}
+        for sid in {self.tensors[i].storage_id for i in chosen if self.tensors[i].storage_id >= 0}:
+            storage = self.storages[sid]
+            if storage.kind == "activation" and all(t.index in chosen for t in refs.get(sid, ())):
+                freed[sid] = storage.nbytes
+        return freed
+
+    def storage_refs(self, storage_id: int) -> list[SavedTensor]:
+        return [t for t in self.held() if t.storage_id == storage_id]
+
 
 @dataclass(frozen=True)
 class Rule:

@@ -1,0 +1,169 @@
+"""The rule catalogue on fixture models (expectations written next to the code) and real models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradaudit
+from gradaudit.rules.registry import all_rules
+from tests.fixtures.rule_models import FIXTURES
+from tests.rule_harness import actual, audit_fixture, expected
+
+
+@pytest.mark.parametrize("fixture", FIXTURES, ids=lambda f: f.__name__)
+def test_fixture_findings_match_expect_comments(fixture):
+    report = audit_fixture(fixture)
+    assert expected(fixture), "a fixture without expectations tests nothing"
+    assert actual(fixture, report) == expected(fixture)
+
+
+def test_every_rule_has_a_fixture():
+    covered = {code for fixture in FIXTURES for _, code in expected(fixture)}
+    assert covered == {r.code for r in all_rules()}
+
+
+def test_findings_carry_a_pasteable_fix():
+    for fixture in FIXTURES:
+        for finding in audit_fixture(fixture).findings:
+            compile(finding.fix_code, finding.code, "exec")  # a snippet that parses
+            assert finding.fix and finding.fix_code
+
+
+def test_dropout_mask_bytes():
+    report = audit_fixture(DropoutMLP := FIXTURES[2])
+    finding, = [f for f in report.findings if f.code == "GA402"]
+    # the float mask 8*64*4 = 2048 bytes becomes 8*64/8 = 64 bytes of bits: 2048 - 64 = 1984
+    assert finding.bytes == 1984
+
+
+def test_view_keeps_base_bytes():
+    report = audit_fixture(FIXTURES[4])
+    finding, = [f for f in report.findings if f.code == "GA601"]
+    # h is 2*32*64*4 = 16384 bytes; the saved h[:, -1] covers 2*64*4 = 512: 16384 - 512 = 15872
+    assert finding.bytes == 15872
+
+
+def test_attention_bytes():
+    report = audit_fixture(FIXTURES[6])
+    finding, = [f for f in report.findings if f.code == "GA801"]
+    # probabilities 2*2*12*12*4 = 2304 bytes, saved by softmax (result) and the value matmul (a view);
+    # SDPA keeps a logsumexp of 2*2*12*4 = 192 bytes: 2304 - 192 = 2112
+    assert finding.bytes == 2112
+
+
+def test_input_gradient_bytes_per_module():
+    report = audit_fixture(FIXTURES[3])
+    finding, = [f for f in report.findings if f.code == "GA501"]
+    # GELU keeps its input, body's 8x32 float32 output: 8*32*4 = 1024 bytes
+    assert (finding.module, finding.bytes) == ("act", 1024)
+
+
+def test_static_mode_does_not_guess_about_unknown_ops():
+    report = audit_fixture(FIXTURES[-1], verify=False)
+    assert not [f for f in report.findings if f.code == "GA000"]
+    assert any(u["node"] == "_SavesTooMuchBackward" for u in report.unexplained)
+
+
+# -- real models -------------------------------------------------------------------------------
+
+torchvision = pytest.importorskip("torchvision")
+
+
+def codes(report):
+    return {f.code for f in report.findings}
+
+
+def small_bert(cls_name="BertForSequenceClassification"):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32)
+    model = getattr(transformers, cls_name)._from_config(config, attn_implementation="eager")
+    return model.train(), {"input_ids": torch.randint(0, 64, (2, 32))}
+
+
+@pytest.mark.slow
+def test_resnet18_input_only_bn_eval():
+    model = torchvision.models.resnet18().eval().requires_grad_(False)
+    report = gradaudit.audit(model, torch.randn(2, 3, 64, 64, requires_grad=True))
+    assert {"GA101", "GA201", "GA301", "GA401"} <= codes(report)
+    # every conv but the stem (its input is the caller's) saves an unneeded input: 20 - 1 = 19
+    assert sum(f.code == "GA101" for f in report.findings) == 19
+
+
+def test_resnet18_weight_norm_stem_ga102():
+    model = torchvision.models.resnet18()
+    model.conv1 = torch.nn.utils.parametrizations.weight_norm(model.conv1)
+    report = gradaudit.audit(model, torch.randn(2, 3, 32, 32))
+    finding, = [f for f in report.findings if f.code == "GA102"]
+    assert finding.module == "conv1"
+    assert finding.bytes == 64 * 3 * 7 * 7 * 4  # the normalised 64x3x7x7 float32 weight: 37632
+
+
+@pytest.mark.slow
+def test_resnet18_only_fc_trains_with_input_grad_ga501():
+    model = torchvision.models.resnet18().eval()
+    report = gradaudit.audit(model, torch.randn(2, 3, 32, 32, requires_grad=True), trainable=["fc.*"])
+    per_module = {f.module: f.bytes for f in report.findings if f.code == "GA501"}
+    assert "bn1" in per_module and all(b > 0 for b in per_module.values())
+    # without the input's requires_grad, nothing below fc is recorded at all
+    plain = gradaudit.audit(model, torch.randn(2, 3, 32, 32), trainable=["fc.*"])
+    assert plain.saved_bytes == 0 or "GA501" not in codes(plain)
+
+
+@pytest.mark.slow
+def test_resnet18_autocast_ga701():
+    class Autocast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torchvision.models.resnet18()
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.net(x)
+
+    report = gradaudit.audit(Autocast(), torch.randn(2, 3, 32, 32), trainable=["net.conv1.*", "net.fc.*"])
+    flagged = {f.module for f in report.findings if f.code == "GA701"}
+    assert "net.layer1.0.conv1" in flagged and "net.fc" not in flagged
+
+
+@pytest.mark.slow
+def test_bert_eager_attention_dropout_and_pooler_view():
+    model, inputs = small_bert()
+    report = gradaudit.audit(model, inputs)
+    assert {"GA402", "GA601", "GA801"} <= codes(report)
+    attention = [f for f in report.findings if f.code == "GA801"]
+    assert len(attention) == 2  # one per layer
+    assert any(f.module == "bert.pooler.dense" for f in report.findings if f.code == "GA601")
+
+
+def test_resnet_checkpoint_hygiene_ga901_ga902():
+    net = torchvision.models.resnet18()
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            n = self.net
+            h = n.maxpool(n.relu(n.bn1(n.conv1(x))))  # frozen stem: h needs no grad
+            h = torch.utils.checkpoint.checkpoint(n.layer1, h, use_reentrant=True)
+            h = n.layer2(h)
+            h = torch.utils.checkpoint.checkpoint(n.layer3, h, use_reentrant=False)
+            return n.fc(torch.flatten(n.avgpool(n.layer4(h)), 1))
+
+    with pytest.warns(UserWarning):  # torch's own warning about the reentrant block
+        report = gradaudit.audit(Checkpointed().train(), torch.randn(2, 3, 32, 32), frozen=["net.conv1.*", "net.bn1.*"])
+    assert {f.module for f in report.findings if f.code == "GA901"} >= {"net.layer1.0.conv1", "net.layer1.0.bn1"}
+    assert not [f for f in report.findings if f.code == "GA901" and not f.module.startswith("net.layer1")]
+    ga902 = {f.module for f in report.findings if f.code == "GA902"}
+    assert "net.layer3.0.bn1" in ga902 and not [m for m in ga902 if not m.startswith("net.layer3")]
+
+
+@pytest.mark.slow
+def test_bert_verify_finds_no_rule_bugs():
+    model, inputs = small_bert("BertModel")
+    report = gradaudit.audit(model, inputs, verify=True)
+    assert not [n for n in report.notes if n.startswith("rule bug")]

@@ -1,0 +1,23 @@
+"""Each rule's claim re-checked against the installed torch by the empirical proof.
+
+If a PyTorch release stops saving a tensor (an upstream fix) or starts reading one a rule calls
+unneeded, the fixture's findings under verify=True differ from the static ones and this fails.
+"""
+
+import pytest
+
+from gradaudit.records import NOT_NEEDED, SIGN_ONLY
+from tests.fixtures.rule_models import FIXTURES
+from tests.rule_harness import actual, audit_fixture, expected
+
+
+@pytest.mark.parametrize("fixture", FIXTURES, ids=lambda f: f.__name__)
+def test_rule_claims_hold_under_the_proof(fixture):
+    report = audit_fixture(fixture, verify=True)
+    assert not [n for n in report.notes if n.startswith("rule bug")], report.notes
+    assert actual(fixture, report) == expected(fixture)
+    for finding in report.findings:
+        for i in finding.tensors:
+            t = report.tensors[i]
+            if t.managed_by == "autograd" and t.verdict in (NOT_NEEDED, SIGN_ONLY):
+                assert t.proven, (finding.code, t.node, t.attr, t.reason)

@@ -1,0 +1,130 @@
+"""The empirical proof (verify=True): verdicts, safety around checkpoints, RNG and the meta device."""
+
+import pytest
+import torch
+from torch import nn
+
+import gradaudit
+from gradaudit.records import NEEDED, NOT_NEEDED, SIGN_ONLY
+from tests.fixtures.rule_models import CustomFunctionWaste, FrozenConvStack
+from tests.rule_harness import audit_fixture
+
+
+def by_attr(report, node):
+    return {t.attr: t for t in report.held_tensors if t.node == node}
+
+
+def test_proof_confirms_frozen_conv_stack():
+    report = audit_fixture(FrozenConvStack, verify=True)
+    assert report.verified and not report.notes
+    conv = {t.attr: t for t in report.held_tensors if t.module == "conv"}
+    assert (conv["input"].verdict, conv["input"].proven) == (NOT_NEEDED, True)
+    # the weight is a parameter, alive anyway: left unproven (no byte figure depends on it)
+    assert (conv["weight"].verdict, conv["weight"].proven) == (NEEDED, False)
+    relu = by_attr(report, "ReluBackward0")["result"]
+    assert (relu.verdict, relu.proven, relu.bitpackable) == (SIGN_ONLY, True, True)
+    pool = by_attr(report, "MaxPool2DWithIndicesBackward0")
+    assert pool["self"].verdict == NOT_NEEDED and pool["result1"].verdict == NEEDED and pool["result1"].proven
+
+
+def test_custom_function_unused_save_is_proven_and_reported():
+    report = audit_fixture(CustomFunctionWaste, verify=True)
+    saves = by_attr(report, "_SavesTooMuchBackward")
+    assert saves["saved_tensors[0]"].verdict == NEEDED  # x feeds the weight gradient
+    assert saves["saved_tensors[2]"].verdict == NOT_NEEDED and saves["saved_tensors[2]"].proven
+    # exp(x) is 4x8 float32 = 128 bytes, read by nobody
+    assert report.reclaimable_bytes == 4 * 8 * 4
+
+
+def test_proof_overrides_a_wrong_static_verdict(monkeypatch):
+    from gradaudit.rules import registry
+    from gradaudit.records import NOT_NEEDED as NN
+
+    def wrong(node, saved):
+        return {attr: registry.Verdict(NN, "deliberately wrong") for attr in saved}
+
+    monkeypatch.setitem(registry._NEEDS, "TanhBackward0", wrong)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2).requires_grad_(False))
+    static = gradaudit.audit(model, torch.randn(3, 4))
+    assert static.reclaimable_bytes == 3 * 4 * 4  # the wrong claim, 48 bytes
+    proven = gradaudit.audit(model, torch.randn(3, 4), verify=True)
+    tanh = by_attr(proven, "TanhBackward0")["result"]
+    assert tanh.verdict == NEEDED and tanh.proven
+    assert proven.reclaimable_bytes == 0 and any(n.startswith("rule bug") for n in proven.notes)
+
+
+def test_checkpointed_saves_are_never_unpacked():
+    recomputed = []
+    block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    block.register_forward_hook(lambda *a: recomputed.append(1))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = block
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False))
+
+    report = gradaudit.audit(Model(), torch.randn(4, 8), verify=True)
+    assert recomputed == [1]  # the forward only: no recomputation
+    held = [t for t in report.tensors if t.managed_by == "checkpoint"]
+    assert held and not any(t.proven for t in held)
+
+
+def test_user_rng_untouched_and_meta_refused():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.ReLU())
+    x = torch.randn(2, 4)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    gradaudit.audit(model, x, verify=True)
+    assert torch.equal(torch.rand(3), expected)
+    with torch.device("meta"):
+        meta_model = nn.Linear(4, 4)
+    with pytest.raises(gradaudit.GradauditError, match="meta"):
+        gradaudit.audit(meta_model, torch.randn(2, 4, device="meta"), verify=True)
+
+
+def test_integer_saves_only_see_in_range_values():
+    # max-pool indices and embedding ids are proven with their own min/max only (no heap damage)
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.pool = nn.MaxPool2d(2)
+
+        def forward(self, ids):
+            h = self.embed(ids % 10)  # ids computed here: an activation, so it is proven
+            return self.pool(h.unsqueeze(0))
+
+    report = gradaudit.audit(Model(), torch.tensor([[1, 19, 3, 3]]), verify=True)
+    indices = by_attr(report, "MaxPool2DWithIndicesBackward0")["result1"]
+    assert (indices.verdict, indices.proven) == (NEEDED, True)
+    ids = by_attr(report, "EmbeddingBackward0")["indices"]
+    assert (ids.verdict, ids.proven) == (NEEDED, True)
+
+
+def test_backward_that_fails_alone_keeps_static_verdict():
+    class Fragile(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("only inside the engine")
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return Fragile.apply(self.lin(x))
+
+    report = gradaudit.audit(Model(), torch.randn(2, 4), verify=True)
+    save = by_attr(report, "FragileBackward")["saved_tensors[0]"]
+    assert save.verdict == "unknown" and not save.proven and "unknown-proof" in save.reason
