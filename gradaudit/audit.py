@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -11,6 +12,7 @@ from torch import nn
 
 from .analysis import build_report
 from .errors import ForwardError, GradauditError, NothingRequiresGradError
+from .meta import CpuKernelChoices
 from .recorder import Recorder
 from .records import Report
 
@@ -174,7 +176,10 @@ def audit(
         if progress:
             progress("running the forward")
         recorder = Recorder(model)
-        with recorder:
+        on_meta = any(t.device.type == "meta" for t in input_tensors + list(model.parameters())[:1])
+        # on meta, attention must take the kernel CPU would take, or it saves different tensors
+        kernels = CpuKernelChoices() if on_meta else contextlib.nullcontext()
+        with recorder, kernels:
             try:
                 output = model(*args, **kwargs)
             except GradauditError:

@@ -65,13 +65,14 @@ def test_cnn_in_eval_on_meta_differs_only_by_batch_norm_statistics():
 
 
 @pytest.mark.slow
-def test_llama_on_meta_matches_cpu():
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_llama_on_meta_matches_cpu(attention):
     transformers = pytest.importorskip("transformers")
-    # eager attention: scaled_dot_product_attention picks a fused kernel on CPU but the math
-    # fallback on meta, so with "sdpa" the saved tensors of attention differ between the devices
+    # "sdpa": scaled_dot_product_attention would pick a fused kernel on CPU but the math fallback
+    # on meta; gradaudit.meta.CpuKernelChoices makes the meta run take the CPU's kernel
     config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=64, vocab_size=100,
-                                      attn_implementation="eager")
+                                      attn_implementation=attention)
 
     def inputs_of(device):
         return {"input_ids": torch.arange(32, device="cpu").reshape(2, 16).to(device)}
@@ -80,6 +81,31 @@ def test_llama_on_meta_matches_cpu():
     assert cpu.saved_bytes > 0
     assert (meta.saved_bytes, meta.reclaimable_bytes) == (cpu.saved_bytes, cpu.reclaimable_bytes)
     assert _fingerprint(meta) == _fingerprint(cpu)
+    if attention == "sdpa":  # the fused kernel holds no L x L probabilities
+        assert "ScaledDotProductFlashAttentionForCpuBackward0" in {t.node for t in meta.held_tensors}
+
+
+def test_meta_sdpa_with_a_mask_takes_the_cpu_kernel():
+    # A float mask and no causal flag: CPU picks flash for this case too; both devices must save
+    # the same tensors (4 heads, seq 16, head dim 8)
+    def run(device):
+        q = torch.randn(2, 4, 16, 8, device=device, requires_grad=True)
+        mask = torch.zeros(2, 1, 16, 16, device=device)
+        model = _Attention(mask)
+        return gradaudit.audit(model, q)
+
+    cpu, meta = run("cpu"), run("meta")
+    assert _fingerprint(meta) == _fingerprint(cpu)
+    assert meta.saved_bytes == cpu.saved_bytes
+
+
+class _Attention(nn.Module):
+    def __init__(self, mask):
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, q):
+        return torch.nn.functional.scaled_dot_product_attention(q, q * 2, q * 3, attn_mask=self.mask)
 
 
 def test_a_huge_model_on_meta_allocates_nothing():
