@@ -1,0 +1,150 @@
+"""Benchmark gradaudit.trim on torchvision models in the five selective-differentiation scenarios.
+
+For each model and scenario, measured side by side in one run:
+- bytes autograd holds after the forward and peak bytes through forward+backward, plain vs trimmed
+  (CPU: an independent storage tracker, gradaudit.trimming.PeakTracker; CUDA:
+  torch.cuda.max_memory_allocated). Parameters, buffers and the input are not counted;
+- freed bytes (held plain - held trimmed) as a share of the audit's reclaimable_with_bitpacking_bytes
+  (goal >= 95%);
+- forward+backward time trimmed / plain, median over interleaved runs (goal <= 1.05);
+- the memsave study's published peak-memory reductions for the same scenario, on the models that
+  study measured (ResNet-101, EfficientNet-v2-L): published figures for other models, not ours.
+
+    python benchmarks/bench_trim.py            # small: batch 2, 64x64, a few minutes on 2 cores
+    python benchmarks/bench_trim.py --full     # batch 8, 224x224
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+import torchvision
+from torch import nn
+
+import gradaudit
+from gradaudit.trimming import compare, trim
+
+MODELS = {
+    "ResNet-18": "resnet18",
+    "ResNet-50": "resnet50",
+    "EfficientNet-B0": "efficientnet_b0",
+    "VGG-11-BN": "vgg11_bn",
+    "MobileNet-V3-L": "mobilenet_v3_large",
+}
+SCENARIOS = ("all-trainable", "input-only", "input-only-bn-eval", "norm-only", "surgical")
+NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+
+# Published peak-memory reductions of memsave_torch (autograd-facts.md), per scenario, on the
+# models that study measured. Not our models: shown for orientation only.
+MEMSAVE = {
+    "input-only": {"resnet": "R101 -33%", "efficientnet": "EffV2L -30%"},
+    "input-only-bn-eval": {"resnet": "R101 -82%", "efficientnet": "EffV2L -61%"},
+    "norm-only": {"resnet": "R101 -33%"},
+    "surgical": {"resnet": "R101 -12%"},
+}
+
+
+def apply_scenario(model: nn.Module, scenario: str, inputs: torch.Tensor) -> None:
+    """all-trainable / input-only / input-only-bn-eval / norm-only / surgical (first third of the
+    layers with weights trainable)."""
+    model.train(scenario != "input-only-bn-eval")
+    model.requires_grad_(scenario == "all-trainable")
+    inputs.requires_grad_(scenario.startswith("input-only"))
+    if scenario == "norm-only":
+        for module in model.modules():
+            if isinstance(module, NORMS):
+                module.requires_grad_(True)
+    if scenario == "surgical":
+        layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear, *NORMS))]
+        for module in layers[: max(1, len(layers) // 3)]:
+            module.requires_grad_(True)
+
+
+def step(model: nn.Module, x: torch.Tensor) -> float:
+    for p in model.parameters():
+        p.grad = None
+    x.grad = None
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    model(x).sum().backward()
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def time_ratio(model: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """Median seconds plain and trimmed, runs interleaved so that machine load hits both alike."""
+    step(model, x)  # warm-up (allocator, kernels)
+    with trim(model):
+        step(model, x)
+    gc.collect()  # a pending full collection would land on whichever run allocates Python objects
+    plain, trimmed = [], []
+    for _ in range(repeats):
+        plain.append(step(model, x))
+        with trim(model):
+            trimmed.append(step(model, x))
+    return statistics.median(plain), statistics.median(trimmed)
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="batch 8 at 224x224 (slow on CPU)")
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--size", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per variant (median)")
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--scenarios", nargs="*", default=list(SCENARIOS), choices=list(SCENARIOS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    batch = args.batch or (8 if args.full else 2)
+    size = args.size or (224 if args.full else 64)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, device {device}, "
+          f"threads {torch.get_num_threads()}, input {batch}x3x{size}x{size}, {args.repeats} timed runs each")
+    print("held/peak in MiB (activations, gradients and temporaries; parameters, buffers and the input "
+          "not counted). freed% = freed / audit reclaimable_with_bitpacking_bytes.")
+    header = ("| model | scenario | held plain | held trimmed | peak plain | peak trimmed | peak change "
+              "| freed % of reclaimable | time trimmed/plain | memsave published (other model) |")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    worst_freed, worst_time = 100.0, 0.0
+    for label in args.models:
+        for scenario in args.scenarios:
+            torch.manual_seed(0)
+            model = getattr(torchvision.models, MODELS[label])(num_classes=10).to(device)
+            x = torch.randn(batch, 3, size, size, device=device)
+            apply_scenario(model, scenario, x)
+            report = gradaudit.audit(model, x)
+            measured = compare(model, x)
+            reclaimable = report.reclaimable_with_bitpacking_bytes
+            freed = measured["held_before"] - measured["held_after"]
+            freed_share = 100.0 * freed / reclaimable if reclaimable else float("nan")
+            plain_s, trimmed_s = time_ratio(model, x, args.repeats)
+            family = "efficientnet" if "efficientnet" in MODELS[label] else "resnet"
+            published = MEMSAVE.get(scenario, {}).get(family, "-")
+            peak_change = 100.0 * (measured["peak_after"] - measured["peak_before"]) / measured["peak_before"]
+            if reclaimable:
+                worst_freed = min(worst_freed, freed_share)
+            worst_time = max(worst_time, trimmed_s / plain_s)
+            print(f"| {label} | {scenario} | {mib(measured['held_before'])} | {mib(measured['held_after'])} "
+                  f"| {mib(measured['peak_before'])} | {mib(measured['peak_after'])} | {peak_change:+.0f}% "
+                  f"| {freed_share:.1f}% ({mib(freed)} of {mib(reclaimable)}) "
+                  f"| {trimmed_s / plain_s:.3f} ({plain_s * 1e3:.0f} ms plain) | {published} |", flush=True)
+    print(f"\nworst freed share: {worst_freed:.1f}% (goal >= 95%); "
+          f"worst time ratio: {worst_time:.3f} (goal <= 1.05)")
+
+
+if __name__ == "__main__":
+    main()

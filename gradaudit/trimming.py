@@ -1,0 +1,653 @@
+"""``gradaudit.trim(model)``: while installed, each forward keeps only what backward can need.
+
+Mechanism: during the model's forward, a saved-tensors hook boxes every save and a node-creation
+hook lists the new autograd nodes. At every module boundary (Python level, no op in flight) the
+nodes created since the last boundary are decided with the static op knowledge of
+``gradaudit/rules/ops.py`` and their boxes rewritten:
+
+- not needed: the box forgets the tensor. Backward gets zeros of the same shape, dtype, device and
+  strides, made when it reads them (a zero-stride ``torch.zeros(()).expand(shape)`` where only the
+  shape is read, see _SHAPE_ONLY);
+- one bit per element is enough (when ``bitpack``; ReLU results, dropout masks, see _PACKERS): the
+  box keeps the bits and backward gets a tensor with the saved strides on which the op's backward
+  computes exactly what it did before. Such a save waits one module boundary first: when the next
+  op keeps the same tensor anyway (a trainable conv after a ReLU), packing would free nothing;
+- otherwise the box keeps the tensor.
+
+Deciding as the forward proceeds lowers the peak, not only what is held after the forward.
+Saves packed by anybody else's hooks (``torch.utils.checkpoint``, ``save_on_cpu``, the user's
+own ``saved_tensors_hooks`` inside the model) are never touched.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import rules as _rules  # noqa: F401  (registers the op knowledge)
+from .audit import ModelState, iter_tensors, split_inputs, unique
+from .errors import GradauditError
+from .measure import StorageTracker
+from .recorder import _raw_saved_slots, node_scalars
+from .records import NOT_NEEDED, GraphNode, SavedTensor
+from .rules.registry import op_knowledge
+
+try:
+    import numpy
+except ImportError:  # torch runs without numpy; bit-packing then uses torch ops only
+    numpy = None
+
+__all__ = ["trim", "TrimHandle", "compare"]
+
+# Saves that one bit per element can stand for. A packer takes the saved values (flattened in
+# memory order) and returns (bits, value where a bit is set; 0 elsewhere), or None when the values
+# do not fit that form. Each is written so the unpacked tensor gives the backward the same results:
+#   threshold_backward(grad, x, 0): x <= 0 ? 0 : grad   (ReLU result, Threshold with threshold 0)
+#   leaky_relu_backward(grad, x, slope): x > 0 ? grad : grad * slope
+# so the bit is that comparison itself (NaN, -0.0 included) and the unpacked value 1.0 or 0.0;
+#   dropout (a multiplication by a mask of 0 and 1/(1-p)): grad * mask
+# so the mask must be reproduced exactly: checked to hold only +0.0 and one positive value.
+
+
+def _passes_unless_le_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
+    return (values <= 0).logical_not_(), 1.0
+
+
+def _passes_if_gt_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
+    return values > 0, 1.0
+
+
+def _scaled_mask(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
+    if values.numel() == 0:
+        return None
+    scale = values.max()
+    bits = values == scale
+    exact = bool(torch.logical_or(bits, values == 0).all()) and not bool(torch.signbit(values).any())
+    if not exact or not bool(scale > 0):
+        return None
+    return bits, scale.item()
+
+
+_PACKERS: dict[tuple[str, str], Callable[[torch.Tensor], Optional[tuple[torch.Tensor, float]]]] = {
+    ("ReluBackward0", "result"): _passes_unless_le_zero,
+    ("ThresholdBackward0", "self"): _passes_unless_le_zero,
+    ("LeakyReluBackward0", "self"): _passes_if_gt_zero,
+    ("MulBackward0", "other"): _scaled_mask,
+}
+
+_KEPT, _DROPPED, _PACKED = 0, 1, 2
+
+# Saves backward reads only for their shape and memory format: a zero-stride placeholder suffices
+# when the saved tensor had the standard layout (a zero-stride tensor suggests that format too).
+# Every other dropped save gets, when backward reads it, a zero-filled tensor with the saved
+# strides: CPU batch norm, for one, picks its reduction order from the input's contiguity, so a
+# zero-stride input changes the bias gradient's last bit.
+_SHAPE_ONLY = {
+    ("MaxPool1DWithIndicesBackward0", "self"),
+    ("MaxPool2DWithIndicesBackward0", "self"),
+    ("MaxPool3DWithIndicesBackward0", "self"),
+}
+
+
+class _Box:
+    """What autograd stores instead of a saved tensor while a model is trimmed."""
+
+    __slots__ = ("session", "state", "payload", "shape", "dtype", "device", "version", "stride",
+                 "offset", "order", "scale", "zero_stride", "outer_unpack", "__weakref__")
+
+    def __init__(self, session: "_Session", payload: Any, tensor: torch.Tensor,
+                 outer_unpack: Optional[Callable[[Any], Any]]) -> None:
+        self.session = session
+        self.state = _KEPT
+        self.payload = payload  # the tensor, the outer hook's packed object, or the packed bits
+        self.shape = tensor.shape
+        self.dtype = tensor.dtype
+        self.device = tensor.device
+        self.version = tensor._version
+        self.stride = tuple(tensor.stride())
+        self.offset = 0
+        self.order: Optional[list[int]] = None  # bit-packed: dims from outermost to innermost in memory
+        self.zero_stride = False  # dropped: a zero-stride placeholder is enough
+        self.scale = 1.0  # bit-packed: the value a set bit stands for
+        self.outer_unpack = outer_unpack
+
+
+def _unpack(box: _Box) -> torch.Tensor:
+    if box.state == _KEPT:
+        return box.payload if box.outer_unpack is None else box.outer_unpack(box.payload)
+    if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+        # backward(create_graph=True) differentiates the backward formulas themselves, which may
+        # read values the first-order backward never reads
+        raise GradauditError(
+            "gradaudit.trim does not support double backward (create_graph=True): a save it "
+            "dropped or bit-packed was read with grad mode on. Remove the trim handle for this model")
+    if box.state == _DROPPED:
+        if box.zero_stride:
+            return torch.zeros((), dtype=box.dtype, device=box.device).expand(box.shape)
+        return _zeros_strided(box)
+    return _unpack_bits(box)
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """1-D bool -> uint8: bit i of byte k is element 8k+i.
+
+    The packed bytes are allocated by torch, so storage trackers see them.
+    """
+    count = mask.numel()
+    packed = torch.empty(((count + 7) // 8,), dtype=torch.uint8, device=mask.device)
+    if mask.device.type == "cpu" and numpy is not None:
+        # numpy's packbits is one C loop; the torch expression below takes several passes
+        packed.numpy()[:] = numpy.packbits(mask.numpy(), bitorder="little")
+    else:
+        padded = torch.zeros((packed.numel() * 8,), dtype=torch.uint8, device=mask.device)
+        padded[:count] = mask.view(torch.uint8)
+        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
+        torch.sum(padded.view(-1, 8) * weights, dim=1, dtype=torch.uint8, out=packed)
+    return packed
+
+
+_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _bit_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Row b holds the 8 values (1.0 / 0.0) that byte b unpacks to, lowest bit first."""
+    table = _TABLES.get((dtype, device))
+    if table is None:
+        byte = torch.arange(256, dtype=torch.int32).unsqueeze(1)
+        bits = (byte >> torch.arange(8, dtype=torch.int32)) & 1
+        table = _TABLES[(dtype, device)] = bits.to(dtype=dtype, device=device)
+    return table
+
+
+def _unpack_bits(box: _Box) -> torch.Tensor:
+    # one gather from a 256-row table writes the values directly: the fewest passes over memory
+    packed = box.payload
+    table = _bit_table(box.dtype, packed.device)
+    if box.scale != 1.0:
+        table = table * box.scale  # exact: 1.0 * scale and 0.0 * scale (scale > 0)
+    values = torch.index_select(table, 0, packed.int())
+    values = values.view(-1)[: box.shape.numel()]
+    permuted = values.view([box.shape[d] for d in box.order])
+    out = permuted.permute(_inverse(box.order))
+    if out.stride() == box.stride:
+        return out
+    # same strides as the saved tensor: a kernel's choice of memory format (and so of algorithm)
+    # must not change (size-1 dimensions can carry other strides)
+    exact = torch.empty_strided(box.shape, box.stride, dtype=box.dtype, device=box.device)
+    exact.permute(box.order).copy_(permuted)
+    return exact
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return inverse
+
+
+def _zeros_strided(box: _Box) -> torch.Tensor:
+    """Zeros with the saved tensor's shape and strides (overlapping strides included)."""
+    if box.shape.numel() == 0:
+        return torch.empty_strided(box.shape, box.stride, dtype=box.dtype, device=box.device)
+    span = 1 + sum((size - 1) * stride for size, stride in zip(box.shape, box.stride))
+    return torch.zeros((span,), dtype=box.dtype, device=box.device).as_strided(box.shape, box.stride)
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _memory_order(t: torch.Tensor) -> Optional[list[int]]:
+    """Dims from outermost to innermost when ``t`` is dense and non-overlapping, else None."""
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -d))
+    if t.permute(order).is_contiguous():
+        return order
+    return None
+
+
+class _StorageUse:
+    """Per storage, during one forward: a kept save (makes bit-packing it pointless) and bit boxes."""
+
+    __slots__ = ("ref", "kept", "packed")
+
+    def __init__(self, ref: StorageWeakRef) -> None:
+        self.ref = ref
+        self.kept = False
+        self.packed: list[weakref.ref] = []
+
+
+class _Session:
+    """Trimming state for one model; active between the root's forward pre-hook and forward hook."""
+
+    def __init__(self, model: nn.Module, bitpack: bool) -> None:
+        self.model_ref = weakref.ref(model)
+        self.bitpack = bitpack
+        self.active = False
+        self.depth = 0
+        self.pending: list[tuple[Any, tuple[str, str]]] = []  # (node, module) since the last boundary
+        self.stack: list[tuple[str, str]] = [("", type(model).__name__)]  # (path, class) running now
+        self.waiting: list[tuple[_Box, Callable]] = []  # saves to bit-pack at the next boundary
+        self.protected: set[int] = set()  # storages alive anyway (parameters, buffers, inputs)
+        self.alive_anyway: Optional[list[torch.Tensor]] = None  # parameters and buffers
+        self.uses: dict[int, _StorageUse] = {}
+        self.outer: Optional[tuple[Callable, Callable]] = None
+        self.hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
+        self.stats = {"kept": 0, "dropped": 0, "bitpacked": 0, "unpacked_again": 0}
+
+    # -- hooks during the forward ---------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> _Box:
+        if self.outer is not None:
+            return _Box(self, self.outer[0](tensor), tensor, self.outer[1])
+        return _Box(self, tensor, tensor, None)
+
+    def on_node(self, node: Any) -> None:
+        self.pending.append((node, self.stack[-1]))
+
+    def begin(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.active:
+            self.depth += 1  # the model calls itself; the outer call's session covers it
+            return
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return
+        if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+            raise GradauditError(
+                "gradaudit.trim cannot work here: saved-tensor hooks are disabled around this forward "
+                "(torch.compile and some distributed wrappers do this). Remove the trim handle")
+        top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if top is not None:
+            owner = getattr(top[0], "__self__", None)
+            home = getattr(top[0], "__module__", "") or ""
+            if isinstance(owner, _Session) or home.startswith("gradaudit.") or \
+                    home.startswith("torch.utils.checkpoint"):
+                # another trim session covers this forward, gradaudit is auditing it, or
+                # checkpoint holds nothing here and needs every pack it counted
+                return
+            self.outer = top
+        else:
+            self.outer = None
+        if self.alive_anyway is None:
+            # walking the module tree costs more than the storage look-ups: do it once. A parameter
+            # replaced later is only treated like an activation (its unneeded saves dropped)
+            self.alive_anyway = [*module.parameters(), *module.buffers()]
+        self.protected = {t.untyped_storage()._cdata for t in [*self.alive_anyway, *iter_tensors((args, kwargs))]}
+        self.uses = {}
+        self.pending = []
+        self.waiting = []
+        self.stack = self.stack[:1]
+        self.active = True
+        self.depth = 0
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+        self.hooks.__enter__()
+        torch._C._autograd._push_node_creation_hook(self.on_node)
+
+    def end(self) -> None:
+        if not self.active:
+            return
+        if self.depth:
+            self.depth -= 1
+            return
+        try:
+            self.step(final=True)
+        finally:
+            self.active = False
+            torch._C._autograd._pop_node_creation_hook()
+            hooks, self.hooks = self.hooks, None
+            hooks.__exit__(None, None, None)
+            self.uses = {}
+            self.protected = set()
+            self.pending = []
+            self.waiting = []
+            self.outer = None
+
+    def enter(self, entry: tuple[str, str]) -> None:
+        if self.active:
+            if self.pending:
+                self.step()
+            self.stack.append(entry)
+
+    def leave(self, *unused: Any) -> None:
+        if self.active:
+            if self.pending:
+                self.step()
+            if len(self.stack) > 1:
+                self.stack.pop()
+
+    # -- decisions ------------------------------------------------------------------------------
+    def step(self, final: bool = False) -> None:
+        nodes, self.pending = self.pending, []
+        waiting, self.waiting = self.waiting, []
+        if not nodes and not final:
+            self.waiting = waiting
+            return
+        with torch.no_grad():
+            for node, module in nodes:
+                self.decide(node, module)
+            # Bit-packable saves wait one boundary before they are packed: the op that consumes
+            # a ReLU result usually runs next, and when it keeps the tensor, packing would only
+            # have cost time (the bits would be given back)
+            if final:
+                waiting, self.waiting = waiting + self.waiting, []
+            for box, packer in waiting:
+                if self.packable(box):
+                    self.pack_bits(box, packer)
+                else:
+                    self.keep(box)
+
+    def decide(self, node: Any, module: tuple[str, str]) -> None:
+        boxes = []
+        for attr, raw in _raw_saved_slots(node):
+            box = raw.data
+            if type(box) is _Box and box.session is self:
+                boxes.append((attr, box))
+        if not boxes:
+            return
+        name = type(node).__name__
+        knowledge = op_knowledge(name)
+        verdicts = {}
+        if knowledge is not None:
+            verdicts = _verdicts(knowledge, node, name, module, boxes)
+        for attr, box in boxes:
+            verdict = verdicts.get(attr)
+            outcome = verdict.verdict if verdict is not None else None
+            if outcome == NOT_NEEDED and self.droppable(box):
+                box.zero_stride = (name, attr) in _SHAPE_ONLY and box.stride == _contiguous_strides(box.shape)
+                box.payload, box.state = None, _DROPPED
+                self.stats["dropped"] += 1
+            elif verdict is not None and verdict.bitpackable and (name, attr) in _PACKERS \
+                    and self.packable(box):
+                self.waiting.append((box, _PACKERS[(name, attr)]))
+            else:
+                self.keep(box)
+
+    def droppable(self, box: _Box) -> bool:
+        if box.outer_unpack is not None:
+            return True
+        # parameters, buffers and inputs are alive anyway: replacing their saves frees nothing
+        return box.payload.untyped_storage()._cdata not in self.protected
+
+    def packable(self, box: _Box) -> bool:
+        if not self.bitpack or box.outer_unpack is not None:
+            return False
+        tensor = box.payload
+        if not tensor.is_floating_point() or tensor._version != box.version:
+            return False  # modified in place since it was saved: leave it as autograd would
+        key = tensor.untyped_storage()._cdata
+        if key in self.protected:
+            return False
+        use = self.uses.get(key)
+        return use is None or use.ref.expired() or not use.kept
+
+    def use_of(self, tensor: torch.Tensor) -> _StorageUse:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        use = self.uses.get(key)
+        if use is None or use.ref.expired():
+            use = self.uses[key] = _StorageUse(StorageWeakRef(storage))
+        return use
+
+    def keep(self, box: _Box) -> None:
+        self.stats["kept"] += 1
+        if box.outer_unpack is not None or not self.bitpack:
+            return
+        tensor = box.payload
+        if tensor.untyped_storage()._cdata in self.protected:
+            return  # parameters are never bit-packed: nothing to give back
+        use = self.use_of(tensor)
+        use.kept = True
+        # a bit box of this storage frees nothing any more: give it back the tensor (unless the
+        # tensor was modified in place since: then the bits hold what backward must see)
+        for ref in use.packed:
+            packed_box = ref()
+            if packed_box is not None and packed_box.state == _PACKED and tensor._version == packed_box.version:
+                view = torch.empty((0,), dtype=packed_box.dtype, device=packed_box.device)
+                view.set_(tensor.untyped_storage(), packed_box.offset, packed_box.shape, packed_box.stride)
+                packed_box.payload, packed_box.state = view, _KEPT
+                self.stats["unpacked_again"] += 1
+        use.packed.clear()
+
+    def pack_bits(self, box: _Box, packer: Callable[[torch.Tensor], Optional[tuple[torch.Tensor, float]]]) -> None:
+        tensor = box.payload
+        order = _memory_order(tensor)
+        found = packer(tensor.permute(order).reshape(-1)) if order is not None else None
+        if found is None:
+            self.keep(box)
+            return
+        mask, box.scale = found
+        box.stride, box.offset, box.order = tuple(tensor.stride()), tensor.storage_offset(), order
+        self.use_of(tensor).packed.append(weakref.ref(box))
+        box.payload, box.state = _pack_bits(mask), _PACKED
+        self.stats["bitpacked"] += 1
+
+
+_VERDICT_CACHE: dict[Any, dict[str, Any]] = {}
+
+
+def _verdicts(knowledge: Callable, node: Any, name: str, module: tuple[str, str],
+              boxes: list[tuple[str, _Box]]) -> dict[str, Any]:
+    """The op knowledge's verdicts for one node, cached: they are a pure function of the node type,
+    its edge mask, its scalars, its module and the saves' attributes, shapes, dtypes and devices."""
+    edge_mask = [fn is not None for fn, _ in node.next_functions]
+    scalars = node_scalars(node)
+    key = (name, module, tuple(edge_mask), tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in scalars.items()),
+           tuple((attr, tuple(box.shape), box.dtype, box.device) for attr, box in boxes))
+    verdicts = _VERDICT_CACHE.get(key)
+    if verdicts is None:
+        graph_node = GraphNode(id=0, name=name, module=module[0], next_ids=[], edge_mask=edge_mask,
+                               scalars=scalars)
+        saved = {attr: _describe(i, name, attr, module, box) for i, (attr, box) in enumerate(boxes)}
+        verdicts = knowledge(graph_node, saved)
+        if len(_VERDICT_CACHE) > 4096:
+            _VERDICT_CACHE.clear()
+        _VERDICT_CACHE[key] = verdicts
+    return verdicts
+
+
+def _describe(index: int, node: str, attr: str, module: tuple[str, str], box: _Box) -> SavedTensor:
+    """The plain-data view of a save that the op knowledge functions take."""
+    return SavedTensor(
+        index=index, node_id=0, node=node, attr=attr, shape=tuple(box.shape),
+        dtype=str(box.dtype).replace("torch.", ""), device=str(box.device), numel=box.shape.numel(),
+        itemsize=box.dtype.itemsize, storage_id=-1, storage_kind="activation", module=module[0],
+        module_class=module[1],
+        source=None,
+    )
+
+
+_TRIMMED: "weakref.WeakKeyDictionary[nn.Module, TrimHandle]" = weakref.WeakKeyDictionary()
+
+
+class TrimHandle:
+    """Returned by ``trim``: ``remove()`` (or leaving the ``with`` block) restores the model."""
+
+    def __init__(self, model: nn.Module, bitpack: bool) -> None:
+        self._model_ref = weakref.ref(model)
+        self._session = _Session(model, bitpack)
+        self._handles: list[Any] = []
+        session = self._session
+        self._handles.append(model.register_forward_pre_hook(
+            lambda module, args, kwargs: session.begin(module, args, kwargs), with_kwargs=True, prepend=True))
+        for path, module in model.named_modules():
+            if module is not model:
+                entry = (path, type(module).__name__)
+                self._handles.append(module.register_forward_pre_hook(
+                    lambda *unused, entry=entry: session.enter(entry)))
+                self._handles.append(module.register_forward_hook(session.leave, always_call=True))
+        self._handles.append(model.register_forward_hook(
+            lambda *unused: session.end(), always_call=True))
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counts since ``trim``: saves kept, dropped, bit-packed, and bit-packed saves given their
+        tensor back because a later save kept it (``unpacked_again``)."""
+        return dict(self._session.stats)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        model = self._model_ref()
+        if model is not None and _TRIMMED.get(model) is self:
+            del _TRIMMED[model]
+
+    def __enter__(self) -> "TrimHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        model = self._model_ref()
+        name = type(model).__name__ if model is not None else "<gone>"
+        return f"<gradaudit.TrimHandle {name} {'installed' if self.installed else 'removed'}>"
+
+
+def trim(model: nn.Module, *, bitpack: bool = True) -> TrimHandle:
+    """Make every forward of ``model`` keep only what backward can need; gradients stay bit-identical.
+
+    Saves backward cannot read are forgotten (backward gets zeros of the same shape and strides);
+    saves one bit per element can stand for (ReLU results, dropout masks) become bits when
+    ``bitpack``; everything else is kept. Decisions come from the static op knowledge
+    (gradaudit/rules/ops.py) and are made at every module boundary of the forward, so the peak
+    falls too.
+
+    Composes with ``torch.utils.checkpoint`` and ``save_on_cpu``/saved-tensor hooks used inside the
+    model (their saves are left alone), with hooks around the model call (unneeded saves are
+    dropped before the outer hook's unpack would run; nothing is bit-packed), and with autocast.
+    Refuses (GradauditError) when saved-tensor hooks are disabled and in double backward.
+
+    Returns a handle: ``handle.remove()`` restores the model exactly; ``with trim(model): ...``.
+    """
+    if not isinstance(model, nn.Module):
+        raise GradauditError(f"trim() needs a torch.nn.Module, got {type(model).__name__}")
+    if model in _TRIMMED:
+        raise GradauditError(f"{type(model).__name__} is already trimmed; remove the first handle first")
+    handle = TrimHandle(model, bitpack)
+    _TRIMMED[model] = handle
+    return handle
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring the effect
+
+
+class PeakTracker(StorageTracker):
+    """StorageTracker that also follows the bytes alive after every op, and their maximum.
+
+    ``exclude``: storages alive anyway (parameters, buffers, the caller's inputs), not counted
+    when a view of them (a detach when autograd unpacks a saved parameter) passes by.
+    """
+
+    def __init__(self, exclude: set[int] = frozenset()) -> None:
+        super().__init__()
+        self.exclude = exclude
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for cdata in [c for c, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(cdata)[1]
+        for cdata, (ref, nbytes) in self.storages.items():
+            if cdata not in self.live and cdata not in self.exclude and not ref.expired():
+                self.live[cdata] = (ref, nbytes)
+                self.current += nbytes
+        self.storages = {}  # the live table takes over; keep the per-op scan short
+        self.peak = max(self.peak, self.current)
+        return out
+
+    def settle(self) -> int:
+        for cdata in [c for c, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(cdata)[1]
+        return self.current
+
+
+def _forward_backward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(bytes held after the forward, peak bytes through forward and backward), outputs excluded
+    from the held figure. CPU: a PeakTracker; CUDA: the caching allocator's counters."""
+    device = next((t.device for t in [*model.parameters(), *iter_tensors((args, kwargs))]), torch.device("cpu"))
+    cuda = device.type == "cuda"
+    tracker = None
+    if cuda:
+        torch.cuda.synchronize(device)
+        gc.collect()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        tracker = PeakTracker({t.untyped_storage()._cdata for t in
+                               [*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs))]})
+        tracker.__enter__()
+    try:
+        output = model(*args, **kwargs)
+        outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
+        del output
+        gc.collect()
+        output_bytes = sum(t.untyped_storage().nbytes() for t in
+                           {t.untyped_storage()._cdata: t for t in outputs}.values())
+        if cuda:
+            held = torch.cuda.memory_allocated(device) - base - output_bytes
+        else:
+            held = tracker.settle() - output_bytes
+        if outputs:
+            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        del outputs
+    finally:
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+    if cuda:
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        peak = tracker.peak
+    return held, peak
+
+
+def compare(model: nn.Module, inputs: Any, *, bitpack: bool = True) -> dict[str, int]:
+    """Held bytes after the forward and peak bytes through forward+backward, plain vs trimmed.
+
+    Returns ``{"held_before", "held_after", "peak_before", "peak_after"}`` in bytes. Runs two
+    forwards and backwards; the model (``.grad``, buffers, flags, RNG) and the inputs' ``.grad``
+    are left as found.
+    """
+    if not isinstance(model, nn.Module):
+        raise GradauditError(f"compare() needs a torch.nn.Module, got {type(model).__name__}")
+    if model in _TRIMMED:
+        raise GradauditError("compare() measures the model with and without trimming; remove its trim handle first")
+    args, kwargs = split_inputs(inputs)
+    leaves = [t for t in unique(list(iter_tensors((args, kwargs)))) if t.requires_grad and t.is_leaf]
+    input_grads = [(t, t.grad) for t in leaves]
+    state = ModelState(model)
+    try:
+        measured = []
+        for trimmed in (False, True):
+            # each run starts from the same state: same BN statistics, same dropout masks, and no
+            # accumulation into the caller's .grad tensors
+            state.restore()
+            for t in [*model.parameters(), *leaves]:
+                t.grad = None
+            if trimmed:
+                with trim(model, bitpack=bitpack):
+                    measured.append(_forward_backward(model, args, kwargs))
+            else:
+                measured.append(_forward_backward(model, args, kwargs))
+    finally:
+        state.restore()
+        for t, grad in input_grads:
+            t.grad = grad
+    (held_before, peak_before), (held_after, peak_after) = measured
+    return {"held_before": held_before, "held_after": held_after,
+            "peak_before": peak_before, "peak_after": peak_after}
+
