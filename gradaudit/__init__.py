@@ -1,14 +1,40 @@
-"""gradaudit: find the memory PyTorch autograd holds for backward that backward can never use."""
+"""gradaudit: find the memory PyTorch autograd holds for backward that backward can never use.
 
-from .audit import audit
+The package imports torch only when one of its functions is first used: the pytest plugin
+(gradaudit.pytest_plugin) is loaded by every pytest run in an environment where gradaudit is
+installed, and must not make unrelated test suites import torch.
+"""
+
+from typing import Any
+
 from .errors import ForwardError, GradauditError, NothingRequiresGradError
 from .records import SCHEMA_VERSION, Finding, Report, SavedTensor
-from .trimming import trim
-from .testing import assert_no_waste
 
 __version__ = "0.1.0"
 
+# public name -> (module, attribute); resolved on first access by __getattr__ below
+_LAZY = {
+    "audit": ("gradaudit.auditing", "audit"),
+    "trim": ("gradaudit.trimming", "trim"),
+    "assert_no_waste": ("gradaudit.testing", "assert_no_waste"),
+}
+
 __all__ = [
-    "audit", "trim", "Report", "Finding", "SavedTensor", "SCHEMA_VERSION",
-    "GradauditError", "ForwardError", "NothingRequiresGradError", "assert_no_waste", "__version__",
+    "audit", "trim", "assert_no_waste", "Report", "Finding", "SavedTensor", "SCHEMA_VERSION",
+    "GradauditError", "ForwardError", "NothingRequiresGradError", "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module_name, attribute = _LAZY[name]
+        value = getattr(importlib.import_module(module_name), attribute)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
+    raise AttributeError(f"module 'gradaudit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

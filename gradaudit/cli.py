@@ -178,7 +178,7 @@ def run_scan(options: ScanOptions) -> int:
 
     model, inputs = prepare(options)
 
-    from .audit import audit
+    from .auditing import audit
 
     report = audit(model, inputs, verify=options.verify,
                    trainable=list(options.trainable) if options.trainable else None,
@@ -253,7 +253,7 @@ def _trim(model: Any, inputs: Any, options: ScanOptions) -> dict[str, int]:
         from .trimming import compare
     except ImportError as error:
         raise ScanFailed(f"--trim is not available in this installation ({error})", error) from error
-    from .audit import matching_parameters
+    from .auditing import matching_parameters
 
     if options.device == "meta":
         raise ScanFailed("--trim measures real memory and cannot run on --device meta; use --device cpu")

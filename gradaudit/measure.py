@@ -47,7 +47,7 @@ def held_bytes_after_forward(model: torch.nn.Module, inputs: Any) -> int:
     Parameters, buffers and the inputs are excluded (alive anyway). The outputs themselves are
     dropped first, so an output storage counts only if a backward node saved it.
     """
-    from .audit import iter_tensors, split_inputs
+    from .auditing import iter_tensors, split_inputs
 
     args, kwargs = split_inputs(inputs)
     exclude = {StorageWeakRef(t.untyped_storage()).cdata

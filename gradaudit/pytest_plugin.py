@@ -21,6 +21,6 @@ def no_waste():
 @pytest.fixture
 def gradaudit_audit():
     """``gradaudit.audit``, for tests that assert on the report themselves."""
-    from gradaudit.audit import audit
+    from gradaudit import audit
 
     return audit

@@ -67,7 +67,7 @@ def assert_no_waste(
     that require grad during the check (as in ``gradaudit.audit``). Returns the report on success.
     """
     __tracebackhide__ = True  # pytest shows the caller's line and the message, not these frames
-    from .audit import audit
+    from .auditing import audit
 
     if isinstance(allow, str):
         allow = (allow,)

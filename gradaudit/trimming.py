@@ -30,7 +30,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import rules as _rules  # noqa: F401  (registers the op knowledge)
-from .audit import ModelState, iter_tensors, split_inputs, unique
+from .auditing import ModelState, iter_tensors, split_inputs, unique
 from .errors import GradauditError
 from .measure import StorageTracker
 from .recorder import _raw_saved_slots, node_scalars

@@ -228,3 +228,16 @@ def test_plugin_fixtures_are_registered_through_the_entry_point(tmp_path):
                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 passed" in result.stdout
+
+
+def test_loading_the_plugin_does_not_import_torch():
+    # pytest loads the plugin in every test run of an environment where gradaudit is installed;
+    # unrelated test suites must not pay for (or break on) importing torch.
+    import subprocess
+    import sys
+
+    code = ("import sys, gradaudit, gradaudit.pytest_plugin; "
+            "assert 'torch' not in sys.modules, 'torch was imported'; "
+            "assert callable(gradaudit.audit) and 'torch' in sys.modules")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
