@@ -26,6 +26,7 @@ import torchvision
 from torch import nn
 
 import gradaudit
+from gradaudit.scenarios import SCENARIOS, apply_scenario
 from gradaudit.trimming import compare, trim
 
 MODELS = {
@@ -35,8 +36,6 @@ MODELS = {
     "VGG-11-BN": "vgg11_bn",
     "MobileNet-V3-L": "mobilenet_v3_large",
 }
-SCENARIOS = ("all-trainable", "input-only", "input-only-bn-eval", "norm-only", "surgical")
-NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
 
 # Published peak-memory reductions of memsave_torch (autograd-facts.md), per scenario, on the
 # models that study measured. Not our models: shown for orientation only.
@@ -46,22 +45,6 @@ MEMSAVE = {
     "norm-only": {"resnet": "R101 -33%"},
     "surgical": {"resnet": "R101 -12%"},
 }
-
-
-def apply_scenario(model: nn.Module, scenario: str, inputs: torch.Tensor) -> None:
-    """all-trainable / input-only / input-only-bn-eval / norm-only / surgical (first third of the
-    layers with weights trainable)."""
-    model.train(scenario != "input-only-bn-eval")
-    model.requires_grad_(scenario == "all-trainable")
-    inputs.requires_grad_(scenario.startswith("input-only"))
-    if scenario == "norm-only":
-        for module in model.modules():
-            if isinstance(module, NORMS):
-                module.requires_grad_(True)
-    if scenario == "surgical":
-        layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear, *NORMS))]
-        for module in layers[: max(1, len(layers) // 3)]:
-            module.requires_grad_(True)
 
 
 def step(model: nn.Module, x: torch.Tensor) -> float:

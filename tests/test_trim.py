@@ -14,23 +14,7 @@ from gradaudit.trimming import compare, trim
 
 torchvision = pytest.importorskip("torchvision")
 
-SCENARIOS = ("all-trainable", "input-only", "input-only-bn-eval", "norm-only", "surgical")
-NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
-
-
-def apply_scenario(model: nn.Module, scenario: str, inputs: torch.Tensor) -> None:
-    """The selective-differentiation settings of the memsave study."""
-    model.train(scenario != "input-only-bn-eval")
-    model.requires_grad_(scenario == "all-trainable")
-    inputs.requires_grad_(scenario.startswith("input-only"))
-    if scenario == "norm-only":
-        for module in model.modules():
-            if isinstance(module, NORMS):
-                module.requires_grad_(True)
-    if scenario == "surgical":  # the first third of the layers with weights (surgical fine-tuning)
-        layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear, *NORMS))]
-        for module in layers[: max(1, len(layers) // 3)]:
-            module.requires_grad_(True)
+from gradaudit.scenarios import SCENARIOS, apply_scenario
 
 
 def gradients(model: nn.Module, inputs: dict | tuple, *, seed: int = 0) -> list:
