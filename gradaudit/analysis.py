@@ -216,14 +216,21 @@ def run_rules(ctx: RuleContext, accountant: Accountant, select: Sequence[str] = 
                 share += together[sid]
         first = flag.tensors[0] if flag.tensors else None
         node = flag.node
+        severity, message = flag.severity or r.severity, flag.message
+        freed = flag.bytes if flag.bytes is not None else alone
+        contributes = any(ctx.tensors[i].storage_id in together for i in indices)
+        if severity == "waste" and freed == 0 and not contributes:
+            # True, but no combination of fixes frees a byte of it (a needed save shares the
+            # storage): keep it visible as information, never as waste that fails a check.
+            severity = "info"
+            message += "; nothing would be freed: a save that backward needs shares its storage"
         findings.append(Finding(
-            code=r.code, name=r.name, severity=flag.severity or r.severity, message=flag.message,
+            code=r.code, name=r.name, severity=severity, message=message,
             module=flag.module if flag.module is not None else (first.module if first else (node.module if node else "")),
             module_class=first.module_class if first else "",
             node=node.name if node else "", attrs=tuple(t.attr for t in flag.tensors),
             source=first.source if first else None, tensors=tuple(sorted(indices)),
-            bytes=flag.bytes if flag.bytes is not None else alone,
-            bytes_together=share, fix=flag.fix or r.fix, fix_code=flag.fix_code or r.fix_code,
+            bytes=freed, bytes_together=share, fix=flag.fix or r.fix, fix_code=flag.fix_code or r.fix_code,
             fix_safe=r.fix_safe, proven=bool(flag.tensors) and all(t.proven for t in flag.tensors),
         ))
     return findings

@@ -167,3 +167,32 @@ def test_bert_verify_finds_no_rule_bugs():
     model, inputs = small_bert("BertModel")
     report = gradaudit.audit(model, inputs, verify=True)
     assert not [n for n in report.notes if n.startswith("rule bug")]
+
+
+def test_a_finding_that_frees_nothing_is_information_not_waste():
+    # Every layer trains: the ReLU's result is also the next conv's saved input, which the conv's
+    # weight gradient needs in full. Bit-packing the ReLU's copy frees nothing, so the finding
+    # stays visible but as "info" and does not fail assert_no_waste.
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    images = torch.randn(2, 3, 12, 12)
+    report = gradaudit.audit(model, images)
+    relu = [f for f in report.findings if f.code == "GA401"]
+    assert len(relu) == 1 and relu[0].severity == "info"
+    assert relu[0].bytes == 0 and relu[0].bytes_together == 0
+    assert "nothing would be freed" in relu[0].message
+    assert relu[0] not in report.waste_findings
+    assert report.reclaimable_with_bitpacking_bytes == 0
+    gradaudit.assert_no_waste(model, images)
+
+
+def test_a_finding_needed_for_a_combined_fix_stays_waste():
+    # ReLU -> max-pool -> frozen conv: the ReLU's result is held by the ReLU (sign only) and by the
+    # max-pool (not needed). Neither fix alone frees it; both together do, so both stay "waste".
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 4, 3))
+    model[3].requires_grad_(False)
+    report = gradaudit.audit(model, torch.randn(2, 3, 12, 12))
+    by_code = {f.code: f for f in report.findings}
+    assert by_code["GA301"].severity == "waste" and by_code["GA401"].severity == "waste"
+    assert by_code["GA301"].bytes == 0 and by_code["GA401"].bytes == 0
+    # the ReLU result is 2*4*10*10 floats = 3200 bytes; bit-packed it keeps ceil(800/8) = 100
+    assert by_code["GA301"].bytes_together + by_code["GA401"].bytes_together == 3200 - 100
