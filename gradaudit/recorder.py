@@ -17,7 +17,7 @@ import os
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -404,15 +404,16 @@ def _raw_saved_slots(node: Any) -> Iterator[tuple[str, Any]]:
 _SCALAR_TYPES = (bool, int, float, str)
 
 
-def node_scalars(node: Any) -> dict[str, Any]:
+def node_scalars(node: Any, names: Optional[Iterable[str]] = None) -> dict[str, Any]:
     """The node's non-tensor saved values (BN's ``training``, threshold values, strides...).
 
+    ``names``: read only these (a caller on a hot path that knows which ones matter).
     Reading these never runs an unpack hook: only tensor slots are packed.
     """
     if isinstance(node, torch.autograd.function.BackwardCFunction):
         return {}
     values: dict[str, Any] = {}
-    for attr in _names_of(node)[1]:
+    for attr in _names_of(node)[1] if names is None else names:
         try:
             value = getattr(node, "_saved_" + attr)
         except Exception:  # some symbolic-size attributes cannot be read on every device

@@ -21,6 +21,7 @@ own ``saved_tensors_hooks`` inside the model) are never touched.
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 from typing import Any, Callable, Optional
@@ -33,7 +34,7 @@ from . import rules as _rules  # noqa: F401  (registers the op knowledge)
 from .auditing import ModelState, iter_tensors, split_inputs, unique
 from .errors import GradauditError
 from .measure import StorageTracker
-from .recorder import _raw_saved_slots, node_scalars
+from .recorder import _names_of, _raw_saved_slots, node_scalars
 from .records import NOT_NEEDED, GraphNode, SavedTensor
 from .rules.registry import op_knowledge
 
@@ -44,9 +45,9 @@ except ImportError:  # torch runs without numpy; bit-packing then uses torch ops
 
 __all__ = ["trim", "TrimHandle", "compare"]
 
-# Saves that one bit per element can stand for. A packer takes the saved values (flattened in
-# memory order) and returns (bits, value where a bit is set; 0 elsewhere), or None when the values
-# do not fit that form. Each is written so the unpacked tensor gives the backward the same results:
+# Saves that one bit per element can stand for. A packer takes the saved values (in memory order)
+# and returns (bits, value where a bit is set; 0 elsewhere), or None when the values do not fit
+# that form. Each is written so the unpacked tensor gives the backward the same results:
 #   threshold_backward(grad, x, 0): x <= 0 ? 0 : grad   (ReLU result, Threshold with threshold 0)
 #   leaky_relu_backward(grad, x, slope): x > 0 ? grad : grad * slope
 # so the bit is that comparison itself (NaN, -0.0 included) and the unpacked value 1.0 or 0.0;
@@ -54,11 +55,32 @@ __all__ = ["trim", "TrimHandle", "compare"]
 # so the mask must be reproduced exactly: checked to hold only +0.0 and one positive value.
 
 
+# numpy's elementwise comparisons run several times faster than torch's on CPU at these sizes
+# (same IEEE comparisons: NaN and -0.0 give the same answers); the masks are still allocated by
+# torch, so storage trackers see them
+_NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64})
+
+
+def _numpy_ok(values: torch.Tensor) -> bool:
+    return (numpy is not None and type(values) is torch.Tensor and values.device.type == "cpu"
+            and values.dtype in _NUMPY_DTYPES)
+
+
 def _passes_unless_le_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
+    if _numpy_ok(values):
+        mask = torch.empty(values.shape, dtype=torch.bool)
+        out = mask.numpy()
+        numpy.less_equal(values.numpy(), 0, out=out)
+        numpy.logical_not(out, out=out)
+        return mask, 1.0
     return (values <= 0).logical_not_(), 1.0
 
 
 def _passes_if_gt_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
+    if _numpy_ok(values):
+        mask = torch.empty(values.shape, dtype=torch.bool)
+        numpy.greater(values.numpy(), 0, out=mask.numpy())
+        return mask, 1.0
     return values > 0, 1.0
 
 
@@ -98,7 +120,7 @@ class _Box:
     """What autograd stores instead of a saved tensor while a model is trimmed."""
 
     __slots__ = ("session", "state", "payload", "shape", "dtype", "device", "version", "stride",
-                 "offset", "order", "scale", "zero_stride", "outer_unpack", "__weakref__")
+                 "offset", "scale", "zero_stride", "outer_unpack", "__weakref__")
 
     def __init__(self, session: "_Session", payload: Any, tensor: torch.Tensor,
                  outer_unpack: Optional[Callable[[Any], Any]]) -> None:
@@ -109,9 +131,10 @@ class _Box:
         self.dtype = tensor.dtype
         self.device = tensor.device
         self.version = tensor._version
-        self.stride = tuple(tensor.stride())
+        # read when the box is dropped or packed (the tensor is still at hand then), except behind
+        # an outer hook, whose packed object is not the tensor
+        self.stride: tuple[int, ...] = () if outer_unpack is None else tensor.stride()
         self.offset = 0
-        self.order: Optional[list[int]] = None  # bit-packed: dims from outermost to innermost in memory
         self.zero_stride = False  # dropped: a zero-stride placeholder is enough
         self.scale = 1.0  # bit-packed: the value a set bit stands for
         self.outer_unpack = outer_unpack
@@ -170,30 +193,34 @@ def _unpack_bits(box: _Box) -> torch.Tensor:
     table = _bit_table(box.dtype, packed.device)
     if box.scale != 1.0:
         table = table * box.scale  # exact: 1.0 * scale and 0.0 * scale (scale > 0)
-    values = torch.index_select(table, 0, packed.int())
-    values = values.view(-1)[: box.shape.numel()]
-    permuted = values.view([box.shape[d] for d in box.order])
-    out = permuted.permute(_inverse(box.order))
-    if out.stride() == box.stride:
-        return out
-    # same strides as the saved tensor: a kernel's choice of memory format (and so of algorithm)
-    # must not change (size-1 dimensions can carry other strides)
-    exact = torch.empty_strided(box.shape, box.stride, dtype=box.dtype, device=box.device)
-    exact.permute(box.order).copy_(permuted)
-    return exact
+    if numpy is not None and type(packed) is torch.Tensor and packed.device.type == "cpu" \
+            and box.dtype in _NUMPY_DTYPES:
+        # numpy's take (every index is in range: mode="clip" skips its bounds buffer) is about
+        # twice as fast as index_select; the values are allocated by torch
+        values = torch.empty((packed.numel() * 8,), dtype=box.dtype)
+        numpy.take(table.numpy(), packed.numpy(), axis=0, out=values.numpy().reshape(-1, 8), mode="clip")
+    else:
+        values = torch.index_select(table, 0, packed.int())
+    # the bits were taken in memory order from a dense tensor: the saved strides put every value
+    # back in place, and a kernel's choice of memory format (and so of algorithm) cannot change
+    return values.as_strided(box.shape, box.stride)
 
 
-def _inverse(order: list[int]) -> list[int]:
-    inverse = [0] * len(order)
-    for position, dim in enumerate(order):
-        inverse[dim] = position
-    return inverse
+_EMPTIES: dict[Any, torch.Tensor] = {}
 
 
 def _zeros_strided(box: _Box) -> torch.Tensor:
     """Zeros with the saved tensor's shape and strides (overlapping strides included)."""
     if box.shape.numel() == 0:
-        return torch.empty_strided(box.shape, box.stride, dtype=box.dtype, device=box.device)
+        # no element can be read or written: one tensor per layout serves every such save (eval-mode
+        # batch norm saves two of them per layer)
+        key = (box.shape, box.stride, box.dtype, box.device)
+        empty = _EMPTIES.get(key)
+        if empty is None:
+            empty = torch.empty_strided(box.shape, box.stride, dtype=box.dtype, device=box.device)
+            if len(_EMPTIES) < 256:
+                _EMPTIES[key] = empty
+        return empty
     span = 1 + sum((size - 1) * stride for size, stride in zip(box.shape, box.stride))
     return torch.zeros((span,), dtype=box.dtype, device=box.device).as_strided(box.shape, box.stride)
 
@@ -206,12 +233,12 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _memory_order(t: torch.Tensor) -> Optional[list[int]]:
-    """Dims from outermost to innermost when ``t`` is dense and non-overlapping, else None."""
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``t.numel()`` consecutive memory slots (dense, no overlap)."""
+    if t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)):
+        return True
     order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -d))
-    if t.permute(order).is_contiguous():
-        return order
-    return None
+    return t.permute(order).is_contiguous()
 
 
 class _StorageUse:
@@ -308,7 +335,7 @@ class _Session:
             self.waiting = []
             self.outer = None
 
-    def enter(self, entry: tuple[str, str]) -> None:
+    def enter(self, entry: tuple[str, str], *unused: Any) -> None:
         if self.active:
             if self.pending:
                 self.step()
@@ -328,43 +355,60 @@ class _Session:
         if not nodes and not final:
             self.waiting = waiting
             return
-        with torch.no_grad():
-            for node, module in nodes:
-                self.decide(node, module)
-            # Bit-packable saves wait one boundary before they are packed: the op that consumes
-            # a ReLU result usually runs next, and when it keeps the tensor, packing would only
-            # have cost time (the bits would be given back)
-            if final:
-                waiting, self.waiting = waiting + self.waiting, []
-            for box, packer in waiting:
-                if self.packable(box):
-                    self.pack_bits(box, packer)
-                else:
-                    self.keep(box)
+        for node, module in nodes:
+            self.decide(node, module)
+        # Bit-packable saves wait one boundary before they are packed: the op that consumes
+        # a ReLU result usually runs next, and when it keeps the tensor, packing would only
+        # have cost time (the bits would be given back)
+        if final:
+            waiting, self.waiting = waiting + self.waiting, []
+        if waiting:
+            with torch.no_grad():
+                for box, packer in waiting:
+                    if self.packable(box):
+                        self.pack_bits(box, packer)
+                    else:
+                        self.keep(box)
 
     def decide(self, node: Any, module: tuple[str, str]) -> None:
+        kind = _KINDS.get(type(node)) or _kind_of(node)
         boxes = []
-        for attr, raw in _raw_saved_slots(node):
+        if kind.slots is None:
+            slots = _raw_saved_slots(node)
+        else:
+            slots = []
+            for attr, getter in kind.slots:
+                raw = getattr(node, getter)
+                if raw is None:
+                    continue
+                if type(raw) is list or type(raw) is tuple:
+                    slots.extend((f"{attr}[{i}]", item) for i, item in enumerate(raw) if item is not None)
+                else:
+                    slots.append((attr, raw))
+        for attr, raw in slots:
             box = raw.data
             if type(box) is _Box and box.session is self:
                 boxes.append((attr, box))
         if not boxes:
             return
-        name = type(node).__name__
-        knowledge = op_knowledge(name)
-        verdicts = {}
-        if knowledge is not None:
-            verdicts = _verdicts(knowledge, node, name, module, boxes)
-        for attr, box in boxes:
-            verdict = verdicts.get(attr)
-            outcome = verdict.verdict if verdict is not None else None
-            if outcome == NOT_NEEDED and self.droppable(box):
-                box.zero_stride = (name, attr) in _SHAPE_ONLY and box.stride == _contiguous_strides(box.shape)
+        if kind.knowledge is None:
+            for _, box in boxes:
+                self.keep(box)
+            return
+        for (attr, box), action in zip(boxes, _plan(kind, node, module, boxes)):
+            if action is _KEEP_ACTION:
+                self.keep(box)
+            elif type(action) is bool:  # dropped; True: a zero-stride placeholder may do
+                if not self.droppable(box):
+                    self.keep(box)
+                    continue
+                if box.outer_unpack is None:
+                    box.stride = box.payload.stride()
+                box.zero_stride = action and box.stride == _contiguous_strides(box.shape)
                 box.payload, box.state = None, _DROPPED
                 self.stats["dropped"] += 1
-            elif verdict is not None and verdict.bitpackable and (name, attr) in _PACKERS \
-                    and self.packable(box):
-                self.waiting.append((box, _PACKERS[(name, attr)]))
+            elif self.packable(box):
+                self.waiting.append((box, action))
             else:
                 self.keep(box)
 
@@ -416,39 +460,150 @@ class _Session:
 
     def pack_bits(self, box: _Box, packer: Callable[[torch.Tensor], Optional[tuple[torch.Tensor, float]]]) -> None:
         tensor = box.payload
-        order = _memory_order(tensor)
-        found = packer(tensor.permute(order).reshape(-1)) if order is not None else None
+        # dense: the values in memory order, whatever the layout (unpacking restores the strides)
+        found = packer(tensor.as_strided((tensor.numel(),), (1,))) if _dense(tensor) else None
         if found is None:
             self.keep(box)
             return
         mask, box.scale = found
-        box.stride, box.offset, box.order = tuple(tensor.stride()), tensor.storage_offset(), order
+        box.stride, box.offset = tensor.stride(), tensor.storage_offset()
         self.use_of(tensor).packed.append(weakref.ref(box))
         box.payload, box.state = _pack_bits(mask), _PACKED
         self.stats["bitpacked"] += 1
 
 
-_VERDICT_CACHE: dict[Any, dict[str, Any]] = {}
+class _NodeKind:
+    """What deciding needs about one autograd node type, found once per type."""
+
+    __slots__ = ("name", "slots", "knowledge", "scalars")
+
+    def __init__(self, node: Any) -> None:
+        self.name = type(node).__name__
+        # (attribute, getter) per tensor slot; None for custom Functions (their own listing)
+        self.slots: Optional[tuple[tuple[str, str], ...]] = None
+        if not isinstance(node, torch.autograd.function.BackwardCFunction):
+            self.slots = tuple((attr, "_raw_saved_" + attr) for attr in _names_of(node)[0])
+        self.knowledge = op_knowledge(self.name)
+        # the scalars the op knowledge has read so far (learnt, see _plan); None: all of them
+        self.scalars: Optional[tuple[str, ...]] = ()
 
 
-def _verdicts(knowledge: Callable, node: Any, name: str, module: tuple[str, str],
-              boxes: list[tuple[str, _Box]]) -> dict[str, Any]:
-    """The op knowledge's verdicts for one node, cached: they are a pure function of the node type,
-    its edge mask, its scalars, its module and the saves' attributes, shapes, dtypes and devices."""
-    edge_mask = [fn is not None for fn, _ in node.next_functions]
-    scalars = node_scalars(node)
-    key = (name, module, tuple(edge_mask), tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in scalars.items()),
-           tuple((attr, tuple(box.shape), box.dtype, box.device) for attr, box in boxes))
-    verdicts = _VERDICT_CACHE.get(key)
-    if verdicts is None:
-        graph_node = GraphNode(id=0, name=name, module=module[0], next_ids=[], edge_mask=edge_mask,
-                               scalars=scalars)
-        saved = {attr: _describe(i, name, attr, module, box) for i, (attr, box) in enumerate(boxes)}
-        verdicts = knowledge(graph_node, saved)
-        if len(_VERDICT_CACHE) > 4096:
-            _VERDICT_CACHE.clear()
-        _VERDICT_CACHE[key] = verdicts
-    return verdicts
+_KINDS: dict[type, _NodeKind] = {}
+
+
+def _kind_of(node: Any) -> _NodeKind:
+    kind = _KINDS[type(node)] = _NodeKind(node)
+    return kind
+
+
+class _ScalarsRead(dict):
+    """A node's scalars, noting which ones the op knowledge looks at (all: ``everything``)."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        super().__init__(values)
+        self.read: set[str] = set()
+        self.everything = False
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(key)  # type: ignore[arg-type]
+        return super().__contains__(key)
+
+    def _all(self) -> None:
+        self.everything = True
+
+    def __iter__(self):  # type: ignore[override]
+        self._all()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._all()
+        return super().__len__()
+
+    def keys(self):  # type: ignore[override]
+        self._all()
+        return super().keys()
+
+    def values(self):  # type: ignore[override]
+        self._all()
+        return super().values()
+
+    def items(self):  # type: ignore[override]
+        self._all()
+        return super().items()
+
+    def copy(self) -> dict[str, Any]:
+        self._all()
+        return dict(super().items())
+
+    def __eq__(self, other: object) -> bool:
+        self._all()
+        return super().__eq__(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        self._all()
+        return super().__repr__()
+
+
+_KEEP_ACTION = None
+_PLANS: dict[Any, tuple[Any, ...]] = {}
+
+
+def _plan(kind: _NodeKind, node: Any, module: tuple[str, str], boxes: list[tuple[str, _Box]]) -> tuple[Any, ...]:
+    """Per save of ``node``: _KEEP_ACTION, a bool (not needed; True when backward reads only its
+    shape) or the packer of a bit-packable save. Cached: the op knowledge is a pure function of
+    the node type, its edge mask, the scalars it reads, the module and the saves' attributes,
+    shapes, dtypes and devices.
+
+    Reading every scalar of every node costs more than the rest of a decision, so the cache key
+    holds only the scalars this node type's knowledge has read so far. That is exact: a cached
+    plan came from a call that read only scalars in the key, so any node matching the key takes
+    the same path through the knowledge. A call that reads more widens the type's set.
+    """
+    scalars = kind.scalars
+    read = node_scalars(node, scalars) if scalars is not None else node_scalars(node)
+    key = (kind, module, tuple([fn is not None for fn, _ in node.next_functions]),
+           tuple([(k, tuple(v) if type(v) is list else v) for k, v in read.items()]),
+           tuple([(attr, box.shape, box.dtype, box.device) for attr, box in boxes]))
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    seen = _ScalarsRead(node_scalars(node))
+    graph_node = GraphNode(id=0, name=kind.name, module=module[0], next_ids=[], edge_mask=list(key[2]),
+                           scalars=seen)
+    saved = {attr: _describe(i, kind.name, attr, module, box) for i, (attr, box) in enumerate(boxes)}
+    verdicts = kind.knowledge(graph_node, saved)
+    if seen.everything or scalars is None:
+        kind.scalars = None
+    elif not seen.read <= set(scalars):
+        kind.scalars = tuple(sorted(seen.read.union(scalars)))
+    actions = []
+    for attr, _ in boxes:
+        verdict = verdicts.get(attr)
+        if verdict is None:
+            actions.append(_KEEP_ACTION)
+        elif verdict.verdict == NOT_NEEDED:
+            actions.append((kind.name, attr) in _SHAPE_ONLY)
+        elif verdict.bitpackable and (kind.name, attr) in _PACKERS:
+            actions.append(_PACKERS[(kind.name, attr)])
+        else:
+            actions.append(_KEEP_ACTION)
+    plan = tuple(actions)
+    if len(_PLANS) > 4096:
+        _PLANS.clear()
+    # stored under the scalars read by this call (the type's set may have grown)
+    read = node_scalars(node, kind.scalars) if kind.scalars is not None else node_scalars(node)
+    _PLANS[key[:3] + (tuple([(k, tuple(v) if type(v) is list else v) for k, v in read.items()]),) + key[4:]] = plan
+    return plan
 
 
 def _describe(index: int, node: str, attr: str, module: tuple[str, str], box: _Box) -> SavedTensor:
@@ -478,8 +633,7 @@ class TrimHandle:
         for path, module in model.named_modules():
             if module is not model:
                 entry = (path, type(module).__name__)
-                self._handles.append(module.register_forward_pre_hook(
-                    lambda *unused, entry=entry: session.enter(entry)))
+                self._handles.append(module.register_forward_pre_hook(functools.partial(session.enter, entry)))
                 self._handles.append(module.register_forward_hook(session.leave, always_call=True))
         self._handles.append(model.register_forward_hook(
             lambda *unused: session.end(), always_call=True))

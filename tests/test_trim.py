@@ -335,6 +335,30 @@ def test_trimmed_submodule_inside_a_trimmed_model():
     assert_identical(plain, both)
 
 
+def test_cached_decisions_follow_the_scalars_the_op_knowledge_reads():
+    """Decisions are cached per node type keyed on the scalars its op knowledge has read (learnt,
+    not listed): the same threshold node, shapes and edges with another threshold decide apart."""
+    import gradaudit.trimming as trimming
+
+    trimming._PLANS.clear()
+    trimming._KINDS.clear()  # learn from scratch which scalars each node type's knowledge reads
+    model = nn.Sequential(nn.Linear(11, 11), nn.Threshold(0.0, 0.0))
+    x = torch.randn(2, 11)
+    packed = []
+    with trim(model) as handle:
+        for threshold in (0.0, 0.5, 0.0):
+            model[1].threshold = threshold
+            model(x).sum().backward()
+            packed.append(handle.stats["bitpacked"])
+    # threshold 0: one bit per element says x > 0; threshold 0.5 compares against 0.5: kept
+    assert packed == [1, 1, 2]
+    kind = next(k for k in trimming._KINDS.values() if k.name == "ThresholdBackward0")
+    assert kind.scalars == ("threshold",)
+    model[1].threshold = 0.5
+    plain, trimmed, _ = plain_and_trimmed(model, (x.clone().requires_grad_(True),))
+    assert_identical(plain, trimmed)
+
+
 def test_decisions_are_made_during_the_forward():
     """The peak falls: BN's unneeded input is dropped before the next module runs."""
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3)).eval().requires_grad_(False)
