@@ -5,9 +5,9 @@ hook lists the new autograd nodes. At every module boundary (Python level, no op
 nodes created since the last boundary are decided with the static op knowledge of
 ``gradaudit/rules/ops.py`` and their boxes rewritten:
 
-- not needed: the box forgets the tensor. Backward gets zeros of the same shape, dtype, device and
-  strides, made when it reads them (a zero-stride ``torch.zeros(()).expand(shape)`` where only the
-  shape is read, see _SHAPE_ONLY);
+- not needed: the box forgets the tensor. Backward gets an unfilled tensor of the same shape, dtype,
+  device and strides, made when it reads them (a zero-stride ``torch.zeros(()).expand(shape)`` where
+  only the shape is read, see _SHAPE_ONLY);
 - one bit per element is enough (when ``bitpack``; ReLU results, dropout masks, see _PACKERS): the
   box keeps the bits and backward gets a tensor with the saved strides on which the op's backward
   computes exactly what it did before. Such a save waits one module boundary first: when the next
@@ -152,7 +152,7 @@ def _unpack(box: _Box) -> torch.Tensor:
     if box.state == _DROPPED:
         if box.zero_stride:
             return torch.zeros((), dtype=box.dtype, device=box.device).expand(box.shape)
-        return _zeros_strided(box)
+        return _unfilled_strided(box)
     return _unpack_bits(box)
 
 
@@ -209,8 +209,8 @@ def _unpack_bits(box: _Box) -> torch.Tensor:
 _EMPTIES: dict[Any, torch.Tensor] = {}
 
 
-def _zeros_strided(box: _Box) -> torch.Tensor:
-    """Zeros with the saved tensor's shape and strides (overlapping strides included)."""
+def _unfilled_strided(box: _Box) -> torch.Tensor:
+    """An unfilled tensor with the saved tensor's shape and strides (overlapping strides included)."""
     if box.shape.numel() == 0:
         # no element can be read or written: one tensor per layout serves every such save (eval-mode
         # batch norm saves two of them per layer)
@@ -222,7 +222,10 @@ def _zeros_strided(box: _Box) -> torch.Tensor:
                 _EMPTIES[key] = empty
         return empty
     span = 1 + sum((size - 1) * stride for size, stride in zip(box.shape, box.stride))
-    return torch.zeros((span,), dtype=box.dtype, device=box.device).as_strided(box.shape, box.stride)
+    # Never filled: backward does not read these values (the op knowledge says so, verify=True
+    # proves it, and the bit-identity tests would catch a read). Unfilled memory costs no pass over
+    # it, and the pages of a large allocation that nobody touches are never even committed.
+    return torch.empty((span,), dtype=box.dtype, device=box.device).as_strided(box.shape, box.stride)
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -671,7 +674,7 @@ class TrimHandle:
 def trim(model: nn.Module, *, bitpack: bool = True) -> TrimHandle:
     """Make every forward of ``model`` keep only what backward can need; gradients stay bit-identical.
 
-    Saves backward cannot read are forgotten (backward gets zeros of the same shape and strides);
+    Saves backward cannot read are forgotten (backward gets a placeholder of the same shape and strides, never read);
     saves one bit per element can stand for (ReLU results, dropout masks) become bits when
     ``bitpack``; everything else is kept. Decisions come from the static op knowledge
     (gradaudit/rules/ops.py) and are made at every module boundary of the forward, so the peak
