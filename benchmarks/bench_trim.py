@@ -123,7 +123,7 @@ def main() -> None:
             worst_time = max(worst_time, trimmed_s / plain_s)
             print(f"| {label} | {scenario} | {mib(measured['held_before'])} | {mib(measured['held_after'])} "
                   f"| {mib(measured['peak_before'])} | {mib(measured['peak_after'])} | {peak_change:+.0f}% "
-                  f"| {freed_share:.1f}% ({mib(freed)} of {mib(reclaimable)}) "
+                  f"| {f'{freed_share:.1f}% ({mib(freed)} of {mib(reclaimable)})' if reclaimable else 'nothing to reclaim'} "
                   f"| {trimmed_s / plain_s:.3f} ({plain_s * 1e3:.0f} ms plain) | {published} |", flush=True)
     print(f"\nworst freed share: {worst_freed:.1f}% (goal >= 95%); "
           f"worst time ratio: {worst_time:.3f} (goal <= 1.05)")
