@@ -113,7 +113,7 @@ def mul(node: GraphNode, saved: dict[str, SavedTensor]) -> dict[str, Verdict]:
 _GUARDED = (
     "AddmmBackward0", "MmBackward0", "BmmBackward0", "AddbmmBackward0", "BaddbmmBackward0",
     "DivBackward0", "PowBackward0", "PowBackward1", "PowBackward2",
-    "SoftmaxBackward0", "LogSoftmaxBackward0", "GeluBackward0", "SiluBackward0", "SigmoidBackward0",
+    "SoftmaxBackward0", "SafeSoftmaxBackward0", "LogSoftmaxBackward0", "GeluBackward0", "SiluBackward0", "SigmoidBackward0",
     "TanhBackward0", "HardtanhBackward0", "EluBackward0", "SoftplusBackward0", "HardswishBackward0",
     "HardsigmoidBackward0", "MishBackward0", "ExpBackward0", "LogBackward0", "SqrtBackward0",
     "RsqrtBackward0", "SinBackward0", "CosBackward0", "NativeLayerNormBackward0",
