@@ -26,7 +26,7 @@ from .views import module_bitpacking_totals, ranked_findings, timeline
 # The module picture lists at most this many rows, cutting at the deepest level that fits.
 MAX_MODULE_ROWS = 300
 # Collapsed-graph boxes expanded on demand, each drawn as its own small SVG.
-MAX_EXPANDABLE_GROUPS = 4
+MAX_EXPANDABLE_GROUPS = 12
 TENSOR_COLUMNS = ("index", "module", "module_class", "node", "attr", "shape", "dtype", "view_bytes",
                   "storage_bytes", "storage_kind", "verdict", "bitpackable", "rule", "managed_by",
                   "source", "reason")
