@@ -36,7 +36,7 @@ from .errors import GradauditError
 from .measure import StorageTracker
 from .recorder import _names_of, _raw_saved_slots, node_scalars
 from .records import NOT_NEEDED, GraphNode, SavedTensor
-from .rules.registry import op_knowledge
+from .rules.registry import op_knowledge, op_scalars
 
 try:
     import numpy
@@ -487,8 +487,9 @@ class _NodeKind:
         if not isinstance(node, torch.autograd.function.BackwardCFunction):
             self.slots = tuple((attr, "_raw_saved_" + attr) for attr in _names_of(node)[0])
         self.knowledge = op_knowledge(self.name)
-        # the scalars the op knowledge has read so far (learnt, see _plan); None: all of them
-        self.scalars: Optional[tuple[str, ...]] = ()
+        # reading every scalar of every node costs more than the rest of a decision: read only
+        # those the op knowledge declares it reads
+        self.scalars = op_scalars(self.name)
 
 
 _KINDS: dict[type, _NodeKind] = {}
@@ -499,64 +500,6 @@ def _kind_of(node: Any) -> _NodeKind:
     return kind
 
 
-class _ScalarsRead(dict):
-    """A node's scalars, noting which ones the op knowledge looks at (all: ``everything``)."""
-
-    def __init__(self, values: dict[str, Any]) -> None:
-        super().__init__(values)
-        self.read: set[str] = set()
-        self.everything = False
-
-    def __getitem__(self, key: str) -> Any:
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __contains__(self, key: object) -> bool:
-        self.read.add(key)  # type: ignore[arg-type]
-        return super().__contains__(key)
-
-    def _all(self) -> None:
-        self.everything = True
-
-    def __iter__(self):  # type: ignore[override]
-        self._all()
-        return super().__iter__()
-
-    def __len__(self) -> int:
-        self._all()
-        return super().__len__()
-
-    def keys(self):  # type: ignore[override]
-        self._all()
-        return super().keys()
-
-    def values(self):  # type: ignore[override]
-        self._all()
-        return super().values()
-
-    def items(self):  # type: ignore[override]
-        self._all()
-        return super().items()
-
-    def copy(self) -> dict[str, Any]:
-        self._all()
-        return dict(super().items())
-
-    def __eq__(self, other: object) -> bool:
-        self._all()
-        return super().__eq__(other)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        self._all()
-        return super().__repr__()
-
-
 _KEEP_ACTION = None
 _PLANS: dict[Any, tuple[Any, ...]] = {}
 
@@ -564,31 +507,20 @@ _PLANS: dict[Any, tuple[Any, ...]] = {}
 def _plan(kind: _NodeKind, node: Any, module: tuple[str, str], boxes: list[tuple[str, _Box]]) -> tuple[Any, ...]:
     """Per save of ``node``: _KEEP_ACTION, a bool (not needed; True when backward reads only its
     shape) or the packer of a bit-packable save. Cached: the op knowledge is a pure function of
-    the node type, its edge mask, the scalars it reads, the module and the saves' attributes,
+    the node type, its edge mask, the scalars it declares, the module and the saves' attributes,
     shapes, dtypes and devices.
-
-    Reading every scalar of every node costs more than the rest of a decision, so the cache key
-    holds only the scalars this node type's knowledge has read so far. That is exact: a cached
-    plan came from a call that read only scalars in the key, so any node matching the key takes
-    the same path through the knowledge. A call that reads more widens the type's set.
     """
-    scalars = kind.scalars
-    read = node_scalars(node, scalars) if scalars is not None else node_scalars(node)
+    scalars = node_scalars(node, kind.scalars)
     key = (kind, module, tuple([fn is not None for fn, _ in node.next_functions]),
-           tuple([(k, tuple(v) if type(v) is list else v) for k, v in read.items()]),
+           tuple([(k, tuple(v) if type(v) is list else v) for k, v in scalars.items()]),
            tuple([(attr, box.shape, box.dtype, box.device) for attr, box in boxes]))
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
-    seen = _ScalarsRead(node_scalars(node))
     graph_node = GraphNode(id=0, name=kind.name, module=module[0], next_ids=[], edge_mask=list(key[2]),
-                           scalars=seen)
+                           scalars=scalars)
     saved = {attr: _describe(i, kind.name, attr, module, box) for i, (attr, box) in enumerate(boxes)}
     verdicts = kind.knowledge(graph_node, saved)
-    if seen.everything or scalars is None:
-        kind.scalars = None
-    elif not seen.read <= set(scalars):
-        kind.scalars = tuple(sorted(seen.read.union(scalars)))
     actions = []
     for attr, _ in boxes:
         verdict = verdicts.get(attr)
@@ -600,12 +532,9 @@ def _plan(kind: _NodeKind, node: Any, module: tuple[str, str], boxes: list[tuple
             actions.append(_PACKERS[(kind.name, attr)])
         else:
             actions.append(_KEEP_ACTION)
-    plan = tuple(actions)
     if len(_PLANS) > 4096:
         _PLANS.clear()
-    # stored under the scalars read by this call (the type's set may have grown)
-    read = node_scalars(node, kind.scalars) if kind.scalars is not None else node_scalars(node)
-    _PLANS[key[:3] + (tuple([(k, tuple(v) if type(v) is list else v) for k, v in read.items()]),) + key[4:]] = plan
+    plan = _PLANS[key] = tuple(actions)
     return plan
 
 

@@ -23,3 +23,41 @@ def test_codes_name_their_family():
 def test_duplicate_code_raises():
     with pytest.raises(ValueError):
         rule("GA101", "another-name", fix="x")(lambda ctx: ())
+
+
+def test_op_knowledge_reads_only_the_scalars_it_declares():
+    # gradaudit.trim reads (and keys its decision cache on) only the declared scalars; a knowledge
+    # function reading an undeclared one would see it missing there and decide differently.
+    import itertools
+
+    from gradaudit.records import GraphNode
+    from gradaudit.rules.registry import known_ops, op_knowledge, op_scalars
+
+    class DeclaredOnly(dict):
+        def __init__(self, declared, values):
+            super().__init__(values)
+            self.declared = declared
+
+        def _check(self, key):
+            assert key in self.declared, f"reads undeclared scalar {key!r}"
+
+        def get(self, key, default=None):
+            self._check(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key):
+            self._check(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            self._check(key)
+            return super().__contains__(key)
+
+    samples = (True, False, 0, 0.5, None)
+    for name in known_ops():
+        declared = op_scalars(name)
+        for values in itertools.product(samples, repeat=len(declared)):
+            for mask in itertools.product((False, True), repeat=3):
+                node = GraphNode(id=0, name=name, module="", next_ids=[], edge_mask=list(mask),
+                                 scalars=DeclaredOnly(declared, dict(zip(declared, values))))
+                op_knowledge(name)(node, {})

@@ -336,12 +336,12 @@ def test_trimmed_submodule_inside_a_trimmed_model():
 
 
 def test_cached_decisions_follow_the_scalars_the_op_knowledge_reads():
-    """Decisions are cached per node type keyed on the scalars its op knowledge has read (learnt,
-    not listed): the same threshold node, shapes and edges with another threshold decide apart."""
+    """Decisions are cached per node type keyed on the scalars its op knowledge declares it reads:
+    the same threshold node, shapes and edges with another threshold decide apart."""
     import gradaudit.trimming as trimming
 
     trimming._PLANS.clear()
-    trimming._KINDS.clear()  # learn from scratch which scalars each node type's knowledge reads
+    trimming._KINDS.clear()
     model = nn.Sequential(nn.Linear(11, 11), nn.Threshold(0.0, 0.0))
     x = torch.randn(2, 11)
     packed = []

@@ -31,7 +31,7 @@ def convolution(node: GraphNode, saved: dict[str, SavedTensor]) -> dict[str, Ver
     }
 
 
-@needs("NativeBatchNormBackward0")
+@needs("NativeBatchNormBackward0", scalars=("training",))
 def batch_norm(node: GraphNode, saved: dict[str, SavedTensor]) -> dict[str, Verdict]:
     needs_input_grad, needs_weight_grad = _edge(node, 0), _edge(node, 1)
     training = node.scalars.get("training")
@@ -83,7 +83,7 @@ def leaky_relu(node: GraphNode, saved: dict[str, SavedTensor]) -> dict[str, Verd
     return {"self": Verdict(SIGN_ONLY, "the backward reads only self > 0", bitpackable=True)}
 
 
-@needs("ThresholdBackward0")
+@needs("ThresholdBackward0", scalars=("threshold",))
 def threshold(node: GraphNode, saved: dict[str, SavedTensor]) -> dict[str, Verdict]:
     if node.scalars.get("threshold") == 0:
         return {"self": Verdict(SIGN_ONLY, "the backward reads only self > 0", bitpackable=True)}

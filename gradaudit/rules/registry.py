@@ -32,16 +32,23 @@ class Verdict:
 
 NeedsFunction = Callable[[GraphNode, dict[str, SavedTensor]], dict[str, Verdict]]
 _NEEDS: dict[str, NeedsFunction] = {}
+_SCALARS: dict[str, tuple[str, ...]] = {}
 
 
-def needs(*node_names: str) -> Callable[[NeedsFunction], NeedsFunction]:
-    """Register what an autograd node type's backward reads, as a function of its edge mask."""
+def needs(*node_names: str, scalars: tuple[str, ...] = ()) -> Callable[[NeedsFunction], NeedsFunction]:
+    """Register what an autograd node type's backward reads, as a function of its edge mask.
+
+    ``scalars``: the node's non-tensor saved values the function reads (``node.scalars``), so a
+    hot-path caller (gradaudit.trim) reads and keys its cache on exactly those. A test checks
+    that no knowledge function reads a scalar it did not declare.
+    """
 
     def register(function: NeedsFunction) -> NeedsFunction:
         for name in node_names:
             if name in _NEEDS:
                 raise ValueError(f"op knowledge for {name} registered twice")
             _NEEDS[name] = function
+            _SCALARS[name] = tuple(scalars)
         return function
 
     return register
@@ -49,6 +56,11 @@ def needs(*node_names: str) -> Callable[[NeedsFunction], NeedsFunction]:
 
 def op_knowledge(node_name: str) -> Optional[NeedsFunction]:
     return _NEEDS.get(node_name)
+
+
+def op_scalars(node_name: str) -> tuple[str, ...]:
+    """The scalars the op knowledge of ``node_name`` reads (empty when it reads none)."""
+    return _SCALARS.get(node_name, ())
 
 
 def known_ops() -> list[str]:
