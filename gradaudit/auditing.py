@@ -158,11 +158,11 @@ def audit(
         raise GradauditError(f"audit() needs a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = split_inputs(inputs)
     input_tensors = unique(list(iter_tensors((args, kwargs))))
-    if verify and any(t.device.type == "meta" for t in input_tensors + list(model.parameters())[:1]):
+    on_meta = any(t.device.type == "meta" for t in input_tensors + list(model.parameters())[:1])
+    if verify and on_meta:
         raise GradauditError("verify=True needs real values; it cannot run on the meta device "
                              "(audit on CPU or GPU, or drop verify)")
     state = ModelState(model)
-    notes: list[str] = []
     try:
         if trainable is not None or frozen:
             chosen = matching_parameters(model, trainable) if trainable is not None else None
@@ -176,7 +176,6 @@ def audit(
         if progress:
             progress("running the forward")
         recorder = Recorder(model)
-        on_meta = any(t.device.type == "meta" for t in input_tensors + list(model.parameters())[:1])
         # on meta, attention must take the kernel CPU would take, or it saves different tensors
         kernels = CpuKernelChoices() if on_meta else contextlib.nullcontext()
         with recorder, kernels:
