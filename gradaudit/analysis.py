@@ -145,7 +145,7 @@ def build_report(
     proof_notes: list[str] = []
     if verify and prove is not None:
         proof_notes = list(prove(recording=recording, nodes=nodes, tensors=tensors,
-                                 live_tensors=live_tensors, order=order) or ())
+                                 live_tensors=live_tensors))
 
     # -- accounting -----------------------------------------------------------------------------
     accountant = Accountant(tensors, storages)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -369,6 +369,6 @@ class Prover:
 
 
 def prove(*, recording: Recording, nodes: list[GraphNode], tensors: list[SavedTensor],
-          live_tensors: list[Optional[torch.Tensor]], order: Sequence[int] = (), **_: Any) -> list[str]:
+          live_tensors: list[Optional[torch.Tensor]]) -> list[str]:
     """Prove or correct every held save's verdict in place; returns notes for the report."""
     return Prover(recording, nodes, tensors, live_tensors).run()
