@@ -63,6 +63,21 @@ def matching_parameters(model: nn.Module, patterns: Sequence[str]) -> set[str]:
     return {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
 
 
+def apply_trainable(model: nn.Module, trainable: Optional[Sequence[str]], frozen: Optional[Sequence[str]]) -> None:
+    """The what-if: with ``trainable``, exactly the matching parameters require grad; parameters
+    matching ``frozen`` do not. No patterns: the flags stay as they are."""
+    if trainable is None and not frozen:
+        return
+    chosen = matching_parameters(model, trainable) if trainable is not None else None
+    blocked = matching_parameters(model, frozen) if frozen else set()
+    for name, p in model.named_parameters():
+        want = (name in chosen) if chosen is not None else p.requires_grad
+        if name in blocked:
+            want = False
+        if p.requires_grad != want:
+            p.requires_grad_(want)
+
+
 class ModelState:
     """Everything an audit could disturb, captured before and put back afterwards.
 
@@ -164,15 +179,7 @@ def audit(
                              "(audit on CPU or GPU, or drop verify)")
     state = ModelState(model)
     try:
-        if trainable is not None or frozen:
-            chosen = matching_parameters(model, trainable) if trainable is not None else None
-            blocked = matching_parameters(model, frozen) if frozen else set()
-            for name, p in model.named_parameters():
-                want = (name in chosen) if chosen is not None else p.requires_grad
-                if name in blocked:
-                    want = False
-                if p.requires_grad != want:
-                    p.requires_grad_(want)
+        apply_trainable(model, trainable, frozen)
         if progress:
             progress("running the forward")
         recorder = Recorder(model)

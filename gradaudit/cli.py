@@ -253,17 +253,12 @@ def _trim(model: Any, inputs: Any, options: ScanOptions) -> dict[str, int]:
         from .trimming import compare
     except ImportError as error:
         raise ScanFailed(f"--trim is not available in this installation ({error})", error) from error
-    from .auditing import matching_parameters
+    from .auditing import apply_trainable
 
     if options.device == "meta":
         raise ScanFailed("--trim measures real memory and cannot run on --device meta; use --device cpu")
     # The audit applied --trainable/--freeze only for its own forward; do the same here.
-    if options.trainable or options.freeze:
-        chosen = matching_parameters(model, options.trainable) if options.trainable else None
-        blocked = matching_parameters(model, options.freeze)
-        for name, p in model.named_parameters():
-            want = (name in chosen) if chosen is not None else p.requires_grad
-            p.requires_grad_(want and name not in blocked)
+    apply_trainable(model, list(options.trainable) if options.trainable else None, list(options.freeze))
     options.progress("measuring held and peak memory with and without trimming")
     try:
         return compare(model, inputs)
@@ -277,9 +272,9 @@ def _trim_lines(figures: dict[str, int]) -> str:
     from .report.units import human_bytes
 
     lines = ["With gradaudit.trim (measured):"]
-    for label, key in (("held for backward", "held"), ("peak during forward", "peak")):
+    for label, key in (("held for backward", "held"), ("peak, forward+backward", "peak")):
         before, after = figures[f"{key}_before"], figures[f"{key}_after"]
-        lines.append(f"  {label:<20} {human_bytes(before):>10} -> {human_bytes(after):>10}  "
+        lines.append(f"  {label:<22} {human_bytes(before):>10} -> {human_bytes(after):>10}  "
                      f"(-{human_bytes(before - after)})")
     return "\n".join(lines)
 

@@ -242,7 +242,7 @@ def test_trim_reports_held_and_peak_before_and_after(runner):
     pytest.importorskip("gradaudit.trimming")
     result = scan(runner, "models.py:build", "--no-html", "--trim")
     assert result.exit_code == 0, result.stderr
-    assert "held for backward" in result.stdout and "peak during forward" in result.stdout
+    assert "held for backward" in result.stdout and "peak, forward+backward" in result.stdout
     assert "With gradaudit.trim (measured):" in result.stdout
 
 
