@@ -72,9 +72,29 @@ class Accountant:
     def reclaimable_bytes(self) -> int:
         return self.freed(self.not_needed())
 
-    def reclaimable_with_bitpacking_bytes(self) -> int:
+    def all_fixes(self) -> tuple[set[int], set[int]]:
+        """(dropped, bit-packed) saves when every fix applies: unneeded saves are dropped, saves
+        backward reads as one bit per element are packed."""
         dropped = self.not_needed()
-        return self.freed(dropped, self.bitpackable() - dropped)
+        return dropped, self.bitpackable() - dropped
+
+    def freed_by_all_fixes(self) -> dict[int, int]:
+        """Storage id -> bytes freed when every fix applies."""
+        return self.freed_by_storage(*self.all_fixes())
+
+    def reclaimable_with_bitpacking_bytes(self) -> int:
+        return sum(self.freed_by_all_fixes().values())
+
+
+def roll_up(own: dict[str, int]) -> dict[str, int]:
+    """Per-module figures including children: each module path's value added to every ancestor
+    ("" is the root)."""
+    totals: dict[str, int] = defaultdict(int)
+    for path, value in own.items():
+        parts = path.split(".") if path else []
+        for i in range(len(parts) + 1):
+            totals[".".join(parts[:i])] += value
+    return totals
 
 
 def module_totals(tensors: list[SavedTensor], storages: list[Storage], accountant: Accountant,
@@ -99,16 +119,9 @@ def module_totals(tensors: list[SavedTensor], storages: list[Storage], accountan
         for i in range(len(parts)):
             paths.add(".".join(parts[:i]))
     paths.add("")
-    totals = defaultdict(int)
-    totals_reclaimable = defaultdict(int)
-    for path, value in own.items():
-        parts = path.split(".") if path else []
-        for i in range(len(parts) + 1):
-            ancestor = ".".join(parts[:i])
-            totals[ancestor] += value
-            totals_reclaimable[ancestor] += own_reclaimable[path]
+    totals, totals_reclaimable = roll_up(own), roll_up(own_reclaimable)
     return [
-        ModuleTotal(path, module_classes.get(path, ""), own.get(path, 0), totals[path],
-                    own_reclaimable.get(path, 0), totals_reclaimable[path])
+        ModuleTotal(path, module_classes.get(path, ""), own.get(path, 0), totals.get(path, 0),
+                    own_reclaimable.get(path, 0), totals_reclaimable.get(path, 0))
         for path in sorted(paths, key=lambda p: (p != "", p))
     ]

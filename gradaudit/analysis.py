@@ -199,8 +199,7 @@ def run_rules(ctx: RuleContext, accountant: Accountant, select: Sequence[str] = 
         for flag in r.check(ctx) or ():
             flagged.append((r, flag))
             ctx.covered.update(t.index for t in flag.tensors)
-    everything_dropped = accountant.not_needed()
-    everything_packed = accountant.bitpackable() - everything_dropped
+    everything_dropped, everything_packed = accountant.all_fixes()
     together = accountant.freed_by_storage(everything_dropped, everything_packed)
     claimed: set[int] = set()
     findings: list[Finding] = []

@@ -9,7 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
-from ..accounting import HELD_KINDS, Accountant, held
+from ..accounting import HELD_KINDS, Accountant, held, roll_up
 from ..records import Finding, Report
 
 
@@ -24,9 +24,7 @@ def ranked_findings(report: Report) -> list[Finding]:
 
 def freed_with_all_fixes(report: Report) -> dict[int, int]:
     """Bytes each storage frees when every not-needed save is dropped and every 1-bit one packed."""
-    accountant = Accountant(report.tensors, report.storages)
-    dropped = accountant.not_needed()
-    return accountant.freed_by_storage(dropped, accountant.bitpackable() - dropped)
+    return Accountant(report.tensors, report.storages).freed_by_all_fixes()
 
 
 def module_bitpacking_totals(report: Report) -> dict[str, int]:
@@ -35,13 +33,10 @@ def module_bitpacking_totals(report: Report) -> dict[str, int]:
     Attributed like ModuleTotal: each storage to the module of its first save, so the root's figure
     equals report.reclaimable_with_bitpacking_bytes.
     """
-    totals: dict[str, int] = defaultdict(int)
+    own: dict[str, int] = defaultdict(int)
     for storage_id, freed in freed_with_all_fixes(report).items():
-        path = report.storages[storage_id].module
-        parts = path.split(".") if path else []
-        for i in range(len(parts) + 1):
-            totals[".".join(parts[:i])] += freed
-    return dict(totals)
+        own[report.storages[storage_id].module] += freed
+    return dict(roll_up(own))
 
 
 @dataclass(frozen=True)
