@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable
 
-from .records import NOT_NEEDED, SIGN_ONLY, ModuleTotal, SavedTensor, Storage
+from .records import NOT_NEEDED, ModuleTotal, SavedTensor, Storage
 
 HELD_KINDS = ("activation", "output")
 
@@ -67,7 +67,9 @@ class Accountant:
         return {t.index for t in held(self.tensors) if t.verdict == NOT_NEEDED}
 
     def bitpackable(self) -> set[int]:
-        return {t.index for t in held(self.tensors) if t.bitpackable or t.verdict == SIGN_ONLY}
+        # the flag, not the verdict: a proven sign-only save whose values take three signs
+        # (-, 0, +) needs more than one bit, and the proof clears the flag for it
+        return {t.index for t in held(self.tensors) if t.bitpackable}
 
     def reclaimable_bytes(self) -> int:
         return self.freed(self.not_needed())

@@ -155,3 +155,16 @@ def test_accountant_frees_a_storage_only_when_every_save_of_it_goes():
     # b bit-packed: 400 - ceil(50 / 8) = 400 - 7 = 393
     assert acc.freed({0}, {1}) == 393
     assert acc.reclaimable_bytes() == 0 and acc.reclaimable_with_bitpacking_bytes() == 393
+
+
+def test_a_sign_only_save_the_proof_found_three_signed_is_not_bit_packed():
+    # verify=True clears `bitpackable` for a sign-only save whose values are negative, zero and
+    # positive: its sign pattern needs more than one bit, so bit-packing frees nothing of it
+    storages = [Storage(id=0, nbytes=400, kind="activation", module="", tensors=[0])]
+    three_signs = _tensor(0, 0, 100, verdict="sign-only", bitpackable=False)
+    acc = Accountant([three_signs], storages)
+    assert acc.bitpackable() == set()
+    assert acc.reclaimable_with_bitpacking_bytes() == 0
+    two_signs = _tensor(0, 0, 100, verdict="sign-only", bitpackable=True)
+    # 400 - ceil(100 / 8) = 400 - 13 = 387
+    assert Accountant([two_signs], storages).reclaimable_with_bitpacking_bytes() == 387
