@@ -74,6 +74,12 @@ class Accountant:
     def reclaimable_bytes(self) -> int:
         return self.freed(self.not_needed())
 
+    def fixes_of(self, indices: Iterable[int]) -> tuple[set[int], set[int]]:
+        """(dropped, bit-packed) among these saves when their fixes apply."""
+        indices = set(indices)
+        dropped = {i for i in indices if self.tensors[i].verdict == NOT_NEEDED}
+        return dropped, (indices & self.bitpackable()) - dropped
+
     def all_fixes(self) -> tuple[set[int], set[int]]:
         """(dropped, bit-packed) saves when every fix applies: unneeded saves are dropped, saves
         backward reads as one bit per element are packed."""

@@ -11,7 +11,7 @@ from . import rules as _rules  # noqa: F401  (registers the catalogue)
 from .accounting import Accountant, held, module_totals
 from .recorder import Recording
 from .records import (
-    NOT_NEEDED, UNKNOWN, Finding, GraphNode, Report, SavedTensor, Storage,
+    UNKNOWN, Finding, GraphNode, Report, SavedTensor, Storage,
 )
 from .rules.registry import Flag, RuleContext, Verdict, all_rules, op_knowledge, selected
 
@@ -199,15 +199,12 @@ def run_rules(ctx: RuleContext, accountant: Accountant, select: Sequence[str] = 
         for flag in r.check(ctx) or ():
             flagged.append((r, flag))
             ctx.covered.update(t.index for t in flag.tensors)
-    everything_dropped, everything_packed = accountant.all_fixes()
-    together = accountant.freed_by_storage(everything_dropped, everything_packed)
+    together = accountant.freed_by_all_fixes()
     claimed: set[int] = set()
     findings: list[Finding] = []
     for r, flag in flagged:
         indices = {t.index for t in flag.tensors}
-        dropped = {i for i in indices if ctx.tensors[i].verdict == NOT_NEEDED}
-        packed = indices - dropped
-        alone = accountant.freed(dropped, {i for i in packed if i in everything_packed})
+        alone = accountant.freed(*accountant.fixes_of(indices))
         share = 0
         for sid in {ctx.tensors[i].storage_id for i in indices}:
             if sid in together and sid not in claimed:

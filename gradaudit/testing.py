@@ -8,23 +8,23 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from .records import NOT_NEEDED, Finding, Report
+from .records import Finding, Report
 
 
 def remaining_waste(report: Report, allow: Sequence[str] = ()) -> list[Finding]:
     """Waste findings whose code does not start with an allowed prefix."""
-    prefixes = tuple(p.strip().upper() for p in allow if p.strip())
-    return [f for f in report.waste_findings if not (prefixes and f.code.startswith(prefixes))]
+    from .rules.registry import selected
+
+    prefixes = tuple(p.strip() for p in allow if p.strip())
+    return [f for f in report.waste_findings if selected(f.code, ignore=prefixes)]
 
 
 def reclaimable_by(report: Report, findings: Sequence[Finding]) -> int:
     """Bytes freed when exactly these findings are fixed together (storage-aware)."""
     from .accounting import Accountant
 
-    indices = {i for f in findings for i in f.tensors}
-    dropped = {i for i in indices if report.tensors[i].verdict == NOT_NEEDED}
-    packed = {i for i in indices - dropped if report.tensors[i].bitpackable}
-    freed = Accountant(report.tensors, report.storages).freed(dropped, packed)
+    accountant = Accountant(report.tensors, report.storages)
+    freed = accountant.freed(*accountant.fixes_of(i for f in findings for i in f.tensors))
     # a rule may state its bytes itself (e.g. what a fused kernel would save): never report less
     return max([freed] + [f.bytes for f in findings])
 
@@ -32,9 +32,10 @@ def reclaimable_by(report: Report, findings: Sequence[Finding]) -> int:
 def format_findings(findings: Sequence[Finding], *, limit: int = 20) -> str:
     """The finding list as the command line prints it: code, name, where, bytes, fix."""
     from .report.units import human_bytes
+    from .report.views import finding_rank
 
     lines = []
-    for f in sorted(findings, key=lambda f: (-max(f.bytes, f.bytes_together), f.code, f.module))[:limit]:
+    for f in sorted(findings, key=finding_rank)[:limit]:
         where = f"{f.module or '<model>'} ({f.module_class})" if f.module_class else (f.module or "<model>")
         lines.append(f"  {f.code} {f.name}  {where}  at {f.source or 'unknown source line'}")
         lines.append(f"      {f.message}")
