@@ -17,8 +17,11 @@ Safety (autograd-facts.md):
 - a private ``torch.Generator`` draws the poisons and gradients, so the user's RNG stream is untouched.
 
 Cost: saves whose static verdict is "not needed" are proven together (two calls per node); the
-rest one by one against a baseline call. Parameters, buffers and the caller's inputs are alive
-anyway, so their saves keep the static verdict unproven (no byte figure depends on them).
+rest one by one against a baseline call. A save op knowledge says one gradient reads (a conv's
+input, read by its weight gradient) is proven "needed" by computing that gradient alone, with and
+without a witness (``only_edges``): half a conv backward per call. Poisons and gradients are views
+of buffers filled once (``Pools``). Parameters, buffers and the caller's inputs are alive anyway,
+so their saves keep the static verdict unproven (no byte figure depends on them).
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 from .errors import GradauditError
 from .recorder import Recording, _Packed, _raw_saved_slots
+from .rules.ops import read_by
 from .records import NEEDED, NOT_NEEDED, SIGN_ONLY, UNKNOWN, GraphNode, SavedTensor
 
 # Storage kinds whose memory does not depend on autograd: proving their saves cannot change a byte.
@@ -70,35 +75,108 @@ def same_outputs(a: Outputs, b: Outputs) -> bool:
     return True
 
 
-class Poisons:
-    """Replacement values for one saved tensor, each with the original's shape, dtype and strides."""
+def storage_span(t: torch.Tensor) -> int:
+    """Elements a tensor's strides reach, from its first element to its last."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
+class _PoolsTouched(Exception):
+    """A backward wrote into a poison or gradient it was given (see Pools)."""
+
+
+class Pools:
+    """Shared, filled-once buffers that poisons and incoming gradients are views of.
+
+    Drawing random numbers cost about as much as the backward calls themselves (a third of
+    verify=True on ResNet-50): each kind of value is drawn once per dtype and device, at the size
+    of the largest tensor seen (grown by doubling), and handed out as strided views. Backward
+    formulas only read them; a call that writes into one (in place, bumping a version counter) is
+    detected and its node is proven again with private copies (``fresh``).
+    """
+
+    KINDS = ("nan", "random", "magnitude", "grad")
 
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
+        self.buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.retired: list[torch.Tensor] = []  # outgrown while proving the current node
 
-    def _uniform(self, t: torch.Tensor, low: float, high: float) -> torch.Tensor:
-        out = torch.empty_like(t)  # keeps the original's strides (memory format)
-        return out.uniform_(low, high, generator=self.generator)
+    def begin(self) -> None:
+        """A new node: views of outgrown buffers handed to earlier nodes are no longer called."""
+        self.retired.clear()
 
-    def pair(self, t: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def get(self, kind: str, dtype: torch.dtype, device: torch.device, size: int) -> torch.Tensor:
+        buffer = self.buffers.get((kind, dtype))
+        if buffer is None or buffer.numel() < size:
+            grown = max(size, 2 * buffer.numel() if buffer is not None else 0, 1)
+            if buffer is not None:
+                self.retired.append(buffer)  # this node may still hold views of it
+            buffer = self.buffers[(kind, dtype)] = self._filled(kind, dtype, device, grown)
+        return buffer
+
+    def _filled(self, kind: str, dtype: torch.dtype, device: torch.device, size: int) -> torch.Tensor:
+        out = torch.empty(size, dtype=dtype, device=device)
+        if kind == "nan":
+            return out.fill_(math.nan)
+        if dtype.is_complex:
+            return out.normal_(generator=self.generator)
+        low, high = {"random": (-3.0, 3.0), "grad": (-2.0, 2.0), "magnitude": (-8.0, 8.0)}[kind]
+        out.uniform_(low, high, generator=self.generator)
+        return out.exp2_() if kind == "magnitude" else out
+
+    def like(self, kind: str, t: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """A view with ``t``'s shape and strides (memory format), ``offset`` elements into the pool."""
+        buffer = self.get(kind, t.dtype, t.device, storage_span(t) + offset)
+        return buffer.as_strided(t.shape, t.stride(), offset)
+
+    def shaped(self, kind: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+               offset: int = 0) -> torch.Tensor:
+        numel = math.prod(shape)
+        return self.get(kind, dtype, device, numel + offset)[offset:offset + numel].view(tuple(shape))
+
+    def versions(self) -> list[tuple[torch.Tensor, int]]:
+        return [(b, b._version) for b in [*self.buffers.values(), *self.retired]]
+
+    def check(self, before: list[tuple[torch.Tensor, int]]) -> None:
+        """Raise when a call wrote into any buffer (views share their base's version counter)."""
+        if any(b._version != version for b, version in before):
+            self.buffers.clear()
+            self.retired.clear()
+            raise _PoolsTouched()
+
+
+class Poisons:
+    """Replacement values for one saved tensor, each with the original's shape, dtype and strides.
+
+    ``offset`` shifts where in the pools a poison starts, so two tensors poisoned in the same call
+    do not receive the same values. ``fresh``: private copies (for backwards that may write into
+    what they are given).
+    """
+
+    def __init__(self, pools: Pools, fresh: bool = False) -> None:
+        self.pools = pools
+        self.fresh = fresh
+
+    def _view(self, kind: str, t: torch.Tensor, offset: int) -> torch.Tensor:
+        if t.layout != torch.strided:
+            raise TypeError("only strided tensors are poisoned")
+        view = self.pools.like(kind, t, offset)
+        return view.clone() if self.fresh else view
+
+    def pair(self, t: torch.Tensor, offset: int = 0) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """Two poisons that differ from each other at every element (None: no safe pair exists)."""
         if _floating(t.dtype):
-            return torch.empty_like(t).fill_(math.nan), self.random(t)
+            return self._view("nan", t, offset), self._view("random", t, offset)
         return self._in_range_pair(t)
 
     def witness(self, t: torch.Tensor) -> torch.Tensor:
         """A cheap poison to show that backward reads a tensor: NaN propagates through any
         arithmetic and fails every comparison, so a backward that reads the values changes its
         result. (A backward it does not change still goes through the two-poison test.)"""
-        if t.dtype.is_floating_point or t.dtype.is_complex:
-            return torch.empty_like(t).fill_(math.nan)
-        return self.random(t)
-
-    def random(self, t: torch.Tensor) -> torch.Tensor:
-        if t.dtype.is_floating_point:
-            return self._uniform(t, -3.0, 3.0)
-        if t.dtype.is_complex:
-            return torch.randn(t.shape, generator=self.generator, dtype=t.dtype, device=t.device)
+        if _floating(t.dtype):
+            return self._view("nan", t, 0)
         pair = self._in_range_pair(t)
         return pair[0] if pair else t
 
@@ -118,60 +196,120 @@ class Poisons:
 
     def signs(self, t: torch.Tensor) -> list[torch.Tensor]:
         """A poison keeping each element's sign, with magnitudes spread over 2**-8 .. 2**8."""
-        magnitude = self._uniform(t, -8.0, 8.0).exp2_()
-        return [magnitude.mul_(torch.sign(t.detach()))]
+        return [torch.sign(t.detach()).mul_(self.pools.like("magnitude", t))]
 
 
 class NodeCall:
     """One autograd node called on its own with fixed random incoming gradients."""
 
-    def __init__(self, node: Any, consumed: set[int], generator: torch.Generator) -> None:
+    def __init__(self, node: Any, consumed: set[int], pools: Pools, fresh: bool = False) -> None:
         self.node = node
         self.custom = isinstance(node, torch.autograd.function.BackwardCFunction)
+        self.pools = pools
+        # a user's backward may modify its incoming gradient in place: it gets copies, as does
+        # any node once it was seen writing into the shared pools
+        self.copies = fresh or self.custom
         grads: list[Optional[torch.Tensor]] = []
         for i, meta in enumerate(node._input_metadata):
             if i not in consumed or not _floating(meta.dtype) or meta.is_nested_tensor:
                 grads.append(None)  # nothing downstream sends a gradient for this output
                 continue
-            if meta.dtype.is_complex:
-                grads.append(torch.randn(tuple(meta.shape), generator=generator, dtype=meta.dtype,
-                                         device=meta.device))
-                continue
-            grads.append(torch.empty(tuple(meta.shape), dtype=meta.dtype, device=meta.device)
-                         .uniform_(-2.0, 2.0, generator=generator))
+            # each output's gradient starts elsewhere in the pool: outputs get different values
+            grads.append(pools.shaped("grad", tuple(meta.shape), meta.dtype, meta.device, offset=i))
         self.grads = grads
         if self.custom:
             self.wanted = [i for i, need in enumerate(node.needs_input_grad) if need]
         else:
             self.wanted = [i for i, (fn, _) in enumerate(node.next_functions) if fn is not None]
-        self._baseline: Optional[Outputs] = None
+        self._baselines: dict[Optional[tuple[int, ...]], Outputs] = {}
 
-    def __call__(self) -> Outputs:
-        with torch.no_grad():
-            if self.custom:
-                # a user's backward may modify its incoming gradient in place: give it copies
-                out = self.node.apply(*[g.clone() if g is not None else None for g in self.grads])
-            else:
-                out = self.node(*self.grads)
+    def __call__(self, edges: Optional[tuple[int, ...]] = None) -> Outputs:
+        """The gradients for the wanted edges (``edges``: only those, computed alone if the
+        backward lets its graph task choose; see ``only_edges``)."""
+        grads = [g.clone() if g is not None else None for g in self.grads] if self.copies else self.grads
+        before = self.pools.versions()
+
+        def call() -> Any:
+            with torch.no_grad():
+                return self.node.apply(*grads) if self.custom else self.node(*grads)
+
+        out = call() if edges is None else only_edges(self.node, edges, call)
+        self.pools.check(before)
         if not isinstance(out, (tuple, list)):
             out = (out,)
-        return [out[i] if i < len(out) else None for i in self.wanted]
+        return [out[i] if i < len(out) else None for i in (self.wanted if edges is None else edges)]
 
-    def baseline(self) -> Outputs:
-        if self._baseline is None:
-            self._baseline = self()
-        return self._baseline
+    def narrowable(self, edges: Optional[tuple[int, ...]]) -> Optional[tuple[int, ...]]:
+        """``edges`` when computing only them skips work: a strict subset of the wanted edges of
+        a built-in node (custom Functions compute what ``needs_input_grad`` says)."""
+        if (edges is None or self.custom or not _narrowing_works or not set(edges) < set(self.wanted)):
+            return None
+        return edges
 
-    def changed_by(self, replacements: Sequence[tuple[_Packed, torch.Tensor]]) -> bool:
-        """Does backward's result differ from the baseline with these values swapped in?"""
-        return not same_outputs(self.baseline(), self.under(replacements))
+    def baseline(self, edges: Optional[tuple[int, ...]] = None) -> Outputs:
+        if edges not in self._baselines:
+            self._baselines[edges] = self(edges)
+        return self._baselines[edges]
 
-    def under(self, replacements: Sequence[tuple[_Packed, torch.Tensor]]) -> Outputs:
+    def changed_by(self, replacements: Sequence[tuple[_Packed, torch.Tensor]],
+                   edges: Optional[tuple[int, ...]] = None) -> bool:
+        """Does backward's result differ from the baseline with these values swapped in?
+        With ``edges``, only those gradients are compared: "changed" is then still a proof,
+        "unchanged" is not (another gradient may read the values)."""
+        return not same_outputs(self.baseline(edges), self.under(replacements, edges))
+
+    def under(self, replacements: Sequence[tuple[_Packed, torch.Tensor]],
+              edges: Optional[tuple[int, ...]] = None) -> Outputs:
         with swapped(replacements):
             try:
-                return self()
+                return self(edges)
+            except _PoolsTouched:
+                raise
             except Exception as error:  # the backward inspected the values and rejected them
                 return [_Raised(error)]
+
+
+# Whether only_edges() works with the installed torch (switched off at its first failure).
+_narrowing_works = True
+
+
+def only_edges(node: Any, edges: tuple[int, ...], call: Callable[[], Any]) -> Any:
+    """Run ``call`` (which calls ``node`` directly) while autograd believes that only the
+    gradients for ``node``'s ``edges`` are wanted.
+
+    A built-in backward computes gradient i only if ``task_should_compute_output(i)``: with no
+    graph task running, whenever edge i exists; inside one, only if the function behind edge i is
+    in that task's execution plan. So ``call`` runs in a pre-hook of a throwaway one-node graph
+    whose ``torch.autograd.grad`` also names the functions behind ``edges`` as inputs: they are in
+    the plan (as captures, never reached, so neither they nor their hooks run) and no other
+    function is. A conv with a trainable weight then computes its weight gradient alone, half
+    the work. Nothing of the audited graph runs but ``node``, called directly (no hooks).
+    """
+    outcome: list[tuple[bool, Any]] = []
+
+    def prehook(grad_outputs: Any) -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as error:  # the backward's own error, re-raised below
+            outcome.append((False, error))
+
+    leaf = torch.zeros((), requires_grad=True)
+    with torch.enable_grad():
+        root = leaf.clone()
+    root.grad_fn.register_prehook(prehook)
+    targets = [GradientEdge(*node.next_functions[i]) for i in edges]
+    try:
+        torch.autograd.grad([root], [leaf, *targets], grad_outputs=[torch.ones(())], allow_unused=True)
+    except Exception:
+        pass  # judged by whether the pre-hook ran: an error of the backward itself is in outcome
+    if not outcome:  # the machinery itself failed on this torch: call plainly from now on
+        global _narrowing_works
+        _narrowing_works = False
+        return call()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 class _Raised:
@@ -235,8 +373,19 @@ def _two_valued(t: torch.Tensor) -> bool:
 
 
 def _sign_classes(t: torch.Tensor) -> int:
+    """How many of the classes negative, zero and positive occur in ``t``; 3 when it holds NaN
+    (a sign pattern of 1 bit per element could not keep it)."""
     t = t.detach()
-    return int((t > 0).any()) + int((t < 0).any()) + int((t == 0).any())
+    if t.numel() == 0:
+        return 0
+    low, high = torch.aminmax(t)  # one pass: the zero class follows from min/max unless mixed
+    if bool(low.isnan()) or bool(high.isnan()):
+        return 3
+    if bool(low >= 0):
+        return int(bool(high > 0)) + int(bool(low == 0))
+    if bool(high <= 0):
+        return int(bool(low < 0)) + int(bool(high == 0))
+    return 2 + int(bool((t == 0).any()))
 
 
 class Prover:
@@ -249,15 +398,16 @@ class Prover:
         self.tensors = tensors
         self.live_tensors = live_tensors
         self.notes: list[str] = []
-        self.generators: dict[torch.device, torch.Generator] = {}
+        self.pools: dict[torch.device, Pools] = {}
         self.consumed = _consumed_outputs(recording)
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        g = self.generators.get(device)
-        if g is None:
-            g = self.generators[device] = torch.Generator(device=device)
-            g.manual_seed(SEED)
-        return g
+    def pool(self, device: torch.device) -> Pools:
+        pools = self.pools.get(device)
+        if pools is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(SEED)
+            pools = self.pools[device] = Pools(generator)
+        return pools
 
     def run(self) -> list[str]:
         by_node: dict[int, list[int]] = defaultdict(list)
@@ -290,9 +440,21 @@ class Prover:
             subjects.append((j, box))
         if not subjects:
             return
-        device = self.live_tensors[subjects[0][0]].device
-        poisons = Poisons(self.generator(device))
-        call = NodeCall(live.node, self.consumed.get(id(live.node), set()), self.generator(device))
+        pools = self.pool(self.live_tensors[subjects[0][0]].device)
+        pools.begin()
+        try:
+            self._prove_subjects(live.node, subjects, pools, fresh=False)
+        except _PoolsTouched:
+            # this backward wrote into a shared poison or gradient (detected right after that
+            # call, so verdicts settled before it stand): prove its saves again with copies
+            self._prove_subjects(live.node, subjects, pools, fresh=True)
+
+    def _prove_subjects(self, node: Any, subjects: list[tuple[int, _Packed]], pools: Pools,
+                        fresh: bool) -> None:
+        call = NodeCall(node, self.consumed.get(id(node), set()), pools, fresh=fresh)
+        # a user's backward could write into a poison without bumping a version (through .data
+        # or numpy): custom Functions always get private copies
+        poisons = Poisons(pools, fresh=call.copies)
         candidates = [(j, box) for j, box in subjects if self.tensors[j].verdict == NOT_NEEDED]
         others = [(j, box) for j, box in subjects if self.tensors[j].verdict != NOT_NEEDED]
         if candidates and self._unread(call, poisons, candidates):
@@ -302,19 +464,27 @@ class Prover:
             others = candidates + others  # at least one is read: settle each on its own
         if not others:
             return
-        try:
-            call.baseline()
-        except Exception as error:
-            return self._unproven([j for j, _ in others],
-                                  f"its backward raised {type(error).__name__} when called on its own")
+        name = node.name()
+        hints = {j: call.narrowable(read_by(name, self.tensors[j].attr)) for j, _ in others}
         for j, box in others:
-            self._prove_one(call, poisons, j, box)
+            try:
+                if hints[j] is not None and self.tensors[j].verdict == NEEDED:
+                    # one gradient that should read it, computed alone with and without a
+                    # witness: a change proves the read at a fraction of the cost
+                    if call.changed_by([(box, poisons.witness(self.live_tensors[j]))], hints[j]):
+                        self._settle_needed(j)
+                        continue
+                self._prove_one(call, poisons, j, box)
+            except _PoolsTouched:
+                raise
+            except Exception as error:  # only a baseline call gets here (under() catches the rest)
+                self._unproven([j], f"its backward raised {type(error).__name__} when called on its own")
 
     def _unread(self, call: NodeCall, poisons: Poisons, subjects: list[tuple[int, _Packed]]) -> bool:
         """True when backward's result does not depend on any of these saves' values."""
         first, second = [], []
-        for j, box in subjects:
-            pair = poisons.pair(self.live_tensors[j])
+        for k, (j, box) in enumerate(subjects):
+            pair = poisons.pair(self.live_tensors[j], offset=k)
             if pair is None:
                 return False
             first.append((box, pair[0]))
@@ -332,8 +502,12 @@ class Prover:
             if not any(call.changed_by([(box, p)]) for p in poisons.signs(value)):
                 self._settle(j, SIGN_ONLY, bitpackable=_sign_classes(value) <= 2)
                 return
+        self._settle_needed(j)
+
+    def _settle_needed(self, j: int) -> None:
+        t = self.tensors[j]
         self._settle(j, NEEDED)
-        if t.bitpackable and t.verdict == NEEDED and not _two_valued(value):
+        if t.bitpackable and t.verdict == NEEDED and not _two_valued(self.live_tensors[j]):
             t.bitpackable = False
             self._note(t, "was said to hold only two values (0 and one constant), but it does not")
 

@@ -128,3 +128,109 @@ def test_backward_that_fails_alone_keeps_static_verdict():
     report = gradaudit.audit(Model(), torch.randn(2, 4), verify=True)
     save = by_attr(report, "FragileBackward")["saved_tensors[0]"]
     assert save.verdict == "unknown" and not save.proven and "unknown-proof" in save.reason
+
+
+def test_backward_writing_into_a_shared_poison_is_proven_again_with_copies(monkeypatch):
+    # Poisons and incoming gradients are views of shared pools (filled once per dtype). A built-in
+    # backward never writes into them; if one did, its node is proven again with private copies
+    # and the pools are refilled, so later nodes still get NaN where NaN is promised.
+    from gradaudit import verify
+
+    calls = {"fresh": 0, "shared": 0}
+
+    class Scribbler:
+        """Tanh's backward node, made to write into the gradient it is given."""
+
+        def __init__(self, node, call):
+            self.node, self.call = node, call
+
+        def __getattr__(self, name):
+            return getattr(self.node, name)
+
+        def __call__(self, *grads):
+            calls["fresh" if self.call.copies else "shared"] += 1
+            grads[0].mul_(2)  # an in-place write into what the backward was given
+            return self.node(*grads)
+
+    original = verify.NodeCall.__init__
+
+    def wrapping(self, node, *args, **kwargs):
+        original(self, node, *args, **kwargs)
+        if node.name() == "TanhBackward0":
+            self.node = Scribbler(node, self)
+
+    monkeypatch.setattr(verify.NodeCall, "__init__", wrapping)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.ReLU())
+    report = gradaudit.audit(model, torch.randn(3, 4), verify=True)
+    assert calls["shared"] == 1 and calls["fresh"] >= 2  # detected at the first call, then copies
+    tanh = by_attr(report, "TanhBackward0")["result"]
+    assert (tanh.verdict, tanh.proven) == (NEEDED, True) and not report.notes
+    relu = by_attr(report, "ReluBackward0")["result"]
+    assert (relu.verdict, relu.proven) == (SIGN_ONLY, True)
+
+
+def test_poisons_keep_shape_strides_and_differ_everywhere():
+    from gradaudit.verify import Poisons, Pools
+
+    pools = Pools(torch.Generator().manual_seed(0))
+    poisons = Poisons(pools)
+    t = torch.randn(2, 3, 5, 4).to(memory_format=torch.channels_last)
+    nan, rand = poisons.pair(t)
+    shifted = poisons.pair(t, offset=1)[1]
+    for p in (nan, rand, shifted):
+        assert p.shape == t.shape and p.stride() == t.stride() and p.dtype == t.dtype
+    assert nan.isnan().all() and rand.isfinite().all() and (rand != shifted).all()
+    (sign,) = poisons.signs(torch.tensor([-2.0, 0.0, 3.0]))
+    assert torch.equal(torch.sign(sign), torch.tensor([-1.0, 0.0, 1.0]))
+
+
+def test_only_edges_computes_one_gradient_and_runs_no_hooks():
+    # The fact narrowed proofs rest on: inside a graph task, a built-in backward computes only
+    # the gradients whose edge functions are in that task's plan; only_edges() arranges that
+    # without running anything of the audited graph but the node itself (no hooks, no .grad).
+    from gradaudit.verify import only_edges
+
+    ran = []
+    conv = nn.Conv2d(3, 4, 3)
+    conv.weight.register_hook(lambda g: ran.append("weight hook"))
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    y = conv(x * 1.0)
+    y.register_hook(lambda g: ran.append("output hook"))
+    node, grad = y.grad_fn, torch.randn(2, 4, 4, 4)
+    full = node(grad)
+    narrowed = only_edges(node, (1,), lambda: node(grad))
+    assert all(g is not None for g in full)
+    assert narrowed[0] is None and narrowed[2] is None and torch.equal(narrowed[1], full[1])
+    assert ran == [] and conv.weight.grad is None and x.grad is None
+
+
+def _verdicts(report):
+    return [(t.node, t.attr, t.verdict, t.proven, t.bitpackable) for t in report.tensors]
+
+
+def test_narrowed_proof_agrees_with_the_full_one(monkeypatch):
+    from gradaudit import verify
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(8 * 4 * 4, 4))
+    x = torch.randn(2, 3, 8, 8)
+    narrowed = gradaudit.audit(model, x, verify=True)
+    monkeypatch.setattr(verify, "_narrowing_works", False)
+    full = gradaudit.audit(model, x, verify=True)
+    assert _verdicts(narrowed) == _verdicts(full) and not narrowed.notes
+    saved = {(t.module, t.attr): t for t in narrowed.held_tensors}
+    # activations proven "needed" by one weight gradient computed alone
+    for key in [("2", "input"), ("3", "input"), ("3", "result2"), ("6", "mat1")]:
+        assert (saved[key].verdict, saved[key].proven) == (NEEDED, True), key
+
+
+def test_a_wrong_read_by_hint_costs_time_not_verdicts(monkeypatch):
+    from gradaudit.rules import ops
+
+    # the bias gradient reads neither the input nor the weight: the narrowed witness shows no
+    # change, and the full proof that follows still settles the verdict
+    monkeypatch.setitem(ops._READ_BY, "ConvolutionBackward0", {"input": (2,), "weight": (2,)})
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    report = gradaudit.audit(model, torch.randn(2, 3, 8, 8), verify=True)
+    second = [t for t in report.held_tensors if t.module == "2" and t.attr == "input"]
+    assert [(t.verdict, t.proven) for t in second] == [(NEEDED, True)] and not report.notes

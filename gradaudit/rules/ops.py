@@ -10,6 +10,8 @@ support, and every value. When an op has variants we have not checked, answer "u
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ..records import GraphNode, NEEDED, NOT_NEEDED, SIGN_ONLY, SavedTensor
 from .registry import Verdict, needs
 
@@ -138,3 +140,24 @@ def _guarded(node: GraphNode, saved: dict[str, SavedTensor]) -> dict[str, Verdic
 
 for _name in _GUARDED:
     needs(_name)(_guarded)
+
+
+# Which gradient (edge number) reads a save, where a node computes several: a speed hint for the
+# proof (verify.py), which proves "needed" by computing that one gradient alone. A wrong hint
+# costs time, never a verdict (the full call follows). Edge order is the node's next_functions.
+_READ_BY: dict[str, dict[str, tuple[int, ...]]] = {
+    # convolution_backward: grad_input reads weight, grad_weight reads input
+    "ConvolutionBackward0": {"input": (1,), "weight": (0,)},
+    # addmm(self, mat1, mat2): grad_mat1 = grad @ mat2.T, grad_mat2 = mat1.T @ grad
+    "AddmmBackward0": {"mat1": (2,), "mat2": (1,)},
+    "MmBackward0": {"self": (1,), "mat2": (0,)},
+    "BmmBackward0": {"self": (1,), "mat2": (0,)},
+    # grad_weight = sum(grad * (x - mean) * invstd): reads the input and, in training, the saved
+    # batch statistics; it is cheaper than grad_input (no tensor the size of the input written)
+    "NativeBatchNormBackward0": {"input": (1,), "result1": (1,), "result2": (1,)},
+}
+
+
+def read_by(node_name: str, attr: str) -> Optional[tuple[int, ...]]:
+    """The edges whose gradients read ``attr`` of ``node_name`` (None: not known)."""
+    return _READ_BY.get(node_name, {}).get(attr)

@@ -91,6 +91,7 @@ class RuleContext:
     covered: set[int] = field(default_factory=set)  # tensor indices already in a finding
     parameter_names: dict[str, bool] = field(default_factory=dict)  # name -> requires_grad
     training: bool = False
+    _storage_refs: Optional[dict[int, list[SavedTensor]]] = field(default=None, repr=False)
 
     def nodes_named(self, *names: str) -> Iterator[GraphNode]:
         wanted = set(names)
@@ -106,10 +107,7 @@ class RuleContext:
         """Storage id -> bytes freed if the saves ``indices`` were gone (storage-aware: a storage
         counts only when every held save of it is among them and it is an activation)."""
         chosen = set(indices)
-        refs: dict[int, list[SavedTensor]] = {}
-        for t in self.held():
-            if t.storage_id >= 0:
-                refs.setdefault(t.storage_id, []).append(t)
+        refs = self._refs()
         freed: dict[int, int] = {}
         for sid in {self.tensors[i].storage_id for i in chosen if self.tensors[i].storage_id >= 0}:
             storage = self.storages[sid]
@@ -118,7 +116,17 @@ class RuleContext:
         return freed
 
     def storage_refs(self, storage_id: int) -> list[SavedTensor]:
-        return [t for t in self.held() if t.storage_id == storage_id]
+        return list(self._refs().get(storage_id, ()))
+
+    def _refs(self) -> dict[int, list[SavedTensor]]:
+        """Storage id -> held saves of it, built once (what autograd holds does not change
+        while rules run; a linear scan per save made this quadratic)."""
+        if self._storage_refs is None:
+            self._storage_refs = {}
+            for t in self.held():
+                if t.storage_id >= 0:
+                    self._storage_refs.setdefault(t.storage_id, []).append(t)
+        return self._storage_refs
 
 
 @dataclass(frozen=True)
