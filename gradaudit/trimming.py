@@ -46,8 +46,10 @@ except ImportError:  # torch runs without numpy; bit-packing then uses torch ops
 __all__ = ["trim", "TrimHandle", "compare"]
 
 # Saves that one bit per element can stand for. A packer takes the saved values (in memory order)
-# and returns (bits, value where a bit is set; 0 elsewhere), or None when the values do not fit
-# that form. Each is written so the unpacked tensor gives the backward the same results:
+# and returns (mask, value where a bit is set (0 elsewhere), inverted), or None when the values do
+# not fit that form; ``inverted``: the bits are the mask's complement (one pass fewer than negating
+# the mask: the packed bytes, 1/8 of an element each, are flipped instead). Each is written so the
+# unpacked tensor gives the backward the same results:
 #   threshold_backward(grad, x, 0): x <= 0 ? 0 : grad   (ReLU result, Threshold with threshold 0)
 #   leaky_relu_backward(grad, x, slope): x > 0 ? grad : grad * slope
 # so the bit is that comparison itself (NaN, -0.0 included) and the unpacked value 1.0 or 0.0;
@@ -66,25 +68,24 @@ def _numpy_ok(values: torch.Tensor) -> bool:
             and values.dtype in _NUMPY_DTYPES)
 
 
-def _passes_unless_le_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
+def _passes_unless_le_zero(values: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
+    # the bit is not(x <= 0): NaN passes, as in threshold_backward
     if _numpy_ok(values):
         mask = torch.empty(values.shape, dtype=torch.bool)
-        out = mask.numpy()
-        numpy.less_equal(values.numpy(), 0, out=out)
-        numpy.logical_not(out, out=out)
-        return mask, 1.0
-    return (values <= 0).logical_not_(), 1.0
+        numpy.less_equal(values.numpy(), 0, out=mask.numpy())
+        return mask, 1.0, True
+    return values <= 0, 1.0, True
 
 
-def _passes_if_gt_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
+def _passes_if_gt_zero(values: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
     if _numpy_ok(values):
         mask = torch.empty(values.shape, dtype=torch.bool)
         numpy.greater(values.numpy(), 0, out=mask.numpy())
-        return mask, 1.0
-    return values > 0, 1.0
+        return mask, 1.0, False
+    return values > 0, 1.0, False
 
 
-def _scaled_mask(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
+def _scaled_mask(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float, bool]]:
     if values.numel() == 0:
         return None
     scale = values.max()
@@ -92,10 +93,11 @@ def _scaled_mask(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
     exact = bool(torch.logical_or(bits, values == 0).all()) and not bool(torch.signbit(values).any())
     if not exact or not bool(scale > 0):
         return None
-    return bits, scale.item()
+    return bits, scale.item(), False
 
 
-_PACKERS: dict[tuple[str, str], Callable[[torch.Tensor], Optional[tuple[torch.Tensor, float]]]] = {
+_Packer = Callable[[torch.Tensor], Optional[tuple[torch.Tensor, float, bool]]]
+_PACKERS: dict[tuple[str, str], _Packer] = {
     ("ReluBackward0", "result"): _passes_unless_le_zero,
     ("ThresholdBackward0", "self"): _passes_unless_le_zero,
     ("LeakyReluBackward0", "self"): _passes_if_gt_zero,
@@ -156,8 +158,8 @@ def _unpack(box: _Box) -> torch.Tensor:
     return _unpack_bits(box)
 
 
-def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """1-D bool -> uint8: bit i of byte k is element 8k+i.
+def _pack_bits(mask: torch.Tensor, inverted: bool = False) -> torch.Tensor:
+    """1-D bool -> uint8: bit i of byte k is element 8k+i (``inverted``: its complement).
 
     The packed bytes are allocated by torch, so storage trackers see them.
     """
@@ -165,13 +167,16 @@ def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
     packed = torch.empty(((count + 7) // 8,), dtype=torch.uint8, device=mask.device)
     if mask.device.type == "cpu" and numpy is not None:
         # numpy's packbits is one C loop; the torch expression below takes several passes
-        packed.numpy()[:] = numpy.packbits(mask.numpy(), bitorder="little")
-    else:
-        padded = torch.zeros((packed.numel() * 8,), dtype=torch.uint8, device=mask.device)
-        padded[:count] = mask.view(torch.uint8)
-        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
-        torch.sum(padded.view(-1, 8) * weights, dim=1, dtype=torch.uint8, out=packed)
-    return packed
+        out = packed.numpy()
+        out[:] = numpy.packbits(mask.numpy(), bitorder="little")
+        if inverted:
+            numpy.invert(out, out=out)  # the padding bits become 1: never read (see _unpack_bits)
+        return packed
+    padded = torch.zeros((packed.numel() * 8,), dtype=torch.uint8, device=mask.device)
+    padded[:count] = mask.view(torch.uint8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
+    torch.sum(padded.view(-1, 8) * weights, dim=1, dtype=torch.uint8, out=packed)
+    return packed.bitwise_not_() if inverted else packed
 
 
 _TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -244,15 +249,15 @@ def _dense(t: torch.Tensor) -> bool:
     return t.permute(order).is_contiguous()
 
 
-class _StorageUse:
-    """Per storage, during one forward: a kept save (makes bit-packing it pointless) and bit boxes."""
+class _PackedUse:
+    """The bit boxes of one storage during one forward (the storage may be freed meanwhile:
+    its weak reference tells a reused address from the original)."""
 
-    __slots__ = ("ref", "kept", "packed")
+    __slots__ = ("ref", "boxes")
 
     def __init__(self, ref: StorageWeakRef) -> None:
         self.ref = ref
-        self.kept = False
-        self.packed: list[weakref.ref] = []
+        self.boxes: list[weakref.ref] = []
 
 
 class _Session:
@@ -268,7 +273,10 @@ class _Session:
         self.waiting: list[tuple[_Box, Callable]] = []  # saves to bit-pack at the next boundary
         self.protected: set[int] = set()  # storages alive anyway (parameters, buffers, inputs)
         self.alive_anyway: Optional[list[torch.Tensor]] = None  # parameters and buffers
-        self.uses: dict[int, _StorageUse] = {}
+        # storage -> a box keeping a save of it (alive box: alive storage, so the address is
+        # not reused) and storage -> its bit boxes; bit-packing a kept storage frees nothing
+        self.kept: dict[int, weakref.ref] = {}
+        self.packed: dict[int, _PackedUse] = {}
         self.outer: Optional[tuple[Callable, Callable]] = None
         self.hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
         self.stats = {"kept": 0, "dropped": 0, "bitpacked": 0, "unpacked_again": 0}
@@ -309,7 +317,8 @@ class _Session:
             # replaced later is only treated like an activation (its unneeded saves dropped)
             self.alive_anyway = [*module.parameters(), *module.buffers()]
         self.protected = {t.untyped_storage()._cdata for t in [*self.alive_anyway, *iter_tensors((args, kwargs))]}
-        self.uses = {}
+        self.kept = {}
+        self.packed = {}
         self.pending = []
         self.waiting = []
         self.stack = self.stack[:1]
@@ -332,7 +341,8 @@ class _Session:
             torch._C._autograd._pop_node_creation_hook()
             hooks, self.hooks = self.hooks, None
             hooks.__exit__(None, None, None)
-            self.uses = {}
+            self.kept = {}
+            self.packed = {}
             self.protected = set()
             self.pending = []
             self.waiting = []
@@ -430,55 +440,55 @@ class _Session:
         key = tensor.untyped_storage()._cdata
         if key in self.protected:
             return False
-        use = self.uses.get(key)
-        return use is None or use.ref.expired() or not use.kept
-
-    def use_of(self, tensor: torch.Tensor) -> _StorageUse:
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        use = self.uses.get(key)
-        if use is None or use.ref.expired():
-            use = self.uses[key] = _StorageUse(StorageWeakRef(storage))
-        return use
+        ref = self.kept.get(key)
+        keeper = ref() if ref is not None else None
+        return keeper is None or keeper.state != _KEPT
 
     def keep(self, box: _Box) -> None:
         self.stats["kept"] += 1
         if box.outer_unpack is not None or not self.bitpack:
             return
         tensor = box.payload
-        if tensor.untyped_storage()._cdata in self.protected:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self.protected:
             return  # parameters are never bit-packed: nothing to give back
-        use = self.use_of(tensor)
-        use.kept = True
+        self.kept[key] = weakref.ref(box)
+        use = self.packed.pop(key, None)
+        if use is None or use.ref.expired():
+            return
         # a bit box of this storage frees nothing any more: give it back the tensor (unless the
         # tensor was modified in place since: then the bits hold what backward must see)
-        for ref in use.packed:
+        for ref in use.boxes:
             packed_box = ref()
             if packed_box is not None and packed_box.state == _PACKED and tensor._version == packed_box.version:
                 view = torch.empty((0,), dtype=packed_box.dtype, device=packed_box.device)
-                view.set_(tensor.untyped_storage(), packed_box.offset, packed_box.shape, packed_box.stride)
+                view.set_(storage, packed_box.offset, packed_box.shape, packed_box.stride)
                 packed_box.payload, packed_box.state = view, _KEPT
                 self.stats["unpacked_again"] += 1
-        use.packed.clear()
 
-    def pack_bits(self, box: _Box, packer: Callable[[torch.Tensor], Optional[tuple[torch.Tensor, float]]]) -> None:
+    def pack_bits(self, box: _Box, packer: _Packer) -> None:
         tensor = box.payload
         # dense: the values in memory order, whatever the layout (unpacking restores the strides)
         found = packer(tensor.as_strided((tensor.numel(),), (1,))) if _dense(tensor) else None
         if found is None:
             self.keep(box)
             return
-        mask, box.scale = found
+        mask, box.scale, inverted = found
         box.stride, box.offset = tensor.stride(), tensor.storage_offset()
-        self.use_of(tensor).packed.append(weakref.ref(box))
-        box.payload, box.state = _pack_bits(mask), _PACKED
+        storage = tensor.untyped_storage()
+        use = self.packed.get(storage._cdata)
+        if use is None or use.ref.expired():
+            use = self.packed[storage._cdata] = _PackedUse(StorageWeakRef(storage))
+        use.boxes.append(weakref.ref(box))
+        box.payload, box.state = _pack_bits(mask, inverted), _PACKED
         self.stats["bitpacked"] += 1
 
 
 class _NodeKind:
     """What deciding needs about one autograd node type, found once per type."""
 
-    __slots__ = ("name", "slots", "knowledge", "scalars")
+    __slots__ = ("name", "slots", "knowledge", "scalars", "plans")
 
     def __init__(self, node: Any) -> None:
         self.name = type(node).__name__
@@ -490,6 +500,7 @@ class _NodeKind:
         # reading every scalar of every node costs more than the rest of a decision: read only
         # those the op knowledge declares it reads
         self.scalars = op_scalars(self.name)
+        self.plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # see _plan
 
 
 _KINDS: dict[type, _NodeKind] = {}
@@ -501,7 +512,6 @@ def _kind_of(node: Any) -> _NodeKind:
 
 
 _KEEP_ACTION = None
-_PLANS: dict[Any, tuple[Any, ...]] = {}
 
 
 def _plan(kind: _NodeKind, node: Any, module: tuple[str, str], boxes: list[tuple[str, _Box]]) -> tuple[Any, ...]:
@@ -510,14 +520,14 @@ def _plan(kind: _NodeKind, node: Any, module: tuple[str, str], boxes: list[tuple
     the node type, its edge mask, the scalars it declares, the module and the saves' attributes,
     shapes, dtypes and devices.
     """
-    scalars = node_scalars(node, kind.scalars)
-    key = (kind, module, tuple([fn is not None for fn, _ in node.next_functions]),
-           tuple([(k, tuple(v) if type(v) is list else v) for k, v in scalars.items()]),
+    scalars = node_scalars(node, kind.scalars) if kind.scalars else {}
+    key = (module, tuple([fn is not None for fn, _ in node.next_functions]),
+           tuple([(k, tuple(v) if type(v) is list else v) for k, v in scalars.items()]) if scalars else (),
            tuple([(attr, box.shape, box.dtype, box.device) for attr, box in boxes]))
-    plan = _PLANS.get(key)
+    plan = kind.plans.get(key)
     if plan is not None:
         return plan
-    graph_node = GraphNode(id=0, name=kind.name, module=module[0], next_ids=[], edge_mask=list(key[2]),
+    graph_node = GraphNode(id=0, name=kind.name, module=module[0], next_ids=[], edge_mask=list(key[1]),
                            scalars=scalars)
     saved = {attr: _describe(i, kind.name, attr, module, box) for i, (attr, box) in enumerate(boxes)}
     verdicts = kind.knowledge(graph_node, saved)
@@ -532,9 +542,9 @@ def _plan(kind: _NodeKind, node: Any, module: tuple[str, str], boxes: list[tuple
             actions.append(_PACKERS[(kind.name, attr)])
         else:
             actions.append(_KEEP_ACTION)
-    if len(_PLANS) > 4096:
-        _PLANS.clear()
-    plan = _PLANS[key] = tuple(actions)
+    if len(kind.plans) > 4096:
+        kind.plans.clear()
+    plan = kind.plans[key] = tuple(actions)
     return plan
 
 

@@ -78,9 +78,12 @@ def test_bitpacking_without_numpy_uses_torch_ops(monkeypatch):
     import gradaudit.trimming as trimming
 
     mask = torch.rand(1001) > 0.5  # 1001 = 125*8 + 1: a partial last byte
-    with_numpy = trimming._pack_bits(mask)
+    with_numpy = [trimming._pack_bits(mask, inverted) for inverted in (False, True)]
+    # inverted: the complement of every bit, padding included
+    assert torch.equal(with_numpy[1], with_numpy[0].bitwise_not())
     monkeypatch.setattr(trimming, "numpy", None)
-    assert torch.equal(trimming._pack_bits(mask), with_numpy)
+    assert [torch.equal(trimming._pack_bits(mask, inverted), expected)
+            for inverted, expected in zip((False, True), with_numpy)] == [True, True]
     model = nn.Sequential(nn.Linear(7, 9), nn.ReLU(), nn.Linear(9, 2))
     model[2].weight.requires_grad_(False)  # so that the last linear does not keep the ReLU result
     plain, trimmed, stats = plain_and_trimmed(model, (torch.randn(5, 7),))
@@ -340,8 +343,7 @@ def test_cached_decisions_follow_the_scalars_the_op_knowledge_reads():
     the same threshold node, shapes and edges with another threshold decide apart."""
     import gradaudit.trimming as trimming
 
-    trimming._PLANS.clear()
-    trimming._KINDS.clear()
+    trimming._KINDS.clear()  # kinds hold the cached plans
     model = nn.Sequential(nn.Linear(11, 11), nn.Threshold(0.0, 0.0))
     x = torch.randn(2, 11)
     packed = []
