@@ -46,10 +46,8 @@ except ImportError:  # torch runs without numpy; bit-packing then uses torch ops
 __all__ = ["trim", "TrimHandle", "compare"]
 
 # Saves that one bit per element can stand for. A packer takes the saved values (in memory order)
-# and returns (mask, value where a bit is set (0 elsewhere), inverted), or None when the values do
-# not fit that form; ``inverted``: the bits are the mask's complement (one pass fewer than negating
-# the mask: the packed bytes, 1/8 of an element each, are flipped instead). Each is written so the
-# unpacked tensor gives the backward the same results:
+# and returns (packed bits, value a set bit stands for; 0 elsewhere), or None when the values do
+# not fit that form. Each is written so the unpacked tensor gives the backward the same results:
 #   threshold_backward(grad, x, 0): x <= 0 ? 0 : grad   (ReLU result, Threshold with threshold 0)
 #   leaky_relu_backward(grad, x, slope): x > 0 ? grad : grad * slope
 # so the bit is that comparison itself (NaN, -0.0 included) and the unpacked value 1.0 or 0.0;
@@ -58,9 +56,14 @@ __all__ = ["trim", "TrimHandle", "compare"]
 
 
 # numpy's elementwise comparisons run several times faster than torch's on CPU at these sizes
-# (same IEEE comparisons: NaN and -0.0 give the same answers); the masks are still allocated by
-# torch, so storage trackers see them
+# (same IEEE comparisons: NaN and -0.0 give the same answers); what they write is still allocated
+# by torch, so storage trackers see it
 _NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64})
+
+# Elements compared per chunk: the chunk's bool mask (256 KiB) stays in cache between the
+# comparison that writes it and the packing that reads it. A multiple of 8, so that every chunk
+# starts on a byte of the packed bits.
+_CHUNK = 1 << 18
 
 
 def _numpy_ok(values: torch.Tensor) -> bool:
@@ -68,24 +71,37 @@ def _numpy_ok(values: torch.Tensor) -> bool:
             and values.dtype in _NUMPY_DTYPES)
 
 
-def _passes_unless_le_zero(values: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
-    # the bit is not(x <= 0): NaN passes, as in threshold_backward
+def _compare_and_pack(values: torch.Tensor, compare: Any, inverted: bool) -> torch.Tensor:
+    """Bits of ``compare(values, 0)`` (their complement when ``inverted``), chunk by chunk."""
+    count = values.numel()
+    packed = torch.empty(((count + 7) // 8,), dtype=torch.uint8)
+    scratch = torch.empty((min(count, _CHUNK),), dtype=torch.bool)
+    source, out, mask = values.numpy(), packed.numpy(), scratch.numpy()
+    for start in range(0, count, _CHUNK):
+        stop = min(count, start + _CHUNK)
+        chunk = mask[:stop - start]
+        compare(source[start:stop], 0, out=chunk)
+        out[start // 8:(stop + 7) // 8] = numpy.packbits(chunk, bitorder="little")
+    if inverted:
+        numpy.invert(out, out=out)  # the padding bits become 1: never read (see _unpack_bits)
+    return packed
+
+
+def _passes_unless_le_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
+    # the bit is not(x <= 0) (NaN passes, as in threshold_backward): x <= 0 is packed and the
+    # bytes flipped, one pass fewer than negating the mask
     if _numpy_ok(values):
-        mask = torch.empty(values.shape, dtype=torch.bool)
-        numpy.less_equal(values.numpy(), 0, out=mask.numpy())
-        return mask, 1.0, True
-    return values <= 0, 1.0, True
+        return _compare_and_pack(values, numpy.less_equal, inverted=True), 1.0
+    return _pack_bits(values <= 0, inverted=True), 1.0
 
 
-def _passes_if_gt_zero(values: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
+def _passes_if_gt_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
     if _numpy_ok(values):
-        mask = torch.empty(values.shape, dtype=torch.bool)
-        numpy.greater(values.numpy(), 0, out=mask.numpy())
-        return mask, 1.0, False
-    return values > 0, 1.0, False
+        return _compare_and_pack(values, numpy.greater, inverted=False), 1.0
+    return _pack_bits(values > 0), 1.0
 
 
-def _scaled_mask(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float, bool]]:
+def _scaled_mask(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
     if values.numel() == 0:
         return None
     scale = values.max()
@@ -93,10 +109,10 @@ def _scaled_mask(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float, bo
     exact = bool(torch.logical_or(bits, values == 0).all()) and not bool(torch.signbit(values).any())
     if not exact or not bool(scale > 0):
         return None
-    return bits, scale.item(), False
+    return _pack_bits(bits), scale.item()
 
 
-_Packer = Callable[[torch.Tensor], Optional[tuple[torch.Tensor, float, bool]]]
+_Packer = Callable[[torch.Tensor], Optional[tuple[torch.Tensor, float]]]
 _PACKERS: dict[tuple[str, str], _Packer] = {
     ("ReluBackward0", "result"): _passes_unless_le_zero,
     ("ThresholdBackward0", "self"): _passes_unless_le_zero,
@@ -474,14 +490,14 @@ class _Session:
         if found is None:
             self.keep(box)
             return
-        mask, box.scale, inverted = found
+        bits, box.scale = found
         box.stride, box.offset = tensor.stride(), tensor.storage_offset()
         storage = tensor.untyped_storage()
         use = self.packed.get(storage._cdata)
         if use is None or use.ref.expired():
             use = self.packed[storage._cdata] = _PackedUse(StorageWeakRef(storage))
         use.boxes.append(weakref.ref(box))
-        box.payload, box.state = _pack_bits(mask, inverted), _PACKED
+        box.payload, box.state = bits, _PACKED
         self.stats["bitpacked"] += 1
 
 

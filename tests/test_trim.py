@@ -91,6 +91,27 @@ def test_bitpacking_without_numpy_uses_torch_ops(monkeypatch):
     assert_identical(plain, trimmed)
 
 
+@pytest.mark.parametrize("chunk", [8, 24, 1 << 18])
+def test_chunked_packing_matches_packing_the_whole_mask(monkeypatch, chunk):
+    """ReLU-style bits are packed chunk by chunk (a cache-sized mask); any chunk size that is a
+    multiple of 8 gives the bytes packing the whole mask at once gives, partial last byte included."""
+    import gradaudit.trimming as trimming
+
+    monkeypatch.setattr(trimming, "_CHUNK", chunk)
+    special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1e-30, -1e-30])
+    values = torch.cat([special, torch.randn(93)])  # 100 elements: 12 full bytes and 4 bits
+    le, _ = trimming._passes_unless_le_zero(values)
+    gt, _ = trimming._passes_if_gt_zero(values)
+    assert torch.equal(le, trimming._pack_bits(values <= 0, inverted=True))
+    assert torch.equal(gt, trimming._pack_bits(values > 0))
+
+    def bits(packed):  # element i is bit i % 8 of byte i // 8; the last 4 bits are padding
+        return [(int(packed[i // 8]) >> (i % 8)) & 1 for i in range(values.numel())]
+
+    assert bits(le) == (values <= 0).logical_not().int().tolist()  # NaN passes, as in backward
+    assert bits(gt) == (values > 0).int().tolist()
+
+
 class Expand(nn.Module):
     def forward(self, x):
         return (x * 2).expand(4, 3, 6, 5)
