@@ -37,18 +37,14 @@ class KnownStorages:
     def __init__(self, model: torch.nn.Module, inputs: Sequence[torch.Tensor],
                  outputs: Sequence[torch.Tensor]) -> None:
         self.kind: dict[int, str] = {}
-        for t in outputs:
-            self.kind[storage_key(t)] = "output"
-        for t in inputs:
-            self.kind[storage_key(t)] = "input"
-        for b in model.buffers():
-            self.kind[storage_key(b)] = "buffer"
-        for t in _tensor_attributes(model):
-            # an unregistered tensor kept on a module (``self.mask = torch.ones(...)``) lives with
-            # the module like a buffer: saving it costs autograd nothing
-            self.kind[storage_key(t)] = "buffer"
-        for p in model.parameters():
-            self.kind[storage_key(p)] = "parameter"
+        # (sparse and other non-strided tensors have no single storage: not classified)
+        for kind, tensors in [("output", outputs), ("input", inputs), ("buffer", model.buffers()),
+                              # an unregistered tensor kept on a module (``self.mask = ...``) lives
+                              # with the module like a buffer: saving it costs autograd nothing
+                              ("buffer", _tensor_attributes(model)), ("parameter", model.parameters())]:
+            for t in tensors:
+                if t.layout == torch.strided:
+                    self.kind[storage_key(t)] = kind
 
     def classify(self, key: int) -> str:
         return self.kind.get(key, "activation")
@@ -99,7 +95,11 @@ def build_report(
     for k in order:
         save = recording.saves[k]
         t = save.tensor
-        if t is not None:
+        if t is not None and t.layout != torch.strided:
+            # a sparse (or other non-strided) save holds several storages: its bytes are unknown
+            sid, shape, dtype = -1, tuple(t.shape), t.dtype
+            offset, stride, device = 0, (), str(t.device)
+        elif t is not None:
             key = storage_key(t)
             sid = storage_ids.get(key)
             if sid is None:

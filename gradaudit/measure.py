@@ -20,6 +20,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+def strided_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The strided tensors holding a tensor's memory: itself, or a sparse tensor's index and
+    value tensors."""
+    if t.layout == torch.strided:
+        return [t]
+    if t.layout == torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [t.ccol_indices(), t.row_indices(), t.values()]
+    return []
+
+
 class StorageTracker(TorchDispatchMode):
     """Weak-references every storage produced by an op while active."""
 
@@ -31,9 +45,10 @@ class StorageTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                ref = StorageWeakRef(storage)
-                self.storages.setdefault(ref.cdata, (ref, storage.nbytes()))
+                for part in strided_parts(t):
+                    storage = part.untyped_storage()
+                    ref = StorageWeakRef(storage)
+                    self.storages.setdefault(ref.cdata, (ref, storage.nbytes()))
         return out
 
     def live_bytes(self, exclude: set[int]) -> int:

@@ -218,6 +218,8 @@ class Report:
             "offloaded_bytes": self.offloaded_bytes,
             "saved_tensors": len(held),
             "unknown_tensors": sum(1 for t in held if t.verdict == UNKNOWN),
+            # held saves without one storage (sparse layouts): not in any byte figure
+            "uncounted_tensors": sum(1 for t in held if t.storage_id < 0),
             "findings": len(self.findings),
             "waste_findings": len(self.waste_findings),
             "parameters_requiring_grad": self.parameters_requiring_grad,

@@ -444,6 +444,8 @@ class _Session:
     def droppable(self, box: _Box) -> bool:
         if box.outer_unpack is not None:
             return True
+        if box.payload.layout != torch.strided:
+            return False  # sparse: no placeholder is made for it
         # parameters, buffers and inputs are alive anyway: replacing their saves frees nothing
         return box.payload.untyped_storage()._cdata not in self.protected
 
@@ -451,8 +453,8 @@ class _Session:
         if not self.bitpack or box.outer_unpack is not None:
             return False
         tensor = box.payload
-        if not tensor.is_floating_point() or tensor._version != box.version:
-            return False  # modified in place since it was saved: leave it as autograd would
+        if tensor.layout != torch.strided or not tensor.is_floating_point() or tensor._version != box.version:
+            return False  # (or modified in place since it was saved: leave it as autograd would)
         key = tensor.untyped_storage()._cdata
         if key in self.protected:
             return False
@@ -462,7 +464,7 @@ class _Session:
 
     def keep(self, box: _Box) -> None:
         self.stats["kept"] += 1
-        if box.outer_unpack is not None or not self.bitpack:
+        if box.outer_unpack is not None or not self.bitpack or box.payload.layout != torch.strided:
             return
         tensor = box.payload
         storage = tensor.untyped_storage()

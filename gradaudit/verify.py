@@ -160,9 +160,7 @@ class Poisons:
         self.fresh = fresh
 
     def _view(self, kind: str, t: torch.Tensor, offset: int) -> torch.Tensor:
-        if t.layout != torch.strided:
-            raise TypeError("only strided tensors are poisoned")
-        view = self.pools.like(kind, t, offset)
+        view = self.pools.like(kind, t, offset)  # strided tensors only (see Prover.prove_node)
         return view.clone() if self.fresh else view
 
     def pair(self, t: torch.Tensor, offset: int = 0) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -171,14 +169,15 @@ class Poisons:
             return self._view("nan", t, offset), self._view("random", t, offset)
         return self._in_range_pair(t)
 
-    def witness(self, t: torch.Tensor) -> torch.Tensor:
+    def witness(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         """A cheap poison to show that backward reads a tensor: NaN propagates through any
         arithmetic and fails every comparison, so a backward that reads the values changes its
-        result. (A backward it does not change still goes through the two-poison test.)"""
+        result. (A backward it does not change still goes through the two-poison test.)
+        None: no safe value differs from the tensor's own (an all-zero or empty integer tensor)."""
         if _floating(t.dtype):
             return self._view("nan", t, 0)
         pair = self._in_range_pair(t)
-        return pair[0] if pair else t
+        return pair[0] if pair else None
 
     def _in_range_pair(self, t: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         # Integers are indices, offsets or sizes: only values the tensor already holds are safe.
@@ -437,6 +436,9 @@ class Prover:
             if box is None or box.tensor is not self.live_tensors[j]:
                 self._unproven([j], "gradaudit did not pack it")
                 continue
+            if self.live_tensors[j].layout != torch.strided:
+                self._unproven([j], f"its layout ({self.live_tensors[j].layout}) is not poisoned")
+                continue
             subjects.append((j, box))
         if not subjects:
             return
@@ -468,13 +470,17 @@ class Prover:
         hints = {j: call.narrowable(read_by(name, self.tensors[j].attr)) for j, _ in others}
         for j, box in others:
             try:
+                witness = poisons.witness(self.live_tensors[j])
+                if witness is None:
+                    self._unproven([j], "no in-range value differs from its own")
+                    continue
                 if hints[j] is not None and self.tensors[j].verdict == NEEDED:
                     # one gradient that should read it, computed alone with and without a
                     # witness: a change proves the read at a fraction of the cost
-                    if call.changed_by([(box, poisons.witness(self.live_tensors[j]))], hints[j]):
+                    if call.changed_by([(box, witness)], hints[j]):
                         self._settle_needed(j)
                         continue
-                self._prove_one(call, poisons, j, box)
+                self._prove_one(call, poisons, j, box, witness)
             except _PoolsTouched:
                 raise
             except Exception as error:  # only a baseline call gets here (under() catches the rest)
@@ -493,9 +499,10 @@ class Prover:
         # not read, so the recorded values give those gradients too (no baseline call needed).
         return same_outputs(call.under(first), call.under(second))
 
-    def _prove_one(self, call: NodeCall, poisons: Poisons, j: int, box: _Packed) -> None:
+    def _prove_one(self, call: NodeCall, poisons: Poisons, j: int, box: _Packed,
+                   witness: torch.Tensor) -> None:
         t, value = self.tensors[j], self.live_tensors[j]
-        if not call.changed_by([(box, poisons.witness(value))]):
+        if not call.changed_by([(box, witness)]):
             if self._unread(call, poisons, [(j, box)]):
                 return self._settle(j, NOT_NEEDED)
         if t.verdict in (SIGN_ONLY, UNKNOWN) and value.dtype.is_floating_point:

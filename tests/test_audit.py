@@ -174,3 +174,35 @@ def test_without_a_node_creation_hook_saves_are_attributed_at_pack_time(monkeypa
         (t.node, t.attr, t.module, t.module_class) for t in with_hook.tensors]
     assert without.saved_bytes == with_hook.saved_bytes
     assert {t.module for t in without.held_tensors} >= {"features.0", "features.1", "features.2", "head"}
+
+
+def test_sparse_save_is_uncounted_not_zero():
+    # A sparse save has no single storage: the audit does not crash, puts it in no byte figure
+    # and says so; the independent tracker counts its index and value tensors.
+    from gradaudit.measure import held_bytes_after_forward
+    from gradaudit.report.text import render
+
+    class Saves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward((x * 1).to_sparse())
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return Saves.apply(self.lin(x))
+
+    model, x = Model(), torch.randn(2, 3)
+    report = gradaudit.audit(model, x)
+    assert report.summary()["uncounted_tensors"] == 1 and report.saved_bytes == 0
+    assert "size is unknown" in render(report)
+    # 2x3 dense values, all nonzero: indices 2 x 6 int64 (96 B) + values 6 float32 (24 B)
+    assert held_bytes_after_forward(model, x) == 2 * 6 * 8 + 6 * 4

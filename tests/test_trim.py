@@ -547,3 +547,28 @@ def test_compare_leaves_model_and_inputs_as_found():
     assert weight.grad is weight_grad and torch.equal(weight.grad, torch.ones_like(weight))
     assert all(torch.equal(a, b) for a, b in zip(state.values(), model.state_dict().values()))
     assert model.training
+
+
+def test_sparse_saves_are_kept():
+    class Saves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x.to_sparse())
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            (sparse,) = ctx.saved_tensors
+            return grad * 2 + sparse.to_dense()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return Saves.apply(torch.relu(self.lin(x)))
+
+    plain, trimmed, stats = plain_and_trimmed(Model(), (torch.randn(2, 3),))
+    assert stats["kept"] >= 1
+    assert_identical(plain, trimmed)

@@ -234,3 +234,32 @@ def test_a_wrong_read_by_hint_costs_time_not_verdicts(monkeypatch):
     report = gradaudit.audit(model, torch.randn(2, 3, 8, 8), verify=True)
     second = [t for t in report.held_tensors if t.module == "2" and t.attr == "input"]
     assert [(t.verdict, t.proven) for t in second] == [(NEEDED, True)] and not report.notes
+
+
+def test_saves_no_poison_can_reach_stay_unproven():
+    # An all-zero integer tensor has no in-range value of its own to differ from, and a sparse
+    # save is not poisoned: neither may be reported "proven" without a call that shows it.
+    class Saves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(torch.zeros(3, dtype=torch.long), (x * 1).to_sparse())
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            zeros, sparse = ctx.saved_tensors
+            return grad * 2 + zeros.sum() + sparse.to_dense() * 0
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return Saves.apply(self.lin(x))
+
+    report = gradaudit.audit(Model(), torch.randn(2, 3), verify=True)
+    saves = by_attr(report, "SavesBackward")
+    zeros, sparse = saves["saved_tensors[0]"], saves["saved_tensors[1]"]
+    assert not zeros.proven and "no in-range value" in zeros.reason
+    assert not sparse.proven and "layout" in sparse.reason

@@ -62,6 +62,9 @@ def render(report: Report, *, color: bool = False, top: int = 10, width: int = 1
     for (label, amount, note), (_, _, _, style) in zip(padded, figures):
         amount = paint(amount, style) if style and amount.strip() != "0 B" else amount
         lines.append(f"  {label}  {amount}  {note}".rstrip())
+    if summary["uncounted_tensors"]:
+        lines.append(paint(f"  {summary['uncounted_tensors']} saved tensors are not in these bytes: their "
+                           f"size is unknown (sparse or other non-strided layout)", "dim"))
     if summary["unknown_tensors"]:
         lines.append(paint(f"  {summary['unknown_tensors']} saved tensors have no verdict (no rule knows "
                            f"their op); see the report's unexplained list", "dim"))
