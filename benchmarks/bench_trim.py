@@ -6,7 +6,9 @@ For each model and scenario, measured side by side in one run:
   torch.cuda.max_memory_allocated). Parameters, buffers and the input are not counted;
 - freed bytes (held plain - held trimmed) as a share of the audit's reclaimable_with_bitpacking_bytes
   (goal >= 95%);
-- forward+backward time trimmed / plain, median over interleaved runs (goal <= 1.05);
+- forward+backward time, trimmed / plain, with and without bit-packing: median over interleaved
+  repeats of the ratio of each variant's fastest step in a block of 3 (goal <= 1.05); and a second
+  plain block / the first, which shows how far this machine's noise alone moves the ratio;
 - the memsave study's published peak-memory reductions for the same scenario, on the models that
   study measured (ResNet-101, EfficientNet-v2-L): published figures for other models, not ours.
 
@@ -60,13 +62,14 @@ def step(model: nn.Module, x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def time_ratios(model: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float, float, float]:
-    """(plain seconds, ratio trimmed/plain, ratio trimmed without bit-packing/plain).
+def time_ratios(model: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float, float, float, float]:
+    """(plain seconds, ratio trimmed/plain, ratio trimmed without bit-packing/plain, ratio of a
+    second plain block to the first: what this machine's noise alone gives).
 
     Each repeat times a block of 3 steps per variant, back to back, and keeps each block's fastest
     step (the one least disturbed by other processes and by this VM's page-fault cost, which varies
     several-fold from minute to minute); each ratio is the median of the per-repeat ratios."""
-    variants = [None, True, False]  # plain, trim(bitpack=True), trim(bitpack=False)
+    variants = [None, True, False, None]  # plain, trim(bitpack=True), trim(bitpack=False), plain
 
     def block(bitpack: object) -> float:
         if bitpack is None:
@@ -80,7 +83,7 @@ def time_ratios(model: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float,
     rows = [[block(bitpack) for bitpack in variants] for _ in range(repeats)]
     plain = statistics.median(r[0] for r in rows)
     return (plain, statistics.median(r[1] / r[0] for r in rows),
-            statistics.median(r[2] / r[0] for r in rows))
+            statistics.median(r[2] / r[0] for r in rows), statistics.median(r[3] / r[0] for r in rows))
 
 
 def mib(n: int) -> str:
@@ -109,7 +112,8 @@ def main() -> None:
     print("held/peak in MiB (activations, gradients and temporaries; parameters, buffers and the input "
           "not counted). freed% = freed / audit reclaimable_with_bitpacking_bytes.")
     header = ("| model | scenario | held plain | held trimmed | peak plain | peak trimmed | peak change "
-              "| freed % of reclaimable | time trimmed/plain | time, bitpack=False | memsave published (other model) |")
+              "| freed % of reclaimable | time trimmed/plain | time, bitpack=False | time, plain again "
+              "(noise) | memsave published (other model) |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     worst_freed, worst_time, worst_drop_only = 100.0, 0.0, 0.0
@@ -124,7 +128,7 @@ def main() -> None:
             reclaimable = report.reclaimable_with_bitpacking_bytes
             freed = measured["held_before"] - measured["held_after"]
             freed_share = 100.0 * freed / reclaimable if reclaimable else float("nan")
-            plain_s, ratio, drop_only = time_ratios(model, x, args.repeats)
+            plain_s, ratio, drop_only, noise = time_ratios(model, x, args.repeats)
             family = "efficientnet" if "efficientnet" in MODELS[label] else "resnet"
             published = MEMSAVE.get(scenario, {}).get(family, "-")
             peak_change = 100.0 * (measured["peak_after"] - measured["peak_before"]) / measured["peak_before"]
@@ -135,7 +139,7 @@ def main() -> None:
             print(f"| {label} | {scenario} | {mib(measured['held_before'])} | {mib(measured['held_after'])} "
                   f"| {mib(measured['peak_before'])} | {mib(measured['peak_after'])} | {peak_change:+.0f}% "
                   f"| {f'{freed_share:.1f}% ({mib(freed)} of {mib(reclaimable)})' if reclaimable else 'nothing to reclaim'} "
-                  f"| {ratio:.3f} ({plain_s * 1e3:.0f} ms plain) | {drop_only:.3f} | {published} |", flush=True)
+                  f"| {ratio:.3f} ({plain_s * 1e3:.0f} ms plain) | {drop_only:.3f} | {noise:.3f} | {published} |", flush=True)
     print(f"\nworst freed share: {worst_freed:.1f}% (goal >= 95%); "
           f"worst time ratio: {worst_time:.3f}, without bit-packing {worst_drop_only:.3f} (goal <= 1.05)")
 

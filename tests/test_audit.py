@@ -182,25 +182,9 @@ def test_sparse_save_is_uncounted_not_zero():
     from gradaudit.measure import held_bytes_after_forward
     from gradaudit.report.text import render
 
-    class Saves(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward((x * 1).to_sparse())
-            return x * 2
+    from tests.fixtures.functions import LinearThen, SavesSparse
 
-        @staticmethod
-        def backward(ctx, grad):
-            return grad * 2
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(3, 3)
-
-        def forward(self, x):
-            return Saves.apply(self.lin(x))
-
-    model, x = Model(), torch.randn(2, 3)
+    model, x = LinearThen(SavesSparse), torch.randn(2, 3)
     report = gradaudit.audit(model, x)
     assert report.summary()["uncounted_tensors"] == 1 and report.saved_bytes == 0
     assert "size is unknown" in render(report)

@@ -550,25 +550,8 @@ def test_compare_leaves_model_and_inputs_as_found():
 
 
 def test_sparse_saves_are_kept():
-    class Saves(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x.to_sparse())
-            return x * 2
+    from tests.fixtures.functions import LinearThen, SavesSparse
 
-        @staticmethod
-        def backward(ctx, grad):
-            (sparse,) = ctx.saved_tensors
-            return grad * 2 + sparse.to_dense()
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(3, 3)
-
-        def forward(self, x):
-            return Saves.apply(torch.relu(self.lin(x)))
-
-    plain, trimmed, stats = plain_and_trimmed(Model(), (torch.randn(2, 3),))
+    plain, trimmed, stats = plain_and_trimmed(LinearThen(SavesSparse, torch.relu), (torch.randn(2, 3),))
     assert stats["kept"] >= 1
     assert_identical(plain, trimmed)

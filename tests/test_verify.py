@@ -6,6 +6,7 @@ from torch import nn
 
 import gradaudit
 from gradaudit.records import NEEDED, NOT_NEEDED, SIGN_ONLY
+from tests.fixtures.functions import FailsAlone, LinearThen, SavesZerosAndSparse
 from tests.fixtures.rule_models import CustomFunctionWaste, FrozenConvStack
 from tests.rule_harness import audit_fixture
 
@@ -107,26 +108,8 @@ def test_integer_saves_only_see_in_range_values():
 
 
 def test_backward_that_fails_alone_keeps_static_verdict():
-    class Fragile(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, grad):
-            raise RuntimeError("only inside the engine")
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x):
-            return Fragile.apply(self.lin(x))
-
-    report = gradaudit.audit(Model(), torch.randn(2, 4), verify=True)
-    save = by_attr(report, "FragileBackward")["saved_tensors[0]"]
+    report = gradaudit.audit(LinearThen(FailsAlone, features=4), torch.randn(2, 4), verify=True)
+    save = by_attr(report, "FailsAloneBackward")["saved_tensors[0]"]
     assert save.verdict == "unknown" and not save.proven and "unknown-proof" in save.reason
 
 
@@ -239,27 +222,8 @@ def test_a_wrong_read_by_hint_costs_time_not_verdicts(monkeypatch):
 def test_saves_no_poison_can_reach_stay_unproven():
     # An all-zero integer tensor has no in-range value of its own to differ from, and a sparse
     # save is not poisoned: neither may be reported "proven" without a call that shows it.
-    class Saves(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(torch.zeros(3, dtype=torch.long), (x * 1).to_sparse())
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, grad):
-            zeros, sparse = ctx.saved_tensors
-            return grad * 2 + zeros.sum() + sparse.to_dense() * 0
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(3, 3)
-
-        def forward(self, x):
-            return Saves.apply(self.lin(x))
-
-    report = gradaudit.audit(Model(), torch.randn(2, 3), verify=True)
-    saves = by_attr(report, "SavesBackward")
+    report = gradaudit.audit(LinearThen(SavesZerosAndSparse), torch.randn(2, 3), verify=True)
+    saves = by_attr(report, "SavesZerosAndSparseBackward")
     zeros, sparse = saves["saved_tensors[0]"], saves["saved_tensors[1]"]
     assert not zeros.proven and "no in-range value" in zeros.reason
     assert not sparse.proven and "layout" in sparse.reason
