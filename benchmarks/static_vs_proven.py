@@ -2,6 +2,8 @@
 
 Run: python benchmarks/static_vs_proven.py [--batch 2] [--size 128]
 Goal (issue 3): ResNet-18 input-only with eval-mode batch norm, static >= 90% of proven.
+Scenarios: gradaudit.scenarios (the ones bench_trim uses; surgical = the first third of the layers
+with weights trainable).
 """
 
 from __future__ import annotations
@@ -12,24 +14,7 @@ import torch
 import torchvision
 
 import gradaudit
-
-NORM_PARAMS = ["*bn*", "*.1.weight", "*.1.bias", "*downsample.1.*", "*norm*"]
-
-
-def last_stage(name: str) -> list[str]:
-    return ["layer4.*"] if name.startswith("resnet") else ["features.7.*" if "mobilenet" in name else "features.7.*"]
-
-
-def scenarios(name: str):
-    """(label, train mode, trainable patterns or None for all, input requires grad)."""
-    return [
-        ("all-trainable", True, None, False),
-        ("input-only", True, [], True),
-        ("input-only, BN eval", False, [], True),
-        ("norm-only", True, [p for p in NORM_PARAMS], False),
-        ("surgical (last stage)", True, last_stage(name), False),
-    ]
-
+from gradaudit.scenarios import SCENARIOS, apply_scenario
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -43,11 +28,11 @@ def main() -> None:
     for name in args.models.split(","):
         torch.manual_seed(0)
         model = getattr(torchvision.models, name)()
-        for label, train, trainable, input_grad in scenarios(name):
-            model.train(train)
-            x = torch.randn(args.batch, 3, args.size, args.size, requires_grad=input_grad)
-            static = gradaudit.audit(model, x, trainable=trainable)
-            proven = gradaudit.audit(model, x, trainable=trainable, verify=True)
+        for label in SCENARIOS:
+            x = torch.randn(args.batch, 3, args.size, args.size)
+            apply_scenario(model, label, x)
+            static = gradaudit.audit(model, x)
+            proven = gradaudit.audit(model, x, verify=True)
             share = 100.0 * static.reclaimable_bytes / proven.reclaimable_bytes if proven.reclaimable_bytes else 100.0
             print(f"{name:<20} {label:<22} {static.saved_bytes / 2**20:>9.2f}M "
                   f"{static.reclaimable_bytes / 2**20:>9.2f}M {proven.reclaimable_bytes / 2**20:>9.2f}M "

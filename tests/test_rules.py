@@ -8,7 +8,8 @@ from torch import nn
 
 import gradaudit
 from gradaudit.rules.registry import all_rules
-from tests.fixtures.rule_models import FIXTURES
+from tests.fixtures.rule_models import (FIXTURES, CustomFunctionWaste, DropoutMLP, EagerAttention,
+                                        InputGradMLP, LastTokenHead)
 from tests.rule_harness import actual, audit_fixture, expected
 
 
@@ -32,21 +33,21 @@ def test_findings_carry_a_pasteable_fix():
 
 
 def test_dropout_mask_bytes():
-    report = audit_fixture(DropoutMLP := FIXTURES[2])
+    report = audit_fixture(DropoutMLP)
     finding, = [f for f in report.findings if f.code == "GA402"]
     # the float mask 8*64*4 = 2048 bytes becomes 8*64/8 = 64 bytes of bits: 2048 - 64 = 1984
     assert finding.bytes == 1984
 
 
 def test_view_keeps_base_bytes():
-    report = audit_fixture(FIXTURES[4])
+    report = audit_fixture(LastTokenHead)
     finding, = [f for f in report.findings if f.code == "GA601"]
     # h is 2*32*64*4 = 16384 bytes; the saved h[:, -1] covers 2*64*4 = 512: 16384 - 512 = 15872
     assert finding.bytes == 15872
 
 
 def test_attention_bytes():
-    report = audit_fixture(FIXTURES[6])
+    report = audit_fixture(EagerAttention)
     finding, = [f for f in report.findings if f.code == "GA801"]
     # probabilities 2*2*12*12*4 = 2304 bytes, saved by softmax (result) and the value matmul (a view);
     # SDPA keeps a logsumexp of 2*2*12*4 = 192 bytes: 2304 - 192 = 2112
@@ -54,14 +55,14 @@ def test_attention_bytes():
 
 
 def test_input_gradient_bytes_per_module():
-    report = audit_fixture(FIXTURES[3])
+    report = audit_fixture(InputGradMLP)
     finding, = [f for f in report.findings if f.code == "GA501"]
     # GELU keeps its input, body's 8x32 float32 output: 8*32*4 = 1024 bytes
     assert (finding.module, finding.bytes) == ("act", 1024)
 
 
 def test_static_mode_does_not_guess_about_unknown_ops():
-    report = audit_fixture(FIXTURES[-1], verify=False)
+    report = audit_fixture(CustomFunctionWaste, verify=False)
     assert not [f for f in report.findings if f.code == "GA000"]
     assert any(u["node"] == "_SavesTooMuchBackward" for u in report.unexplained)
 
