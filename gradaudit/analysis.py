@@ -155,7 +155,7 @@ def build_report(
     # -- findings -------------------------------------------------------------------------------
     params = {name: p.requires_grad for name, p in model.named_parameters()}
     ctx = RuleContext(tensors=tensors, nodes=nodes, storages=storages, parameter_names=params,
-                      training=model.training)
+                      training=model.training, accountant=accountant)
     findings = run_rules(ctx, accountant, select, ignore)
     for finding in findings:
         for i in finding.tensors:

@@ -12,12 +12,19 @@ found by reading the graph's saved attributes plainly (no saved-tensor hooks are
 from __future__ import annotations
 
 import gc
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+
+def storage_span(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """Elements a strided layout reaches, from its first element to its last (0 when empty)."""
+    if any(size == 0 for size in shape):
+        return 0
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride))
 
 
 def strided_parts(t: torch.Tensor) -> list[torch.Tensor]:

@@ -33,7 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import rules as _rules  # noqa: F401  (registers the op knowledge)
 from .auditing import ModelState, iter_tensors, split_inputs, unique
 from .errors import GradauditError
-from .measure import StorageTracker
+from .measure import StorageTracker, storage_span
 from .recorder import _names_of, _raw_saved_slots, node_scalars
 from .records import NOT_NEEDED, GraphNode, SavedTensor
 from .rules.registry import op_knowledge, op_scalars
@@ -140,7 +140,7 @@ class _Box:
     __slots__ = ("session", "state", "payload", "shape", "dtype", "device", "version", "stride",
                  "offset", "scale", "zero_stride", "outer_unpack", "__weakref__")
 
-    def __init__(self, session: "_Session", payload: Any, tensor: torch.Tensor,
+    def __init__(self, session: Optional["_Session"], payload: Any, tensor: torch.Tensor,
                  outer_unpack: Optional[Callable[[Any], Any]]) -> None:
         self.session = session
         self.state = _KEPT
@@ -151,7 +151,7 @@ class _Box:
         self.version = tensor._version
         # read when the box is dropped or packed (the tensor is still at hand then), except behind
         # an outer hook, whose packed object is not the tensor
-        self.stride: tuple[int, ...] = () if outer_unpack is None else tensor.stride()
+        self.stride: tuple[int, ...] = () if outer_unpack is None or session is None else tensor.stride()
         self.offset = 0
         self.zero_stride = False  # dropped: a zero-stride placeholder is enough
         self.scale = 1.0  # bit-packed: the value a set bit stands for
@@ -242,7 +242,7 @@ def _unfilled_strided(box: _Box) -> torch.Tensor:
             if len(_EMPTIES) < 256:
                 _EMPTIES[key] = empty
         return empty
-    span = 1 + sum((size - 1) * stride for size, stride in zip(box.shape, box.stride))
+    span = storage_span(box.shape, box.stride)
     # Never filled: backward does not read these values (the op knowledge says so, verify=True
     # proves it, and the bit-identity tests would catch a read). Unfilled memory costs no pass over
     # it, and the pages of a large allocation that nobody touches are never even committed.
@@ -299,9 +299,15 @@ class _Session:
 
     # -- hooks during the forward ---------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> _Box:
+        # Sparse and other non-strided saves have no placeholder and no bits: kept as they are,
+        # in a box of no session, which no decision looks at
+        owner = self
+        if tensor.layout != torch.strided:
+            owner = None
+            self.stats["kept"] += 1
         if self.outer is not None:
-            return _Box(self, self.outer[0](tensor), tensor, self.outer[1])
-        return _Box(self, tensor, tensor, None)
+            return _Box(owner, self.outer[0](tensor), tensor, self.outer[1])
+        return _Box(owner, tensor, tensor, None)
 
     def on_node(self, node: Any) -> None:
         self.pending.append((node, self.stack[-1]))
@@ -444,8 +450,6 @@ class _Session:
     def droppable(self, box: _Box) -> bool:
         if box.outer_unpack is not None:
             return True
-        if box.payload.layout != torch.strided:
-            return False  # sparse: no placeholder is made for it
         # parameters, buffers and inputs are alive anyway: replacing their saves frees nothing
         return box.payload.untyped_storage()._cdata not in self.protected
 
@@ -453,8 +457,8 @@ class _Session:
         if not self.bitpack or box.outer_unpack is not None:
             return False
         tensor = box.payload
-        if tensor.layout != torch.strided or not tensor.is_floating_point() or tensor._version != box.version:
-            return False  # (or modified in place since it was saved: leave it as autograd would)
+        if not tensor.is_floating_point() or tensor._version != box.version:
+            return False  # modified in place since it was saved: leave it as autograd would
         key = tensor.untyped_storage()._cdata
         if key in self.protected:
             return False
@@ -464,7 +468,7 @@ class _Session:
 
     def keep(self, box: _Box) -> None:
         self.stats["kept"] += 1
-        if box.outer_unpack is not None or not self.bitpack or box.payload.layout != torch.strided:
+        if box.outer_unpack is not None or not self.bitpack:
             return
         tensor = box.payload
         storage = tensor.untyped_storage()
@@ -540,7 +544,7 @@ def _plan(kind: _NodeKind, node: Any, module: tuple[str, str], boxes: list[tuple
     """
     scalars = node_scalars(node, kind.scalars) if kind.scalars else {}
     key = (module, tuple([fn is not None for fn, _ in node.next_functions]),
-           tuple([(k, tuple(v) if type(v) is list else v) for k, v in scalars.items()]) if scalars else (),
+           tuple([(k, tuple(v) if type(v) is list else v) for k, v in scalars.items()]),
            tuple([(attr, box.shape, box.dtype, box.device) for attr, box in boxes]))
     plan = kind.plans.get(key)
     if plan is not None:

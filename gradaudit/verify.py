@@ -35,6 +35,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from .errors import GradauditError
+from .measure import storage_span
 from .recorder import Recording, _Packed, _raw_saved_slots
 from .rules.ops import read_by
 from .records import NEEDED, NOT_NEEDED, SIGN_ONLY, UNKNOWN, GraphNode, SavedTensor
@@ -75,13 +76,6 @@ def same_outputs(a: Outputs, b: Outputs) -> bool:
     return True
 
 
-def storage_span(t: torch.Tensor) -> int:
-    """Elements a tensor's strides reach, from its first element to its last."""
-    if t.numel() == 0:
-        return 0
-    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-
-
 class _PoolsTouched(Exception):
     """A backward wrote into a poison or gradient it was given (see Pools)."""
 
@@ -95,8 +89,6 @@ class Pools:
     formulas only read them; a call that writes into one (in place, bumping a version counter) is
     detected and its node is proven again with private copies (``fresh``).
     """
-
-    KINDS = ("nan", "random", "magnitude", "grad")
 
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
@@ -128,7 +120,7 @@ class Pools:
 
     def like(self, kind: str, t: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """A view with ``t``'s shape and strides (memory format), ``offset`` elements into the pool."""
-        buffer = self.get(kind, t.dtype, t.device, storage_span(t) + offset)
+        buffer = self.get(kind, t.dtype, t.device, storage_span(t.shape, t.stride()) + offset)
         return buffer.as_strided(t.shape, t.stride(), offset)
 
     def shaped(self, kind: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device,

@@ -32,33 +32,22 @@ def test_findings_carry_a_pasteable_fix():
             assert finding.fix and finding.fix_code
 
 
-def test_dropout_mask_bytes():
-    report = audit_fixture(DropoutMLP)
-    finding, = [f for f in report.findings if f.code == "GA402"]
+@pytest.mark.parametrize("fixture, code, module, expected", [
     # the float mask 8*64*4 = 2048 bytes becomes 8*64/8 = 64 bytes of bits: 2048 - 64 = 1984
-    assert finding.bytes == 1984
-
-
-def test_view_keeps_base_bytes():
-    report = audit_fixture(LastTokenHead)
-    finding, = [f for f in report.findings if f.code == "GA601"]
+    (DropoutMLP, "GA402", None, 8 * 64 * 4 - 8 * 64 // 8),
     # h is 2*32*64*4 = 16384 bytes; the saved h[:, -1] covers 2*64*4 = 512: 16384 - 512 = 15872
-    assert finding.bytes == 15872
-
-
-def test_attention_bytes():
-    report = audit_fixture(EagerAttention)
-    finding, = [f for f in report.findings if f.code == "GA801"]
+    (LastTokenHead, "GA601", None, 2 * 32 * 64 * 4 - 2 * 64 * 4),
     # probabilities 2*2*12*12*4 = 2304 bytes, saved by softmax (result) and the value matmul (a view);
     # SDPA keeps a logsumexp of 2*2*12*4 = 192 bytes: 2304 - 192 = 2112
-    assert finding.bytes == 2112
-
-
-def test_input_gradient_bytes_per_module():
-    report = audit_fixture(InputGradMLP)
-    finding, = [f for f in report.findings if f.code == "GA501"]
-    # GELU keeps its input, body's 8x32 float32 output: 8*32*4 = 1024 bytes
-    assert (finding.module, finding.bytes) == ("act", 1024)
+    (EagerAttention, "GA801", None, 2 * 2 * 12 * 12 * 4 - 2 * 2 * 12 * 4),
+    # GELU keeps its input, body's 8x32 float32 output: 8*32*4 = 1024 bytes, in module "act"
+    (InputGradMLP, "GA501", "act", 8 * 32 * 4),
+], ids=["dropout-mask", "view-keeps-base", "attention", "input-gradient-per-module"])
+def test_finding_bytes(fixture, code, module, expected):
+    finding, = [f for f in audit_fixture(fixture).findings if f.code == code]
+    assert finding.bytes == expected
+    if module is not None:
+        assert finding.module == module
 
 
 def test_static_mode_does_not_guess_about_unknown_ops():

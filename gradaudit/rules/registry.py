@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
+from ..accounting import Accountant
 from ..records import GraphNode, SavedTensor
 
 DOC_SECTIONS = ("What it flags", "Why it costs memory", "Example", "Fix", "Fix safety", "Known limits")
@@ -91,7 +92,7 @@ class RuleContext:
     covered: set[int] = field(default_factory=set)  # tensor indices already in a finding
     parameter_names: dict[str, bool] = field(default_factory=dict)  # name -> requires_grad
     training: bool = False
-    _storage_refs: Optional[dict[int, list[SavedTensor]]] = field(default=None, repr=False)
+    accountant: Optional[Accountant] = field(default=None, repr=False)  # built from the above if None
 
     def nodes_named(self, *names: str) -> Iterator[GraphNode]:
         wanted = set(names)
@@ -106,27 +107,15 @@ class RuleContext:
     def freed_by_storage(self, indices: Iterable[int]) -> dict[int, int]:
         """Storage id -> bytes freed if the saves ``indices`` were gone (storage-aware: a storage
         counts only when every held save of it is among them and it is an activation)."""
-        chosen = set(indices)
-        refs = self._refs()
-        freed: dict[int, int] = {}
-        for sid in {self.tensors[i].storage_id for i in chosen if self.tensors[i].storage_id >= 0}:
-            storage = self.storages[sid]
-            if storage.kind == "activation" and all(t.index in chosen for t in refs.get(sid, ())):
-                freed[sid] = storage.nbytes
-        return freed
+        return self._accounts().freed_by_storage(set(indices))
 
     def storage_refs(self, storage_id: int) -> list[SavedTensor]:
-        return list(self._refs().get(storage_id, ()))
+        return list(self._accounts().refs.get(storage_id, ()))
 
-    def _refs(self) -> dict[int, list[SavedTensor]]:
-        """Storage id -> held saves of it, built once (what autograd holds does not change
-        while rules run; a linear scan per save made this quadratic)."""
-        if self._storage_refs is None:
-            self._storage_refs = {}
-            for t in self.held():
-                if t.storage_id >= 0:
-                    self._storage_refs.setdefault(t.storage_id, []).append(t)
-        return self._storage_refs
+    def _accounts(self) -> Accountant:
+        if self.accountant is None:
+            self.accountant = Accountant(self.tensors, self.storages)
+        return self.accountant
 
 
 @dataclass(frozen=True)
