@@ -7,6 +7,7 @@ Goal (issue 3): audit(verify=True) <= 6x a plain forward (same model, input and 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 
@@ -16,17 +17,18 @@ import torchvision
 import gradaudit
 
 
-def block_seconds(fn, runs: int = 3) -> float:
-    """Fastest of ``runs`` back-to-back calls after one warm-up (allocator, oneDNN primitive
-    caches). The fastest call is the one least disturbed by other processes and by this VM's
-    page-fault cost, which varies several-fold from minute to minute."""
+def block_seconds(fn, runs: int = 3) -> tuple[float, int]:
+    """(seconds, minor page faults) of the fastest of ``runs`` back-to-back calls after one warm-up
+    (allocator, oneDNN primitive caches). The fastest call is the one least disturbed by other
+    processes and by this VM's page-fault cost, which varies several-fold from minute to minute."""
     fn()
-    times = []
+    calls = []
     for _ in range(runs):
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        calls.append((time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
+    return min(calls)
 
 
 def main() -> None:
@@ -55,11 +57,13 @@ def main() -> None:
         audit_verified = lambda: gradaudit.audit(model, x, verify=True)  # noqa: E731
         rows = [(block_seconds(forward), block_seconds(audit_plain), block_seconds(audit_verified))
                 for _ in range(args.repeats)]
-        plain = statistics.median(r[0] for r in rows)
-        static = statistics.median(r[1] / r[0] for r in rows)
-        verified = statistics.median(r[2] / r[0] for r in rows)
+        plain = statistics.median(r[0][0] for r in rows)
+        static = statistics.median(r[1][0] / r[0][0] for r in rows)
+        verified = statistics.median(r[2][0] / r[0][0] for r in rows)
+        faults = [statistics.median(r[k][1] for r in rows) for k in range(3)]
         print(f"{label:<28} forward {plain * 1e3:8.1f} ms | audit {static:4.2f}x | "
-              f"audit verify=True {verified:4.2f}x (goal <= 6x)")
+              f"audit verify=True {verified:4.2f}x (goal <= 6x) | minor page faults per call: "
+              f"forward {faults[0]:.0f}, audit {faults[1]:.0f}, verify {faults[2]:.0f}")
 
 if __name__ == "__main__":
     main()
