@@ -38,7 +38,7 @@ def main() -> None:
                   f"{static.reclaimable_bytes / 2**20:>9.2f}M {proven.reclaimable_bytes / 2**20:>9.2f}M "
                   f"{share:>5.1f}% {static.reclaimable_with_bitpacking_bytes / 2**20:>11.2f}M "
                   f"{proven.reclaimable_with_bitpacking_bytes / 2**20:>11.2f}M")
-            bugs = [n for n in proven.notes if n.startswith("rule bug")]
+            bugs = [d.message() for d in proven.disagreements]
             if bugs:
                 print("   ", *bugs, sep="\n    ")
 

@@ -8,7 +8,7 @@ installed, and must not make unrelated test suites import torch.
 from typing import Any
 
 from .errors import ForwardError, GradauditError, NothingRequiresGradError
-from .records import SCHEMA_VERSION, Finding, Report, SavedTensor
+from .records import SCHEMA_VERSION, Disagreement, Finding, Report, SavedTensor
 
 __version__ = "0.1.0"
 
@@ -16,11 +16,19 @@ __version__ = "0.1.0"
 _LAZY = {
     "audit": ("gradaudit.auditing", "audit"),
     "trim": ("gradaudit.trimming", "trim"),
+    "TrimHandle": ("gradaudit.trimming", "TrimHandle"),
     "assert_no_waste": ("gradaudit.testing", "assert_no_waste"),
+    # describing your own autograd.Function (or any node type) to the audit, the proof and trim
+    "declare": ("gradaudit.knowledge", "declare"),
+    "declare_function": ("gradaudit.knowledge", "declare_function"),
+    "Read": ("gradaudit.knowledge", "Read"),
+    "Reads": ("gradaudit.knowledge", "Reads"),
+    "Bit": ("gradaudit.knowledge", "Bit"),
 }
 
 __all__ = [
-    "audit", "trim", "assert_no_waste", "Report", "Finding", "SavedTensor", "SCHEMA_VERSION",
+    "audit", "trim", "TrimHandle", "assert_no_waste", "declare", "declare_function", "Read", "Reads", "Bit",
+    "Report", "Finding", "SavedTensor", "Disagreement", "SCHEMA_VERSION",
     "GradauditError", "ForwardError", "NothingRequiresGradError", "__version__",
 ]
 

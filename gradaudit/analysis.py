@@ -8,27 +8,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import rules as _rules  # noqa: F401  (registers the catalogue)
+from .knowledge import declaration
 from .accounting import Accountant, held, module_totals
 from .recorder import Recording
 from .records import (
     UNKNOWN, Finding, GraphNode, Report, SavedTensor, Storage,
 )
-from .rules.registry import Flag, RuleContext, Verdict, all_rules, op_knowledge, selected
-
-
-def storage_key(tensor: torch.Tensor) -> int:
-    """Identity of a tensor's storage (the StorageImpl address), valid while the tensor lives."""
-    return tensor.untyped_storage()._cdata
-
-
-def dtype_name(dtype: Optional[torch.dtype]) -> str:
-    return str(dtype).replace("torch.", "") if dtype is not None else "unknown"
-
-
-def _itemsize(dtype: Optional[torch.dtype]) -> int:
-    if dtype is None:
-        return 0
-    return torch.empty((), dtype=dtype, device="meta").element_size()
+from .rules.registry import Flag, RuleContext, all_rules, selected
+from .tensors import dtype_name, itemsize, storage_key
 
 
 class KnownStorages:
@@ -119,7 +106,7 @@ def build_report(
         saved = SavedTensor(
             index=len(tensors), node_id=save.node_pos, node=recording.nodes[save.node_pos].name,
             attr=save.attr, shape=shape, dtype=dtype_name(dtype), device=device, numel=numel,
-            itemsize=_itemsize(dtype), storage_id=sid,
+            itemsize=itemsize(dtype), storage_id=sid,
             storage_kind=storages[sid].kind if sid >= 0 else "activation",
             module=save.site.module, module_class=save.site.module_class, source=save.site.source,
             managed_by=save.managed_by, source_index=save.index, storage_offset=offset, stride=stride,
@@ -134,17 +121,19 @@ def build_report(
     for node in nodes:
         if not node.saved:
             continue
-        saved = {tensors[i].attr: tensors[i] for i in node.saved}
-        knowledge = op_knowledge(node.name)
-        verdicts: dict[str, Verdict] = knowledge(node, saved) if knowledge else {}
-        for attr, t in saved.items():
-            v = verdicts.get(attr)
-            if v is not None:
-                t.verdict, t.reason, t.bitpackable = v.verdict, v.reason, v.bitpackable
+        known = declaration(node.name, node.scalars)
+        if known is None:
+            continue
+        for i in node.saved:
+            t = tensors[i]
+            outcome = known.outcome(t.attr, node.edge_mask, t.module_class, t.dtype)
+            if outcome is not None:
+                t.verdict, t.reason, t.bitpackable = outcome.verdict, outcome.reason, outcome.bitpackable
+                t.explained_by = outcome.rule
 
-    proof_notes: list[str] = []
+    disagreements = []
     if verify and prove is not None:
-        proof_notes = list(prove(recording=recording, nodes=nodes, tensors=tensors,
+        disagreements = list(prove(recording=recording, nodes=nodes, tensors=tensors,
                                  live_tensors=live_tensors))
 
     # -- accounting -----------------------------------------------------------------------------
@@ -165,7 +154,7 @@ def build_report(
     unexplained = blind_spots(tensors, storages)
     offloaded = sum(t.view_nbytes for t in tensors if t.managed_by == "offload" and t.node_id >= 0)
     recomputed = sum(t.view_nbytes for t in tensors if t.managed_by == "checkpoint" and t.node_id >= 0)
-    notes = list(notes) + proof_notes
+    notes = list(notes) + [d.message() for d in disagreements]
     if any(t.managed_by == "checkpoint" for t in tensors):
         notes.append("some saves are managed by torch.utils.checkpoint: they are recomputed in backward, "
                      "not held, and their sizes are not known without recomputing (gradaudit does not)")
@@ -178,7 +167,7 @@ def build_report(
         recomputed_bytes=recomputed, offloaded_bytes=offloaded,
         parameters_requiring_grad=sum(1 for v in params.values() if v),
         inputs_requiring_grad=sum(1 for t in inputs if t.requires_grad),
-        unexplained=unexplained, notes=notes,
+        unexplained=unexplained, notes=notes, disagreements=disagreements,
     )
 
 
@@ -192,8 +181,8 @@ def run_rules(ctx: RuleContext, accountant: Accountant, select: Sequence[str] = 
               ignore: Sequence[str] = ()) -> list[Finding]:
     """Run every selected rule; attach storage-aware bytes to each flag."""
     flagged: list[tuple[Any, Flag]] = []
-    # the catch-all family (GA0xx) runs last: it reports what no other rule covered
-    for r in sorted(all_rules(), key=lambda r: (r.family == 0, r.code)):
+    # the catch-all rule (GA000) runs last: it reports what no other rule covered
+    for r in sorted(all_rules(), key=lambda r: (r.catch_all, r.code)):
         if not selected(r.code, select, ignore):
             continue
         for flag in r.check(ctx) or ():

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fnmatch
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -15,47 +14,7 @@ from .errors import ForwardError, GradauditError, NothingRequiresGradError
 from .meta import CpuKernelChoices
 from .recorder import Recorder
 from .records import Report
-
-
-def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Tensor -> one positional argument; tuple -> positional arguments; dict -> keyword arguments.
-
-    Anything else (a list, a custom object) is passed as one positional argument.
-    """
-    if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
-        return inputs, {}
-    if isinstance(inputs, dict):
-        return (), dict(inputs)
-    return (inputs,), {}
-
-
-def iter_tensors(value: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested tuples, lists, dicts, dataclasses and ModelOutput objects."""
-    if _depth > 20:
-        return
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):  # includes transformers' ModelOutput (an OrderedDict)
-        for v in value.values():
-            yield from iter_tensors(v, _depth + 1)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from iter_tensors(v, _depth + 1)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            yield from iter_tensors(getattr(value, f.name, None), _depth + 1)
-    elif hasattr(value, "to_tuple") and callable(value.to_tuple):
-        yield from iter_tensors(value.to_tuple(), _depth + 1)
-
-
-def unique(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    out = []
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
+from .tensors import iter_tensors, split_inputs, unique
 
 
 def matching_parameters(model: nn.Module, patterns: Sequence[str]) -> set[str]:

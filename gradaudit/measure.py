@@ -16,29 +16,9 @@ from typing import Any, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-
-
-def storage_span(shape: Sequence[int], stride: Sequence[int]) -> int:
-    """Elements a strided layout reaches, from its first element to its last (0 when empty)."""
-    if any(size == 0 for size in shape):
-        return 0
-    return 1 + sum((size - 1) * step for size, step in zip(shape, stride))
-
-
-def strided_parts(t: torch.Tensor) -> list[torch.Tensor]:
-    """The strided tensors holding a tensor's memory: itself, or a sparse tensor's index and
-    value tensors."""
-    if t.layout == torch.strided:
-        return [t]
-    if t.layout == torch.sparse_coo:
-        return [t._indices(), t._values()]
-    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
-        return [t.crow_indices(), t.col_indices(), t.values()]
-    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
-        return [t.ccol_indices(), t.row_indices(), t.values()]
-    return []
+from . import torchapi
+from .tensors import iter_tensors, split_inputs, storage_key, strided_parts, unique
+from .torchapi import TorchDispatchMode, tree_flatten
 
 
 class StorageTracker(TorchDispatchMode):
@@ -69,8 +49,6 @@ def held_bytes_after_forward(model: torch.nn.Module, inputs: Any) -> int:
     Parameters, buffers and the inputs are excluded (alive anyway). The outputs themselves are
     dropped first, so an output storage counts only if a backward node saved it.
     """
-    from .auditing import iter_tensors, split_inputs
-
     args, kwargs = split_inputs(inputs)
     exclude = {StorageWeakRef(t.untyped_storage()).cdata
                for t in [*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs))]}
@@ -100,13 +78,81 @@ def _saved_scalars(roots: list[Any]) -> Any:
             continue
         visited.add(node)
         stack.extend(fn for fn, _ in node.next_functions)
-        for name in dir(node):
-            if not name.startswith("_saved_"):
-                continue
-            try:
-                value = getattr(node, name)
-            except Exception:  # released or unreadable slots hold nothing
-                continue
+        for _, value in torchapi.saved_values(node):
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(t, torch.Tensor) and t.dim() == 0:
                     yield t
+
+
+class PeakTracker(StorageTracker):
+    """StorageTracker that also follows the bytes alive after every op, and their maximum.
+
+    ``exclude``: storages alive anyway (parameters, buffers, the caller's inputs), not counted
+    when a view of them (a detach when autograd unpacks a saved parameter) passes by.
+    """
+
+    def __init__(self, exclude: set[int] = frozenset()) -> None:
+        super().__init__()
+        self.exclude = exclude
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for cdata in [c for c, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(cdata)[1]
+        for cdata, (ref, nbytes) in self.storages.items():
+            if cdata not in self.live and cdata not in self.exclude and not ref.expired():
+                self.live[cdata] = (ref, nbytes)
+                self.current += nbytes
+        self.storages = {}  # the live table takes over; keep the per-op scan short
+        self.peak = max(self.peak, self.current)
+        return out
+
+    def settle(self) -> int:
+        for cdata in [c for c, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(cdata)[1]
+        return self.current
+
+
+def forward_backward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(bytes held after the forward, peak bytes through forward and backward), outputs excluded
+    from the held figure. CPU: a PeakTracker; CUDA: the caching allocator's counters."""
+    device = next((t.device for t in [*model.parameters(), *iter_tensors((args, kwargs))]), torch.device("cpu"))
+    cuda = device.type == "cuda"
+    tracker = None
+    if cuda:
+        torch.cuda.synchronize(device)
+        gc.collect()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        tracker = PeakTracker({storage_key(t) for t in
+                               [*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs))]})
+        tracker.__enter__()
+    try:
+        output = model(*args, **kwargs)
+        outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
+        del output
+        gc.collect()
+        output_bytes = sum(t.untyped_storage().nbytes() for t in
+                           {storage_key(t): t for t in outputs}.values())
+        if cuda:
+            held = torch.cuda.memory_allocated(device) - base - output_bytes
+        else:
+            held = tracker.settle() - output_bytes
+        if outputs:
+            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        del outputs
+    finally:
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+    if cuda:
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        peak = tracker.peak
+    return held, peak
+
+

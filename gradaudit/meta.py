@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-_FLASH = 1  # torch.nn.attention.SDPBackend.FLASH_ATTENTION
+from . import torchapi
 
 
 def _cpu_twin(t: Any) -> Any:
@@ -48,10 +48,10 @@ class CpuKernelChoices(TorchFunctionMode):
             query = a["query"]
             if isinstance(query, torch.Tensor) and query.device.type == "meta":
                 twins = [_cpu_twin(a[n]) for n in ("query", "key", "value", "attn_mask")]
-                choice = torch._fused_sdp_choice(*twins, a["dropout_p"], a["is_causal"], scale=a["scale"],
+                choice = torchapi.fused_sdp_choice(*twins, a["dropout_p"], a["is_causal"], scale=a["scale"],
                                                  enable_gqa=a["enable_gqa"])
                 del twins
-                if choice == _FLASH:
+                if choice == torchapi.SDP_FLASH:
                     # the CPU flash kernel takes grouped key/value heads as they are (no repeat)
                     out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                         query, a["key"], a["value"], a["dropout_p"], a["is_causal"],

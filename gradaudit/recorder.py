@@ -1,7 +1,7 @@
 """Record what autograd saves during one forward pass and tie each save to its node, module and line.
 
 Mechanism (see tests/test_facts.py for the pinned autograd behaviour it relies on):
-- a saved-tensors hook whose ``pack`` wraps every saved tensor in a ``_Packed`` box;
+- a saved-tensors hook whose ``pack`` wraps every saved tensor in a ``Packed`` box;
 - a node-creation hook that notes the running module and user source line of every new node;
 - after the forward, a walk from the outputs through ``next_functions`` that reads each saved
   slot's *packed* object (``SavedTensor.data``), never its unpacked value. Reading the packed object
@@ -22,13 +22,15 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from . import torchapi
+from .torchapi import NO_SEQUENCE, node_scalars, raw_saved_slots
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PACKAGE_DIR = os.path.dirname(__file__) + os.sep
-_NO_SEQUENCE = (1 << 64) - 1  # AccumulateGrad nodes report this sequence number
 _COPY_SLICES_REACH = 4  # nodes announced between an in-place-on-view save and its CopySlices
 
 
-class _Packed:
+class Packed:
     """What autograd stores instead of the tensor while gradaudit records."""
 
     __slots__ = ("tensor", "index", "__weakref__")
@@ -129,11 +131,16 @@ def user_source_line() -> Optional[str]:
 
 
 class ModuleTracker:
-    """Keeps a stack of the module paths whose forward is running, via per-module forward hooks."""
+    """Keeps a stack of the module paths whose forward is running, via per-module forward hooks.
 
-    def __init__(self, model: nn.Module) -> None:
+    ``on_boundary``: called as every submodule's forward starts and ends, before the stack changes
+    (``trim`` decides the nodes created since the last boundary there).
+    """
+
+    def __init__(self, model: nn.Module, on_boundary: Optional[Any] = None) -> None:
         self.model = model
         self.stack: list[tuple[str, str]] = [("", type(model).__name__)]
+        self.on_boundary = on_boundary
         self._handles: list[Any] = []
 
     def __enter__(self) -> "ModuleTracker":
@@ -146,16 +153,27 @@ class ModuleTracker:
         return self
 
     def _make_pre(self, entry: tuple[str, str]):
-        stack = self.stack
+        stack, boundary = self.stack, self.on_boundary
 
-        def pre(module: nn.Module, args: Any) -> None:
-            stack.append(entry)
+        if boundary is None:
+            def pre(module: nn.Module, args: Any) -> None:
+                stack.append(entry)
+        else:
+            def pre(module: nn.Module, args: Any) -> None:
+                boundary()
+                stack.append(entry)
 
         return pre
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.on_boundary is not None:
+            self.on_boundary()
         if len(self.stack) > 1:
             self.stack.pop()
+
+    def reset(self) -> None:
+        """Back to the root module alone (a forward that raised may leave entries behind)."""
+        del self.stack[1:]
 
     def __exit__(self, *exc: Any) -> None:
         for handle in self._handles:
@@ -165,20 +183,6 @@ class ModuleTracker:
 
 # ----------------------------------------------------------------------------------------------
 # The recording
-
-
-def _manager_of(unpack_hook: Any) -> str:
-    module = getattr(unpack_hook, "__module__", "") or ""
-    qualname = getattr(unpack_hook, "__qualname__", "") or ""
-    if module.startswith("torch.utils.checkpoint"):
-        return "checkpoint"
-    if "save_on_cpu" in qualname or "cpu" in qualname.lower() or "offload" in qualname.lower():
-        return "offload"
-    return "hooks"
-
-
-def current_sequence_number() -> int:
-    return int(torch._C._autograd._get_sequence_nr())
 
 
 class Recorder:
@@ -205,8 +209,8 @@ class Recorder:
         path, cls = self.tracker.stack[-1]
         return NodeSite(path, cls, user_source_line())
 
-    def _pack(self, tensor: torch.Tensor) -> _Packed:
-        box = _Packed(tensor, len(self._boxes))
+    def _pack(self, tensor: torch.Tensor) -> Packed:
+        box = Packed(tensor, len(self._boxes))
         self._boxes.append(weakref.ref(box))
         self.pack_owners.append(self._announced)
         if not self._node_hook_installed:
@@ -214,12 +218,12 @@ class Recorder:
         return box
 
     @staticmethod
-    def _unpack(box: _Packed) -> torch.Tensor:
+    def _unpack(box: Packed) -> torch.Tensor:
         return box.tensor
 
     def _on_node(self, node: Any) -> None:
-        seq = node._sequence_nr()
-        if seq != _NO_SEQUENCE:
+        seq = torchapi.node_sequence_number(node)
+        if seq != NO_SEQUENCE:
             self.node_sites[seq] = self._site()
             if type(node).__name__ == "CopySlices":
                 self._copy_slices.append((self._announced, seq))
@@ -227,23 +231,22 @@ class Recorder:
 
     def __enter__(self) -> "Recorder":
         self.tracker.__enter__()
-        push_node_hook = getattr(torch._C._autograd, "_push_node_creation_hook", None)
-        if push_node_hook is not None:
-            push_node_hook(self._on_node)
+        if torchapi.has("node creation hook"):
+            torchapi.push_node_creation_hook(self._on_node, "the recorder")
             self._node_hook_installed = True
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self.start_sequence = current_sequence_number()
+        self.start_sequence = torchapi.sequence_number()
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.end_sequence = current_sequence_number()
+        self.end_sequence = torchapi.sequence_number()
         try:
             if self._hooks is not None:
                 self._hooks.__exit__(*exc)
         finally:
             if self._node_hook_installed:
-                torch._C._autograd._pop_node_creation_hook()
+                torchapi.pop_node_creation_hook()
             self.tracker.__exit__(*exc)
 
     def _collect_hidden(self, nodes: list[LiveNode], saves: list[LiveSave]) -> None:
@@ -258,7 +261,7 @@ class Recorder:
         by_sequence = {}
         for pos, live in enumerate(nodes):
             if live.name == "CopySlices" and live.node is not None:
-                by_sequence[live.node._sequence_nr()] = pos
+                by_sequence[torchapi.node_sequence_number(live.node)] = pos
         announced = [position for position, _ in self._copy_slices]
         fallback = NodeSite("", type(self.model).__name__, None)
         for index, ref in enumerate(self._boxes):
@@ -281,7 +284,7 @@ class Recorder:
 
     # -- the walk ------------------------------------------------------------------------------
     def _owned(self, packed: Any) -> bool:
-        if not isinstance(packed, _Packed):
+        if not isinstance(packed, Packed):
             return False
         index = packed.index
         return index < len(self._boxes) and self._boxes[index]() is packed
@@ -312,8 +315,8 @@ class Recorder:
         while cursor < len(order):
             node = order[cursor]
             cursor += 1
-            seq = node._sequence_nr()
-            created_here = seq == _NO_SEQUENCE or self.start_sequence <= seq < self.end_sequence
+            seq = torchapi.node_sequence_number(node)
+            created_here = seq == NO_SEQUENCE or self.start_sequence <= seq < self.end_sequence
             site = self.node_sites.get(seq)
             live = LiveNode(node=node, name=type(node).__name__, site=site or unknown_site)
             nodes.append(live)
@@ -332,7 +335,7 @@ class Recorder:
             for fn, _ in node.next_functions:
                 live.next_positions.append(None if fn is None else visit(fn))
                 live.edge_mask.append(fn is not None)
-            for attr, raw in _raw_saved_slots(node):
+            for attr, raw in raw_saved_slots(node):
                 packed = raw.data
                 if packed is None:
                     continue  # an optional save that was not made
@@ -345,7 +348,7 @@ class Recorder:
                     # saved while hooks were disabled: held plainly by autograd
                     tensor, managed, index = packed, "autograd", -1
                 else:
-                    managed = _manager_of(raw.unpack_hook)
+                    managed = torchapi.manager_of(raw.unpack_hook)
                     tensor, index = None, -1
                     # save_on_cpu packs (device, tensor): the shape is readable without unpacking
                     if isinstance(packed, tuple) and packed and isinstance(packed[-1], torch.Tensor):
@@ -363,63 +366,3 @@ class Recorder:
         self._collect_hidden(nodes, saves)
         return Recording(nodes=nodes, saves=saves, outputs=outputs,
                          pack_count=len(self._boxes), node_sites=self.node_sites)
-
-
-_slot_names: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
-
-
-def _names_of(node: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(tensor slot names, scalar attribute names) of a node type, cached per type."""
-    kind = type(node)
-    names = _slot_names.get(kind)
-    if names is None:
-        listing = dir(node)
-        tensors = tuple(n[len("_raw_saved_"):] for n in listing if n.startswith("_raw_saved_"))
-        scalars = tuple(
-            n[len("_saved_"):] for n in listing
-            if n.startswith("_saved_") and n[len("_saved_"):] not in tensors
-        )
-        names = _slot_names[kind] = (tensors, scalars)
-    return names
-
-
-def _raw_saved_slots(node: Any) -> Iterator[tuple[str, Any]]:
-    """Yield (attribute name, raw SavedTensor) for every tensor slot a node saved."""
-    if isinstance(node, torch.autograd.function.BackwardCFunction):
-        raws = node._raw_saved_tensors or ()
-        for i, raw in enumerate(raws):
-            if raw is not None:
-                yield f"saved_tensors[{i}]", raw
-        return
-    for attr in _names_of(node)[0]:
-        raw = getattr(node, "_raw_saved_" + attr)
-        if isinstance(raw, (list, tuple)):
-            for i, item in enumerate(raw):
-                if item is not None:
-                    yield f"{attr}[{i}]", item
-        elif raw is not None:
-            yield attr, raw
-
-
-_SCALAR_TYPES = (bool, int, float, str)
-
-
-def node_scalars(node: Any, names: Optional[Iterable[str]] = None) -> dict[str, Any]:
-    """The node's non-tensor saved values (BN's ``training``, threshold values, strides...).
-
-    ``names``: read only these (a caller on a hot path that knows which ones matter).
-    Reading these never runs an unpack hook: only tensor slots are packed.
-    """
-    if isinstance(node, torch.autograd.function.BackwardCFunction):
-        return {}
-    values: dict[str, Any] = {}
-    for attr in _names_of(node)[1] if names is None else names:
-        try:
-            value = getattr(node, "_saved_" + attr)
-        except Exception:  # some symbolic-size attributes cannot be read on every device
-            continue
-        if isinstance(value, _SCALAR_TYPES) or value is None:
-            values[attr] = value
-        elif isinstance(value, (tuple, list)) and all(isinstance(v, _SCALAR_TYPES) for v in value):
-            values[attr] = list(value)
-    return values

@@ -58,6 +58,8 @@ class SavedTensor:
     source_index: int = -1  # order in which autograd packed it (-1: not packed by gradaudit)
     storage_offset: int = 0
     stride: tuple[int, ...] = ()
+    explained_by: Optional[str] = None  # the rule the op knowledge names for it when unneeded/bit-packable
+    unproven: str = ""  # verify=True: why the proof could not settle it ("" when proven or not tried)
 
     @property
     def view_nbytes(self) -> int:
@@ -95,7 +97,29 @@ class SavedTensor:
             "reason": self.reason,
             "rule": self.rule,
             "bitpackable": self.bitpackable,
+            "unproven": self.unproven or None,
         }
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """A save where the proof (verify=True) refuted the op knowledge: a bug in gradaudit's
+    knowledge, reported so it can be fixed; the proof's verdict is the one used."""
+
+    tensor: int  # SavedTensor.index
+    node: str
+    attr: str
+    module: str
+    static: str  # the op knowledge's verdict
+    proven: str  # the proof's verdict
+    what: str  # what the knowledge claimed that does not hold, in one sentence
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def message(self) -> str:
+        return (f"op knowledge refuted: {self.node}.{self.attr} in {self.module or 'the model'} {self.what}; the proof's "
+                f"verdict is used (please report this)")
 
 
 @dataclass
@@ -199,6 +223,7 @@ class Report:
     inputs_requiring_grad: int
     unexplained: list[dict[str, Any]] = field(default_factory=list)  # blind spots
     notes: list[str] = field(default_factory=list)
+    disagreements: list[Disagreement] = field(default_factory=list)  # verify=True refuted the op knowledge
 
     @property
     def held_tensors(self) -> list[SavedTensor]:
@@ -243,6 +268,7 @@ class Report:
             "nodes": [n.to_dict() for n in self.nodes],
             "unexplained": list(self.unexplained),
             "notes": list(self.notes),
+            "disagreements": [d.to_dict() for d in self.disagreements],
         }
 
     def __repr__(self) -> str:  # keep the repr short: reports can hold thousands of tensors

@@ -2,7 +2,7 @@
 
 Each autograd node created during the audited forward is called in isolation with random incoming
 gradients, once as recorded and again with one saved tensor's values replaced (at unpack time, by
-swapping the tensor inside gradaudit's own ``_Packed`` box). If the gradients for the edges that need
+swapping the tensor inside gradaudit's own ``Packed`` box). If the gradients for the edges that need
 one stay bitwise identical under poisons that differ from each other at every element (NaN and
 random values), backward does not read that tensor. If they stay identical under ``sign(t) *
 random``, only its sign is read.
@@ -34,11 +34,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch.autograd.graph import GradientEdge
 
+from . import torchapi
 from .errors import GradauditError
-from .measure import storage_span
-from .recorder import Recording, _Packed, _raw_saved_slots
-from .rules.ops import read_by
-from .records import NEEDED, NOT_NEEDED, SIGN_ONLY, UNKNOWN, GraphNode, SavedTensor
+from .recorder import Packed, Recording
+from .tensors import storage_span
+from .knowledge import declaration
+from .records import NEEDED, NOT_NEEDED, SIGN_ONLY, UNKNOWN, Disagreement, GraphNode, SavedTensor
 
 # Storage kinds whose memory does not depend on autograd: proving their saves cannot change a byte.
 FREE_KINDS = ("parameter", "buffer", "input")
@@ -193,15 +194,17 @@ class Poisons:
 class NodeCall:
     """One autograd node called on its own with fixed random incoming gradients."""
 
-    def __init__(self, node: Any, consumed: set[int], pools: Pools, fresh: bool = False) -> None:
+    def __init__(self, node: Any, consumed: set[int], pools: Pools, fresh: bool = False,
+                 narrowing: Optional["Narrowing"] = None) -> None:
         self.node = node
-        self.custom = isinstance(node, torch.autograd.function.BackwardCFunction)
+        self.narrowing = narrowing if narrowing is not None else Narrowing()
+        self.custom = torchapi.is_custom_function(node)
         self.pools = pools
         # a user's backward may modify its incoming gradient in place: it gets copies, as does
         # any node once it was seen writing into the shared pools
         self.copies = fresh or self.custom
         grads: list[Optional[torch.Tensor]] = []
-        for i, meta in enumerate(node._input_metadata):
+        for i, meta in enumerate(torchapi.input_metadata(node)):
             if i not in consumed or not _floating(meta.dtype) or meta.is_nested_tensor:
                 grads.append(None)  # nothing downstream sends a gradient for this output
                 continue
@@ -224,7 +227,14 @@ class NodeCall:
             with torch.no_grad():
                 return self.node.apply(*grads) if self.custom else self.node(*grads)
 
-        out = call() if edges is None else only_edges(self.node, edges, call)
+        if edges is None:
+            out = call()
+        else:
+            try:
+                out = only_edges(self.node, edges, call)
+            except NarrowingUnavailable:  # the machinery failed on this torch: call plainly from now on
+                self.narrowing.works = False
+                out = call()
         self.pools.check(before)
         if not isinstance(out, (tuple, list)):
             out = (out,)
@@ -233,7 +243,7 @@ class NodeCall:
     def narrowable(self, edges: Optional[tuple[int, ...]]) -> Optional[tuple[int, ...]]:
         """``edges`` when computing only them skips work: a strict subset of the wanted edges of
         a built-in node (custom Functions compute what ``needs_input_grad`` says)."""
-        if (edges is None or self.custom or not _narrowing_works or not set(edges) < set(self.wanted)):
+        if (edges is None or self.custom or not self.narrowing.works or not set(edges) < set(self.wanted)):
             return None
         return edges
 
@@ -242,14 +252,14 @@ class NodeCall:
             self._baselines[edges] = self(edges)
         return self._baselines[edges]
 
-    def changed_by(self, replacements: Sequence[tuple[_Packed, torch.Tensor]],
+    def changed_by(self, replacements: Sequence[tuple[Packed, torch.Tensor]],
                    edges: Optional[tuple[int, ...]] = None) -> bool:
         """Does backward's result differ from the baseline with these values swapped in?
         With ``edges``, only those gradients are compared: "changed" is then still a proof,
         "unchanged" is not (another gradient may read the values)."""
         return not same_outputs(self.baseline(edges), self.under(replacements, edges))
 
-    def under(self, replacements: Sequence[tuple[_Packed, torch.Tensor]],
+    def under(self, replacements: Sequence[tuple[Packed, torch.Tensor]],
               edges: Optional[tuple[int, ...]] = None) -> Outputs:
         with swapped(replacements):
             try:
@@ -260,8 +270,15 @@ class NodeCall:
                 return [_Raised(error)]
 
 
-# Whether only_edges() works with the installed torch (switched off at its first failure).
-_narrowing_works = True
+class Narrowing:
+    """Whether ``only_edges`` works with the installed torch: one per proof, switched off at its
+    first failure (``works`` as a class attribute is the default a test may change)."""
+
+    works = True
+
+
+class NarrowingUnavailable(Exception):
+    """``only_edges`` could not arrange a graph task on this torch (the pre-hook never ran)."""
 
 
 def only_edges(node: Any, edges: tuple[int, ...], call: Callable[[], Any]) -> Any:
@@ -293,10 +310,8 @@ def only_edges(node: Any, edges: tuple[int, ...], call: Callable[[], Any]) -> An
         torch.autograd.grad([root], [leaf, *targets], grad_outputs=[torch.ones(())], allow_unused=True)
     except Exception:
         pass  # judged by whether the pre-hook ran: an error of the backward itself is in outcome
-    if not outcome:  # the machinery itself failed on this torch: call plainly from now on
-        global _narrowing_works
-        _narrowing_works = False
-        return call()
+    if not outcome:  # the machinery itself failed on this torch
+        raise NarrowingUnavailable()
     ok, value = outcome[0]
     if not ok:
         raise value
@@ -319,7 +334,7 @@ class _Raised:
 
 
 @contextmanager
-def swapped(replacements: Sequence[tuple[_Packed, torch.Tensor]]) -> Iterator[None]:
+def swapped(replacements: Sequence[tuple[Packed, torch.Tensor]]) -> Iterator[None]:
     """Temporarily make gradaudit's boxes return other values when backward unpacks them."""
     originals = [(box, box.tensor) for box, _ in replacements]
     try:
@@ -346,12 +361,12 @@ def _consumed_outputs(recording: Recording) -> dict[int, set[int]]:
     return consumed
 
 
-def _boxes_of(node: Any) -> Optional[dict[int, _Packed]]:
+def _boxes_of(node: Any) -> Optional[dict[int, Packed]]:
     """Our boxes by record index; None when the node also holds saves someone else packed."""
-    boxes: dict[int, _Packed] = {}
-    for _, raw in _raw_saved_slots(node):
+    boxes: dict[int, Packed] = {}
+    for _, raw in torchapi.raw_saved_slots(node):
         packed = raw.data
-        if isinstance(packed, _Packed):
+        if isinstance(packed, Packed):
             boxes[packed.index] = packed
         elif packed is not None and not isinstance(packed, torch.Tensor):
             return None
@@ -388,7 +403,9 @@ class Prover:
         self.nodes = nodes
         self.tensors = tensors
         self.live_tensors = live_tensors
-        self.notes: list[str] = []
+        self.static = [t.verdict for t in tensors]  # the op knowledge's verdicts, before any proof
+        self.disagreements: list[Disagreement] = []
+        self.narrowing = Narrowing()
         self.pools: dict[torch.device, Pools] = {}
         self.consumed = _consumed_outputs(recording)
 
@@ -400,7 +417,7 @@ class Prover:
             pools = self.pools[device] = Pools(generator)
         return pools
 
-    def run(self) -> list[str]:
+    def run(self) -> list[Disagreement]:
         by_node: dict[int, list[int]] = defaultdict(list)
         for j, t in enumerate(self.tensors):
             if t.node_id >= 0 and t.managed_by == "autograd" and self.live_tensors[j] is not None:
@@ -409,7 +426,7 @@ class Prover:
                 by_node[t.node_id].append(j)
         for node_id, indices in by_node.items():
             self.prove_node(node_id, indices)
-        return self.notes
+        return self.disagreements
 
     # ------------------------------------------------------------------------------------------
     def prove_node(self, node_id: int, indices: list[int]) -> None:
@@ -443,9 +460,9 @@ class Prover:
             # call, so verdicts settled before it stand): prove its saves again with copies
             self._prove_subjects(live.node, subjects, pools, fresh=True)
 
-    def _prove_subjects(self, node: Any, subjects: list[tuple[int, _Packed]], pools: Pools,
+    def _prove_subjects(self, node: Any, subjects: list[tuple[int, Packed]], pools: Pools,
                         fresh: bool) -> None:
-        call = NodeCall(node, self.consumed.get(id(node), set()), pools, fresh=fresh)
+        call = NodeCall(node, self.consumed.get(id(node), set()), pools, fresh=fresh, narrowing=self.narrowing)
         # a user's backward could write into a poison without bumping a version (through .data
         # or numpy): custom Functions always get private copies
         poisons = Poisons(pools, fresh=call.copies)
@@ -458,8 +475,10 @@ class Prover:
             others = candidates + others  # at least one is read: settle each on its own
         if not others:
             return
-        name = node.name()
-        hints = {j: call.narrowable(read_by(name, self.tensors[j].attr)) for j, _ in others}
+        graph_node = self.nodes[self.tensors[others[0][0]].node_id]
+        known = declaration(graph_node.name, graph_node.scalars)
+        hints = {j: call.narrowable(known.witness_edges(self.tensors[j].attr, graph_node.edge_mask)
+                                    if known else None) for j, _ in others}
         for j, box in others:
             try:
                 witness = poisons.witness(self.live_tensors[j])
@@ -478,7 +497,7 @@ class Prover:
             except Exception as error:  # only a baseline call gets here (under() catches the rest)
                 self._unproven([j], f"its backward raised {type(error).__name__} when called on its own")
 
-    def _unread(self, call: NodeCall, poisons: Poisons, subjects: list[tuple[int, _Packed]]) -> bool:
+    def _unread(self, call: NodeCall, poisons: Poisons, subjects: list[tuple[int, Packed]]) -> bool:
         """True when backward's result does not depend on any of these saves' values."""
         first, second = [], []
         for k, (j, box) in enumerate(subjects):
@@ -491,7 +510,7 @@ class Prover:
         # not read, so the recorded values give those gradients too (no baseline call needed).
         return same_outputs(call.under(first), call.under(second))
 
-    def _prove_one(self, call: NodeCall, poisons: Poisons, j: int, box: _Packed,
+    def _prove_one(self, call: NodeCall, poisons: Poisons, j: int, box: Packed,
                    witness: torch.Tensor) -> None:
         t, value = self.tensors[j], self.live_tensors[j]
         if not call.changed_by([(box, witness)]):
@@ -508,7 +527,7 @@ class Prover:
         self._settle(j, NEEDED)
         if t.bitpackable and t.verdict == NEEDED and not _two_valued(self.live_tensors[j]):
             t.bitpackable = False
-            self._note(t, "was said to hold only two values (0 and one constant), but it does not")
+            self._disagree(j, NEEDED, "was said to hold only two values (0 and one constant), but it does not")
 
     # ------------------------------------------------------------------------------------------
     def _settle(self, j: int, verdict: str, bitpackable: Optional[bool] = None) -> None:
@@ -521,7 +540,7 @@ class Prover:
             return
         wrong = (static == NOT_NEEDED) or (static == SIGN_ONLY and verdict == NEEDED)
         if wrong:
-            self._note(t, f"was judged {static} by op knowledge, but backward reads its values")
+            self._disagree(j, verdict, f"was judged {static} by op knowledge, but backward reads its values")
         t.verdict = verdict
         t.bitpackable = bool(bitpackable) if verdict == SIGN_ONLY else (t.bitpackable and verdict == NEEDED)
         t.reason = {
@@ -530,18 +549,21 @@ class Prover:
             NEEDED: "proven: replacing its values changes the gradients",
         }[verdict]
 
-    def _note(self, t: SavedTensor, what: str) -> None:
-        self.notes.append(f"rule bug: {t.node}.{t.attr} in {t.module or 'the model'} {what}; "
-                          f"the proof's verdict is used (please report this)")
+    def _disagree(self, j: int, proven: str, what: str) -> None:
+        t = self.tensors[j]
+        self.disagreements.append(Disagreement(tensor=t.index, node=t.node, attr=t.attr, module=t.module,
+                                               static=self.static[j], proven=proven, what=what))
 
     def _unproven(self, indices: Sequence[int], why: str) -> None:
         for j in indices:
             t = self.tensors[j]
-            if "unknown-proof" not in t.reason:
-                t.reason = f"{t.reason}; unknown-proof: {why}" if t.reason else f"unknown-proof: {why}"
+            if not t.unproven:
+                t.unproven = why
 
 
 def prove(*, recording: Recording, nodes: list[GraphNode], tensors: list[SavedTensor],
-          live_tensors: list[Optional[torch.Tensor]]) -> list[str]:
-    """Prove or correct every held save's verdict in place; returns notes for the report."""
+          live_tensors: list[Optional[torch.Tensor]]) -> list[Disagreement]:
+    """Prove or correct every held save's verdict in place (``verdict``, ``bitpackable``, ``proven``,
+    ``reason``; ``unproven`` says why a save could not be settled). Returns where the proof
+    refuted the op knowledge."""
     return Prover(recording, nodes, tensors, live_tensors).run()

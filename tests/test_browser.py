@@ -7,7 +7,6 @@ library: a small websocket client speaks the DevTools protocol.
 """
 
 import base64
-import importlib.util
 import json
 import os
 import shutil
@@ -22,12 +21,7 @@ import pytest
 
 from gradaudit.report import html
 
-_spec = importlib.util.spec_from_file_location("golden_model", Path(__file__).parent / "golden" / "model.py")
-golden = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(golden)
-
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
-MARKUP = "<script>alert(1)</script>"
 ARTIFACTS = Path(__file__).parent / "artifacts"
 
 pytestmark = [pytest.mark.browser,
@@ -144,8 +138,8 @@ def browser(tmp_path):
             process.kill()
 
 
-def test_report_in_headless_chromium(browser, tmp_path):
-    report = golden.build_report(head_name=MARKUP)
+def test_report_in_headless_chromium(browser, tmp_path, hostile_report, golden):
+    report = hostile_report
     path = tmp_path / "report.html"
     path.write_text(html.render(report), encoding="utf-8")
 
@@ -173,8 +167,8 @@ def test_report_in_headless_chromium(browser, tmp_path):
     # the module name is text everywhere, never markup: no dialog, no third script element
     assert browser.evaluate("document.querySelectorAll('script').length") == 2
     assert browser.evaluate(f"""
-        Array.from(document.querySelectorAll('#tensor-table td')).some(td => td.textContent === {json.dumps(MARKUP + '.1')})""")
-    assert MARKUP in browser.evaluate("document.querySelector('#memory').innerText")
+        Array.from(document.querySelectorAll('#tensor-table td')).some(td => td.textContent === {json.dumps(golden.MARKUP + '.1')})""")
+    assert golden.MARKUP in browser.evaluate("document.querySelector('#memory').innerText")
 
     # filtering and sorting work
     browser.evaluate("""(() => { const f = document.getElementById('filter'); f.value = 'GA101';

@@ -137,19 +137,9 @@ def _hf_count_layer_calls(blocks):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "bert"])
-def test_hf_gradient_checkpointing(family):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    if family == "llama":
-        config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, intermediate_size=64, vocab_size=100)
-        model = transformers.LlamaForCausalLM(config)
-        layers = model.model.layers
-    else:
-        config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                         intermediate_size=64, vocab_size=100, max_position_embeddings=64)
-        model = transformers.BertModel(config)
-        layers = model.encoder.layer
+def test_hf_gradient_checkpointing(family, tiny_hf_model):
+    model = tiny_hf_model(family)  # LlamaForCausalLM or BertModel
+    layers = model.model.layers if family == "llama" else model.encoder.layer
     ids = torch.randint(0, 100, (2, 16))
     plain = gradaudit.audit(model.train(), {"input_ids": ids})
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -66,13 +66,10 @@ def test_cnn_in_eval_on_meta_differs_only_by_batch_norm_statistics():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_llama_on_meta_matches_cpu(attention):
-    transformers = pytest.importorskip("transformers")
+def test_llama_on_meta_matches_cpu(attention, transformers, tiny_hf_config):
     # "sdpa": scaled_dot_product_attention would pick a fused kernel on CPU but the math fallback
     # on meta; gradaudit.meta.CpuKernelChoices makes the meta run take the CPU's kernel
-    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=64, vocab_size=100,
-                                      attn_implementation=attention)
+    config = tiny_hf_config("llama", attn_implementation=attention)
 
     def inputs_of(device):
         return {"input_ids": torch.arange(32, device="cpu").reshape(2, 16).to(device)}

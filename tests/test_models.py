@@ -44,19 +44,15 @@ VISION = ["resnet18", "efficientnet_b0", "vgg11", "mobilenet_v3_small", "convnex
 @pytest.mark.slow
 @pytest.mark.parametrize("name", VISION)
 @pytest.mark.parametrize("mode", ["train", "eval"])
-def test_torchvision_saved_bytes_are_exact(name, mode):
-    torchvision = pytest.importorskip("torchvision")
-    torch.manual_seed(0)
-    model = getattr(torchvision.models, name)(num_classes=10)
+def test_torchvision_saved_bytes_are_exact(name, mode, vision_model):
+    model = vision_model(name)
     getattr(model, mode)()
     check_accuracy(model, torch.randn(2, 3, 32, 32))
 
 
 @pytest.mark.slow
-def test_resnet_frozen_backbone_finds_the_conv_inputs():
-    torchvision = pytest.importorskip("torchvision")
-    torch.manual_seed(0)
-    model = torchvision.models.resnet18(num_classes=10).eval()
+def test_resnet_frozen_backbone_finds_the_conv_inputs(vision_model):
+    model = vision_model("resnet18").eval()
     report = check_accuracy(model, torch.randn(2, 3, 32, 32), trainable=["layer4.*", "fc.*"])
     ga101 = [f for f in report.findings if f.code == "GA101"]
     # the frozen convs run before layer4: nothing upstream needs a gradient, so they save nothing;
@@ -71,21 +67,15 @@ def test_resnet_frozen_backbone_finds_the_conv_inputs():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["vit", "swin_t", "densenet121", "shufflenet_v2_x0_5", "squeezenet1_0"])
-def test_more_torchvision_architectures_are_exact_and_proven(name):
+def test_more_torchvision_architectures_are_exact_and_proven(name, vision_model):
     # Attention (ViT, Swin's windowed eager attention), concatenation (DenseNet), channel shuffle
     # (ShuffleNet), fire modules (SqueezeNet): saved_bytes matches the tracker, and the proof
     # finds no static verdict that backward contradicts.
-    torchvision = pytest.importorskip("torchvision")
-    torch.manual_seed(0)
-    if name == "vit":
-        model = torchvision.models.VisionTransformer(image_size=64, patch_size=16, num_layers=2, num_heads=2,
-                                                     hidden_dim=64, mlp_dim=128, num_classes=10)
-    else:
-        model = getattr(torchvision.models, name)(num_classes=10)
+    model = vision_model(name)
     images = torch.randn(2, 3, 64, 64)
     check_accuracy(model.eval(), images)
     proven = gradaudit.audit(model.train(), images, verify=True)
-    assert not [n for n in proven.notes if "rule bug" in n]
+    assert not proven.disagreements
     if name == "vit":  # the head saves the class token x[:, 0] (2*64*4 = 512 bytes), keeping the
         # whole sequence alive: 2 images * (16 patches + 1 class token) * 64 * 4 = 8704 bytes
         (view,) = [f for f in proven.waste_findings if f.code == "GA601"]
@@ -94,30 +84,14 @@ def test_more_torchvision_architectures_are_exact_and_proven(name):
         assert "GA801" in {f.code for f in proven.waste_findings}
 
 
-# -- Hugging Face transformers from small configs ------------------------------------------------
-
-
-def _hf(family):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    if family == "bert":
-        config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                         intermediate_size=64, vocab_size=100, max_position_embeddings=64)
-        return transformers.BertModel(config)
-    if family == "gpt2":
-        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=64,
-                                         bos_token_id=0, eos_token_id=0)
-        return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=64, vocab_size=100)
-    return transformers.LlamaForCausalLM(config)
+# -- Hugging Face transformers from small configs (tests/conftest.py: TINY_HF) --------------------
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
 @pytest.mark.parametrize("mode", ["train", "eval"])
-def test_transformers_saved_bytes_are_exact(family, mode):
-    model = getattr(_hf(family), mode)()
+def test_transformers_saved_bytes_are_exact(family, mode, tiny_hf_model):
+    model = getattr(tiny_hf_model(family), mode)()
     ids = torch.randint(0, 100, (2, 16))
     report = check_accuracy(model, {"input_ids": ids})  # ModelOutput
     as_tuple = check_accuracy(model, {"input_ids": ids, "return_dict": False})  # tuple outputs
@@ -129,8 +103,8 @@ def test_transformers_saved_bytes_are_exact(family, mode):
 
 
 @pytest.mark.slow
-def test_llama_one_trainable_layer():
-    model = _hf("llama").eval()
+def test_llama_one_trainable_layer(tiny_hf_model):
+    model = tiny_hf_model("llama").eval()
     ids = torch.randint(0, 100, (1, 16))
     report = check_accuracy(model, {"input_ids": ids}, trainable=["model.layers.1.*"])
     # layer 0 runs before anything that needs a gradient: it saves nothing

@@ -1,32 +1,21 @@
 """Graph reporter: colours by verdict, free leaves, escaping, collapse by module, SVG via dot."""
 
-import importlib.util
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 
 from gradaudit.records import GraphNode, Report, SavedTensor, Storage
 from gradaudit.report import graph
 
-_spec = importlib.util.spec_from_file_location("golden_model", Path(__file__).parent / "golden" / "model.py")
-golden = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(golden)
-
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` not installed")
-
-
-@pytest.fixture(scope="module")
-def report():
-    return golden.build_report()
 
 
 def _node_line(dot: str, name: str) -> str:
     return next(line for line in dot.splitlines() if line.strip().startswith(f"{name} ["))
 
 
-def test_golden(report):
+def test_golden(report, golden):
     golden.assert_golden("report.dot", graph.to_dot(report, collapse=False))
 
 
@@ -107,9 +96,8 @@ def test_focus_draws_one_module(report):
 
 
 @needs_dot
-def test_svg_escapes_markup():
-    report = golden.build_report(head_name="<script>alert(1)</script>")
-    svg = graph.to_svg(report, collapse=False)
+def test_svg_escapes_markup(hostile_report):
+    svg = graph.to_svg(hostile_report, collapse=False)
     assert svg.lstrip().startswith("<?xml") or "<svg" in svg
     assert "<script>" not in svg
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in svg
@@ -124,13 +112,11 @@ def test_missing_dot_raises(report, monkeypatch, tmp_path):
 
 @pytest.mark.slow
 @needs_dot
-def test_80_layer_llama_on_meta_stays_readable():
+def test_80_layer_llama_on_meta_stays_readable(transformers, tiny_hf_config):
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
     import gradaudit
 
-    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                      intermediate_size=128, num_hidden_layers=80, vocab_size=128)
+    config = tiny_hf_config("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=80, vocab_size=128)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     model.requires_grad_(False)

@@ -1,21 +1,13 @@
 """HTML reporter: golden document, escaping of user data, self-contained, graph or install hint."""
 
-import importlib.util
 import json
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 
 from gradaudit.report import graph, html, views
 from gradaudit.report.units import human_bytes
-
-_spec = importlib.util.spec_from_file_location("golden_model", Path(__file__).parent / "golden" / "model.py")
-golden = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(golden)
-
-MARKUP = "<script>alert(1)</script>"
 
 
 def _no_dot(monkeypatch):
@@ -24,22 +16,12 @@ def _no_dot(monkeypatch):
     monkeypatch.setattr(graph, "dot_program", missing)
 
 
-@pytest.fixture(scope="module")
-def report():
-    return golden.build_report()
-
-
-@pytest.fixture(scope="module")
-def hostile():
-    return golden.build_report(head_name=MARKUP)
-
-
 def _embedded(document: str):
     match = re.search(r'<script id="gradaudit-data" type="application/json">(.*?)</script>', document, re.S)
     return json.loads(match.group(1))
 
 
-def test_golden_without_dot(report, monkeypatch):
+def test_golden_without_dot(report, golden, monkeypatch):
     # Graphviz's SVG differs between versions, so the golden document is the one drawn without dot
     _no_dot(monkeypatch)
     golden.assert_golden("report.html", html.render(report))
@@ -73,14 +55,14 @@ def test_summary_cards_and_findings(report, monkeypatch):
     assert 'class="copy"' in document
 
 
-def test_module_markup_is_escaped(hostile, monkeypatch):
+def test_module_markup_is_escaped(hostile_report, golden, monkeypatch):
     _no_dot(monkeypatch)
-    document = html.render(hostile, title=f"audit of {MARKUP}")
-    assert MARKUP not in document
+    document = html.render(hostile_report, title=f"audit of {golden.MARKUP}")
+    assert golden.MARKUP not in document
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in document
     # the embedded JSON gives the name back intact to the table script, which writes it as text
     modules = {row[1] for row in _embedded(document)["rows"]}
-    assert f"{MARKUP}.1" in modules
+    assert f"{golden.MARKUP}.1" in modules
 
 
 def test_script_json_cannot_close_the_script():

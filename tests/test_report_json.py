@@ -1,26 +1,14 @@
 """JSON reporter: the versioned document, golden, every finding pointing at its documentation."""
 
 import dataclasses
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from gradaudit.report import jsonout
 from gradaudit.rules.registry import get_rule
 
-_spec = importlib.util.spec_from_file_location("golden_model", Path(__file__).parent / "golden" / "model.py")
-golden = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(golden)
-
-
-@pytest.fixture(scope="module")
-def report():
-    return golden.build_report()
-
-
-def test_golden(report):
+def test_golden(report, golden):
     golden.assert_golden("report.json", jsonout.render(report))
 
 

@@ -1,27 +1,16 @@
 """Terminal reporter: golden output, units, alignment, colour only on request."""
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
 from gradaudit.report import text
 from gradaudit.report.units import human_bytes, share
 
-_spec = importlib.util.spec_from_file_location("golden_model", Path(__file__).parent / "golden" / "model.py")
-golden = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(golden)
-
 ANSI = re.compile(r"\033\[[0-9;]*m")
 
 
-@pytest.fixture(scope="module")
-def report():
-    return golden.build_report()
-
-
-def test_golden(report):
+def test_golden(report, golden):
     golden.assert_golden("report.txt", text.render(report))
 
 

@@ -30,8 +30,7 @@ def test_op_knowledge_reads_only_the_scalars_it_declares():
     # function reading an undeclared one would see it missing there and decide differently.
     import itertools
 
-    from gradaudit.records import GraphNode
-    from gradaudit.rules.registry import known_ops, op_knowledge, op_scalars
+    from gradaudit.knowledge import declaration, declared_ops, scalars_read
 
     class DeclaredOnly(dict):
         def __init__(self, declared, values):
@@ -54,10 +53,10 @@ def test_op_knowledge_reads_only_the_scalars_it_declares():
             return super().__contains__(key)
 
     samples = (True, False, 0, 0.5, None)
-    for name in known_ops():
-        declared = op_scalars(name)
+    for name in declared_ops():
+        declared = scalars_read(name)
         for values in itertools.product(samples, repeat=len(declared)):
+            known = declaration(name, DeclaredOnly(declared, dict(zip(declared, values))))
             for mask in itertools.product((False, True), repeat=3):
-                node = GraphNode(id=0, name=name, module="", next_ids=[], edge_mask=list(mask),
-                                 scalars=DeclaredOnly(declared, dict(zip(declared, values))))
-                op_knowledge(name)(node, {})
+                for attr in (known.saves if known else ()):
+                    known.outcome(attr, list(mask))

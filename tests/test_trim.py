@@ -10,6 +10,7 @@ from torch import nn
 
 import gradaudit
 from gradaudit.errors import GradauditError
+from gradaudit.knowledge import Bit
 from gradaudit.trimming import compare, trim
 
 torchvision = pytest.importorskip("torchvision")
@@ -75,14 +76,14 @@ def test_bitpacked_sign_gives_identical_gradients_on_special_values(activation, 
 
 def test_bitpacking_without_numpy_uses_torch_ops(monkeypatch):
     """The torch-only packing path (GPU, or no numpy) gives the same bits as numpy's packbits."""
-    import gradaudit.trimming as trimming
+    import gradaudit.trimming.codec as codec
 
     mask = torch.rand(1001) > 0.5  # 1001 = 125*8 + 1: a partial last byte
-    with_numpy = [trimming._pack_bits(mask, inverted) for inverted in (False, True)]
+    with_numpy = [codec.pack_bits(mask, inverted) for inverted in (False, True)]
     # inverted: the complement of every bit, padding included
     assert torch.equal(with_numpy[1], with_numpy[0].bitwise_not())
-    monkeypatch.setattr(trimming, "numpy", None)
-    assert [torch.equal(trimming._pack_bits(mask, inverted), expected)
+    monkeypatch.setattr(codec, "numpy", None)
+    assert [torch.equal(codec.pack_bits(mask, inverted), expected)
             for inverted, expected in zip((False, True), with_numpy)] == [True, True]
     model = nn.Sequential(nn.Linear(7, 9), nn.ReLU(), nn.Linear(9, 2))
     model[2].weight.requires_grad_(False)  # so that the last linear does not keep the ReLU result
@@ -95,15 +96,15 @@ def test_bitpacking_without_numpy_uses_torch_ops(monkeypatch):
 def test_chunked_packing_matches_packing_the_whole_mask(monkeypatch, chunk):
     """ReLU-style bits are packed chunk by chunk (a cache-sized mask); any chunk size that is a
     multiple of 8 gives the bytes packing the whole mask at once gives, partial last byte included."""
-    import gradaudit.trimming as trimming
+    import gradaudit.trimming.codec as codec
 
-    monkeypatch.setattr(trimming, "_CHUNK", chunk)
+    monkeypatch.setattr(codec, "_CHUNK", chunk)
     special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1e-30, -1e-30])
     values = torch.cat([special, torch.randn(93)])  # 100 elements: 12 full bytes and 4 bits
-    le, _ = trimming._passes_unless_le_zero(values)
-    gt, _ = trimming._passes_if_gt_zero(values)
-    assert torch.equal(le, trimming._pack_bits(values <= 0, inverted=True))
-    assert torch.equal(gt, trimming._pack_bits(values > 0))
+    le, _ = codec.PACKERS[Bit.NOT_LE_ZERO](values)
+    gt, _ = codec.PACKERS[Bit.GT_ZERO](values)
+    assert torch.equal(le, codec.pack_bits(values <= 0, inverted=True))
+    assert torch.equal(gt, codec.pack_bits(values > 0))
 
     def bits(packed):  # element i is bit i % 8 of byte i // 8; the last 4 bits are padding
         return [(int(packed[i // 8]) >> (i % 8)) & 1 for i in range(values.numel())]
@@ -362,9 +363,9 @@ def test_trimmed_submodule_inside_a_trimmed_model():
 def test_cached_decisions_follow_the_scalars_the_op_knowledge_reads():
     """Decisions are cached per node type keyed on the scalars its op knowledge declares it reads:
     the same threshold node, shapes and edges with another threshold decide apart."""
-    import gradaudit.trimming as trimming
+    from gradaudit.trimming import plan
 
-    trimming._KINDS.clear()  # kinds hold the cached plans
+    plan.KINDS.clear()  # kinds hold the cached plans
     model = nn.Sequential(nn.Linear(11, 11), nn.Threshold(0.0, 0.0))
     x = torch.randn(2, 11)
     packed = []
@@ -375,7 +376,7 @@ def test_cached_decisions_follow_the_scalars_the_op_knowledge_reads():
             packed.append(handle.stats["bitpacked"])
     # threshold 0: one bit per element says x > 0; threshold 0.5 compares against 0.5: kept
     assert packed == [1, 1, 2]
-    kind = next(k for k in trimming._KINDS.values() if k.name == "ThresholdBackward0")
+    kind = next(k for k in plan.KINDS.values() if k.name == "ThresholdBackward0")
     assert kind.scalars == ("threshold",)
     model[1].threshold = 0.5
     plain, trimmed, _ = plain_and_trimmed(model, (x.clone().requires_grad_(True),))

@@ -38,20 +38,20 @@ def test_custom_function_unused_save_is_proven_and_reported():
 
 
 def test_proof_overrides_a_wrong_static_verdict(monkeypatch):
-    from gradaudit.rules import registry
-    from gradaudit.records import NOT_NEEDED as NN
+    from gradaudit.knowledge import Declaration, Read, Reads, registry
 
-    def wrong(node, saved):
-        return {attr: registry.Verdict(NN, "deliberately wrong") for attr in saved}
-
-    monkeypatch.setitem(registry._NEEDS, "TanhBackward0", wrong)
+    wrong = Declaration("TanhBackward0", edges=("self",), saves={},
+                        default=Read(reads=Reads.NOTHING, rule="GA000", unread="deliberately wrong"))
+    monkeypatch.setitem(registry._DECLARED, "TanhBackward0", [wrong])
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2).requires_grad_(False))
     static = gradaudit.audit(model, torch.randn(3, 4))
     assert static.reclaimable_bytes == 3 * 4 * 4  # the wrong claim, 48 bytes
     proven = gradaudit.audit(model, torch.randn(3, 4), verify=True)
     tanh = by_attr(proven, "TanhBackward0")["result"]
     assert tanh.verdict == NEEDED and tanh.proven
-    assert proven.reclaimable_bytes == 0 and any(n.startswith("rule bug") for n in proven.notes)
+    assert proven.reclaimable_bytes == 0
+    (refuted,) = proven.disagreements
+    assert (refuted.node, refuted.attr, refuted.static, refuted.proven) == ("TanhBackward0", "result", NOT_NEEDED, NEEDED)
 
 
 def test_checkpointed_saves_are_never_unpacked():
@@ -110,7 +110,7 @@ def test_integer_saves_only_see_in_range_values():
 def test_backward_that_fails_alone_keeps_static_verdict():
     report = gradaudit.audit(LinearThen(FailsAlone, features=4), torch.randn(2, 4), verify=True)
     save = by_attr(report, "FailsAloneBackward")["saved_tensors[0]"]
-    assert save.verdict == "unknown" and not save.proven and "unknown-proof" in save.reason
+    assert save.verdict == "unknown" and not save.proven and save.unproven
 
 
 def test_backward_writing_into_a_shared_poison_is_proven_again_with_copies(monkeypatch):
@@ -198,7 +198,7 @@ def test_narrowed_proof_agrees_with_the_full_one(monkeypatch):
                           nn.ReLU(), nn.Flatten(), nn.Linear(8 * 4 * 4, 4))
     x = torch.randn(2, 3, 8, 8)
     narrowed = gradaudit.audit(model, x, verify=True)
-    monkeypatch.setattr(verify, "_narrowing_works", False)
+    monkeypatch.setattr(verify.Narrowing, "works", False)
     full = gradaudit.audit(model, x, verify=True)
     assert _verdicts(narrowed) == _verdicts(full) and not narrowed.notes
     saved = {(t.module, t.attr): t for t in narrowed.held_tensors}
@@ -208,11 +208,12 @@ def test_narrowed_proof_agrees_with_the_full_one(monkeypatch):
 
 
 def test_a_wrong_read_by_hint_costs_time_not_verdicts(monkeypatch):
-    from gradaudit.rules import ops
+    from gradaudit.knowledge.registry import Declaration
 
     # the bias gradient reads neither the input nor the weight: the narrowed witness shows no
     # change, and the full proof that follows still settles the verdict
-    monkeypatch.setitem(ops._READ_BY, "ConvolutionBackward0", {"input": (2,), "weight": (2,)})
+    monkeypatch.setattr(Declaration, "witness_edges",
+                        lambda self, attr, mask: (2,) if self.name == "ConvolutionBackward0" else None)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
     report = gradaudit.audit(model, torch.randn(2, 3, 8, 8), verify=True)
     second = [t for t in report.held_tensors if t.module == "2" and t.attr == "input"]
@@ -225,5 +226,5 @@ def test_saves_no_poison_can_reach_stay_unproven():
     report = gradaudit.audit(LinearThen(SavesZerosAndSparse), torch.randn(2, 3), verify=True)
     saves = by_attr(report, "SavesZerosAndSparseBackward")
     zeros, sparse = saves["saved_tensors[0]"], saves["saved_tensors[1]"]
-    assert not zeros.proven and "no in-range value" in zeros.reason
-    assert not sparse.proven and "layout" in sparse.reason
+    assert not zeros.proven and "no in-range value" in zeros.unproven
+    assert not sparse.proven and "layout" in sparse.unproven

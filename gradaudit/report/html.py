@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from importlib import resources
+from pathlib import Path
 from typing import Any, Optional
 
 import jinja2
@@ -46,7 +47,11 @@ def environment() -> jinja2.Environment:
 
 
 def _load_template(name: str) -> str:
-    return resources.files("gradaudit.templates").joinpath(name).read_text(encoding="utf-8")
+    try:  # installed: pyproject.toml ships the top-level templates/ folder as gradaudit.templates
+        folder = resources.files("gradaudit.templates")
+    except ModuleNotFoundError:  # a checkout on sys.path, not installed: templates/ beside gradaudit/
+        folder = Path(__file__).resolve().parents[2] / "templates"
+    return folder.joinpath(name).read_text(encoding="utf-8")
 
 
 def script_json(value: Any) -> Markup:

@@ -1,6 +1,7 @@
-"""Op knowledge and the rule catalogue; importing this package registers both."""
+"""The rule catalogue; importing this package registers it (and declares the op knowledge)."""
 
-from . import ops, catalogue  # noqa: F401  (registration happens on import)
-from .registry import Flag, Rule, RuleContext, all_rules, get_rule, known_ops, parse_sections, selected
+from .. import knowledge  # noqa: F401  (the verdicts the rules read come from its declarations)
+from . import catalogue  # noqa: F401  (registration happens on import)
+from .registry import Flag, Rule, RuleContext, all_rules, get_rule, parse_sections, selected
 
-__all__ = ["Flag", "Rule", "RuleContext", "all_rules", "get_rule", "known_ops", "parse_sections", "selected"]
+__all__ = ["Flag", "Rule", "RuleContext", "all_rules", "get_rule", "parse_sections", "selected"]

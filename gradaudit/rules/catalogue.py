@@ -1,32 +1,29 @@
 """The rule catalogue. Codes: GA + 3 digits; the hundreds digit names the family.
 
-0xx catch-all and blind spots   1xx convolution      2xx normalisation   3xx pooling
+0xx catch-all, shape-only and unwanted-gradient saves   1xx convolution      2xx normalisation   3xx pooling
 4xx compressible saves          5xx leaf gradients   6xx views/storage   7xx dtype casts
 8xx attention                   9xx checkpointing hygiene
 """
 
 from __future__ import annotations
 
-from typing import Iterator
-
 from ..records import NEEDED, NOT_NEEDED, SIGN_ONLY, GraphNode
+from ..knowledge import weight_slots
 from .registry import Flag, RuleContext, rule
 
 HELD_KINDS = ("activation", "output")
+
+# the fix of every rule whose waste gradaudit.trim drops as the forward proceeds
+TRIM_SNIPPET = """
+    import gradaudit
+    with gradaudit.trim(model):        # keeps only what backward needs
+        model(x).sum().backward()
+"""
 LOW_PRECISION = ("float16", "bfloat16")
 
 
 def _shape(t) -> str:
     return "x".join(map(str, t.shape))
-
-
-def _not_needed(ctx: RuleContext, node_names: tuple[str, ...], attrs: tuple[str, ...]) -> Iterator[tuple]:
-    for node in ctx.nodes_named(*node_names):
-        saved = ctx.saved(node)
-        hits = [saved[a] for a in attrs if a in saved and saved[a].verdict == NOT_NEEDED
-                and saved[a].managed_by == "autograd" and saved[a].storage_kind in ("activation", "output")]
-        if hits:
-            yield node, hits
 
 
 @rule("GA101", "conv-input-saved-for-frozen-weight",
@@ -62,7 +59,7 @@ def conv_input_saved_for_frozen_weight(ctx: RuleContext):
         dropping it alone frees nothing; the finding's ``bytes`` says so and ``bytes_together``
         counts it once every fix (bit-packing included) is applied.
     """
-    for node, hits in _not_needed(ctx, ("ConvolutionBackward0",), ("input",)):
+    for node, hits in ctx.claims("GA101", NOT_NEEDED):
         shape = "x".join(map(str, hits[0].shape))
         yield Flag(node, hits, f"{node.module or 'model'} ({hits[0].module_class}) saves its {shape} "
                                f"input for a weight gradient nobody asked for")
@@ -70,17 +67,13 @@ def conv_input_saved_for_frozen_weight(ctx: RuleContext):
 
 @rule("GA102", "conv-weight-saved-for-frozen-input",
       fix="Drop the saved weight while the input needs no gradient (gradaudit.trim)",
-      fix_code="""
-        import gradaudit
-        with gradaudit.trim(model):
-            model(x).sum().backward()
-      """)
+      fix_code=TRIM_SNIPPET)
 def conv_weight_saved_for_frozen_input(ctx: RuleContext):
-    """Convolution keeps a computed weight although its input needs no gradient.
+    """Convolution (or normalisation, PReLU) keeps a computed weight although its input needs no gradient.
 
     What it flags:
-        Convolutions whose input needs no gradient (typically the first layer) and whose saved
-        weight is not a parameter: a weight computed in the forward (weight normalisation,
+        Convolutions, batch/layer/group norm and PReLU whose input needs no gradient (typically the
+        first layer) and whose saved weight is not a parameter: a weight computed in the forward (weight normalisation,
         merged LoRA adapters, a dtype cast). A plain parameter costs nothing and is not flagged.
     Why it costs memory:
         The weight is read only by the input gradient; a computed weight lives only because
@@ -95,12 +88,10 @@ def conv_weight_saved_for_frozen_input(ctx: RuleContext):
     Known limits:
         Only the weight's own storage is counted; it is freed only if nothing else holds it.
     """
-    for node, hits in _not_needed(ctx, ("ConvolutionBackward0",), ("weight",)):
-        hits = [t for t in hits if t.storage_kind in ("activation", "output")]
-        if hits:
-            yield Flag(node, hits, f"{node.module or 'model'} saves a computed weight "
-                                   f"({'x'.join(map(str, hits[0].shape))}) that only the input gradient "
-                                   f"reads, and the input needs no gradient")
+    for node, hits in ctx.claims("GA102", NOT_NEEDED):
+        yield Flag(node, hits, f"{node.module or 'model'} saves a computed weight "
+                               f"({'x'.join(map(str, hits[0].shape))}) that only the input gradient "
+                               f"reads, and the input needs no gradient")
 
 
 @rule("GA201", "batchnorm-eval-saves-input",
@@ -131,25 +122,58 @@ def batchnorm_eval_saves_input(ctx: RuleContext):
         In train mode the input is needed (batch statistics) and nothing is flagged. The input is
         often also the previous convolution's output kept by another node; bytes say so.
     """
-    for node, hits in _not_needed(ctx, ("NativeBatchNormBackward0",),
-                                  ("input", "running_mean", "result1", "result2")):
+    for node, hits in ctx.claims("GA201", NOT_NEEDED):
         if any(t.attr == "input" for t in hits):
             yield Flag(node, hits, f"{node.module or 'model'} (batch norm, eval mode) saves its input "
                                    f"although the weight needs no gradient")
 
 
-@rule("GA301", "maxpool-saves-input",
-      fix="Keep only max-pooling's indices (gradaudit.trim)",
+@rule("GA202", "norm-saves-input-for-bias-only",
+      fix="Drop what normalisation saves for the input and weight gradients when only its bias trains (gradaudit.trim)",
       fix_code="""
         import gradaudit
-        with gradaudit.trim(model):
+        with gradaudit.trim(model):        # BitFit-style bias-only tuning keeps no norm inputs
             model(x).sum().backward()
       """)
+def norm_saves_input_for_bias_only(ctx: RuleContext):
+    """Normalisation keeps its input and statistics although only its bias needs a gradient.
+
+    What it flags:
+        Batch norm in training mode, layer norm and group norm whose input and weight need no
+        gradient while the bias does (bias-only tuning such as BitFit, or a frozen network with
+        trainable norm biases): the saved input, mean and inverse standard deviation (and layer
+        norm's saved bias, which no formula reads).
+    Why it costs memory:
+        The bias gradient is the sum of the incoming gradient: it reads nothing saved. PyTorch's
+        multi-output formula saves the input whenever any gradient is wanted.
+    Example:
+        model.requires_grad_(False)
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.endswith("bias"))   # every LayerNorm keeps its input anyway
+    Fix:
+        ``gradaudit.trim(model)`` drops those saves as the forward proceeds.
+    Fix safety:
+        Gradients are bit-identical: the dropped tensors are never read.
+    Known limits:
+        The input is often also kept by another node (the previous linear layer's saved output,
+        when that layer's weight trains); bytes say so.
+    """
+    for node, hits in ctx.claims("GA202", NOT_NEEDED):
+        if any(t.numel for t in hits):
+            yield Flag(node, hits, f"{node.module or 'model'} ({hits[0].module_class}) saves "
+                                   f"{', '.join(t.attr for t in hits)} that only the input and weight "
+                                   f"gradients read, and neither is wanted")
+
+
+@rule("GA301", "maxpool-saves-input",
+      fix="Keep only max-pooling's indices (gradaudit.trim)",
+      fix_code=TRIM_SNIPPET)
 def maxpool_saves_input(ctx: RuleContext):
     """Max-pooling keeps its whole input although backward reads only the indices.
 
     What it flags:
-        MaxPool1d/2d/3d and F.max_pool*d: the saved input (``self``) of the with-indices kernel.
+        MaxPool1d/2d/3d, AdaptiveMaxPool2d and F.max_pool*d: the saved input (``self``) of the
+        with-indices kernel.
     Why it costs memory:
         The backward scatters the gradient to the saved argmax indices; it reads the input only
         for its shape.
@@ -163,10 +187,35 @@ def maxpool_saves_input(ctx: RuleContext):
         After a ReLU the input is the ReLU's result, which the ReLU also saves: dropping it frees
         memory only together with bit-packing the ReLU's result (see ``bytes_together``).
     """
-    for node, hits in _not_needed(ctx, ("MaxPool1DWithIndicesBackward0", "MaxPool2DWithIndicesBackward0",
-                                        "MaxPool3DWithIndicesBackward0"), ("self",)):
+    for node, hits in ctx.claims("GA301", NOT_NEEDED):
         yield Flag(node, hits, f"{node.module or 'model'} saves its whole "
                                f"{'x'.join(map(str, hits[0].shape))} input; backward reads only the indices")
+
+
+@rule("GA302", "avgpool-saves-input",
+      fix="Keep nothing of average pooling's input (gradaudit.trim)",
+      fix_code=TRIM_SNIPPET)
+def avgpool_saves_input(ctx: RuleContext):
+    """Average pooling keeps its whole input although backward reads only its shape.
+
+    What it flags:
+        AvgPool2d, AdaptiveAvgPool2d and their functional forms: the saved input (``self``).
+    Why it costs memory:
+        The backward spreads each output gradient evenly over its window; the window sizes follow
+        from the input's shape, never from its values.
+    Example:
+        nn.Sequential(backbone, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2048, 10))
+    Fix:
+        ``gradaudit.trim(model)`` replaces the saved input by a placeholder of its shape.
+    Fix safety:
+        Gradients are bit-identical: the values are never read.
+    Known limits:
+        After a ReLU the input is the ReLU's result, which the ReLU also saves: dropping it frees
+        memory only together with bit-packing the ReLU's result (see ``bytes_together``).
+    """
+    for node, hits in ctx.claims("GA302", NOT_NEEDED):
+        yield Flag(node, hits, f"{node.module or 'model'} saves its whole "
+                               f"{'x'.join(map(str, hits[0].shape))} input; backward reads only its shape")
 
 
 @rule("GA401", "sign-only-save-kept-as-float",
@@ -194,13 +243,10 @@ def sign_only_save_kept_as_float(ctx: RuleContext):
         Often the same tensor is the next layer's saved input; memory is freed only if that
         save can be dropped too (frozen next layer) - otherwise ``bytes`` is 0.
     """
-    for node in ctx.nodes_named("ReluBackward0", "LeakyReluBackward0", "ThresholdBackward0"):
-        hits = [t for t in ctx.saved(node).values() if t.verdict == SIGN_ONLY and t.managed_by == "autograd"
-                and t.storage_kind in ("activation", "output")]
-        if hits:
-            yield Flag(node, hits, f"{node.module or 'model'} keeps a "
-                                   f"{hits[0].dtype} tensor of {'x'.join(map(str, hits[0].shape))} "
-                                   f"where backward reads only its sign")
+    for node, hits in ctx.claims("GA401", SIGN_ONLY):
+        yield Flag(node, hits, f"{node.module or 'model'} keeps a "
+                               f"{hits[0].dtype} tensor of {'x'.join(map(str, hits[0].shape))} "
+                               f"where backward reads only its sign")
 
 
 @rule("GA402", "dropout-mask-saved-as-float",
@@ -234,10 +280,8 @@ def dropout_mask_saved_as_float(ctx: RuleContext):
         Recognised by module class (Dropout*) and the node (MulBackward0 ``other``); with
         verify=True the two-valuedness is checked on the actual mask.
     """
-    for node in ctx.nodes_named("MulBackward0"):
-        mask = ctx.saved(node).get("other")
-        if (mask is not None and mask.bitpackable and mask.verdict == NEEDED
-                and mask.managed_by == "autograd" and mask.storage_kind in HELD_KINDS):
+    for node, masks in ctx.claims("GA402", NEEDED, bitpackable=True):
+        for mask in masks:
             yield Flag(node, [mask], f"{node.module or 'model'} ({mask.module_class}) keeps a {mask.dtype} "
                                      f"dropout mask of {_shape(mask)} that holds only two values")
 
@@ -356,10 +400,6 @@ def saved_view_keeps_large_base(ctx: RuleContext):
                                                 f"storage alive", bytes=storage.nbytes - covered)
 
 
-_WEIGHT_SLOTS = {"AddmmBackward0": "mat2", "MmBackward0": "mat2", "ConvolutionBackward0": "weight",
-                 "LinearBackward0": "weight"}
-
-
 @rule("GA701", "frozen-weight-cast-copy-saved",
       fix="Cast the frozen weights once instead of on every step (autocast casts them per call)",
       fix_code="""
@@ -391,8 +431,9 @@ def frozen_weight_cast_copy_saved(ctx: RuleContext):
         Recognised by module (``<module>.weight`` frozen) and node type; weights used outside
         their module are not seen.
     """
-    for node in ctx.nodes_named(*_WEIGHT_SLOTS):
-        weight = ctx.saved(node).get(_WEIGHT_SLOTS[node.name])
+    slots = weight_slots()
+    for node in ctx.nodes_named(*slots):
+        weight = ctx.saved(node).get(slots[node.name])
         if (weight is None or weight.managed_by != "autograd" or weight.storage_kind != "activation"
                 or weight.dtype not in LOW_PRECISION or weight.verdict == NOT_NEEDED):
             continue
@@ -525,40 +566,109 @@ def batchnorm_train_in_checkpoint(ctx: RuleContext):
                        bytes=0)
 
 
-@rule("GA000", "unexplained-unneeded-save",
-      fix="Drop the save (gradaudit.trim with verify=True results), and report the op to gradaudit",
+@rule("GA000", "unexplained-unneeded-save", catch_all=True,
+      fix="Stop saving it, or declare what backward reads (gradaudit.declare_function) so gradaudit.trim drops it",
       fix_code="""
         import gradaudit
-        report = gradaudit.audit(model, x, verify=True)
-        with gradaudit.trim(model):     # drops saves the audit found unneeded
+        from gradaudit import Read
+        # MyFunction saves (x, y); its backward reads only y, and only when x needs a gradient
+        gradaudit.declare_function(MyFunction, edges=("x", "y"), saves=[
+            Read(by=(), reads=gradaudit.Reads.NOTHING, rule="GA000"),   # x: never read
+            Read(by=("x",), rule="GA000"),                               # y: read by x's gradient
+        ])
+        with gradaudit.trim(model):      # now drops what the declaration says is unread
             model(x).sum().backward()
       """)
 def unexplained_unneeded_save(ctx: RuleContext):
-    """The proof shows backward never reads this save, and no rule explains why.
+    """The proof shows backward never reads this save (or only its sign), and no rule explains why.
 
     What it flags:
-        With verify=True: held saves (activations) proven not needed that no other finding
-        covers, grouped by node, with the node type - gaps in gradaudit's catalogue.
+        With verify=True: held saves (activations) proven not needed, or proven to be read only
+        as one bit per element, that no other finding covers, grouped by node, with the node
+        type - gaps in gradaudit's op knowledge (custom autograd Functions, ops it does not know).
     Why it costs memory:
-        Autograd holds the tensor until backward, which never reads it.
+        Autograd holds the tensor until backward, which never reads it (or reads one bit of each
+        element).
     Example:
         A custom ``autograd.Function`` that calls ``ctx.save_for_backward(x, y)`` but whose
         backward uses only ``y``.
     Fix:
-        Stop saving it (custom Functions), or drop it with ``gradaudit.trim``.
+        Stop saving it (custom Functions). Or describe the op with ``gradaudit.declare_function``
+        (``gradaudit.declare`` for any node type): the static audit then knows it, and
+        ``gradaudit.trim`` drops (or bit-packs) what the declaration says backward does not read.
+        ``trim`` acts on declarations only, never on one audit's proof.
     Fix safety:
         Gradients are bit-identical for the inputs and freezing pattern audited; the proof covers
-        one set of values, so re-audit when shapes or freezing change.
+        one set of values, so check a declaration with verify=True on the shapes and freezing
+        patterns you use (a proof that refutes it is listed in ``Report.disagreements``).
     Known limits:
         Only runs with verify=True (static mode has no evidence for unknown ops).
     """
     by_node: dict[int, list] = {}
     for t in ctx.held():
-        if (t.proven and t.verdict == NOT_NEEDED and t.index not in ctx.covered
+        unread = t.verdict == NOT_NEEDED
+        if (t.proven and (unread or (t.verdict == SIGN_ONLY and t.bitpackable)) and t.index not in ctx.covered
                 and t.storage_kind in HELD_KINDS):
             by_node.setdefault(t.node_id, []).append(t)
     for node_id, hits in by_node.items():
         node = ctx.nodes[node_id]
-        yield Flag(node, hits, f"{node.module or 'model'}: {node.name} saves "
-                               f"{', '.join(t.attr for t in hits)} but backward never reads "
-                               f"{'it' if len(hits) == 1 else 'them'} (proven; no rule explains it)")
+        unread = [t.attr for t in hits if t.verdict == NOT_NEEDED]
+        signs = [t.attr for t in hits if t.verdict != NOT_NEEDED]
+        parts = ([f"never reads {', '.join(unread)}"] if unread else []) + \
+                ([f"reads only the sign of {', '.join(signs)}"] if signs else [])
+        yield Flag(node, hits, f"{node.module or 'model'}: {node.name} saves {', '.join(t.attr for t in hits)} "
+                               f"but backward {' and '.join(parts)} (proven; no rule explains it)")
+
+
+@rule("GA001", "saved-for-unwanted-gradient",
+      fix="Drop the save while the gradient that reads it is not wanted (gradaudit.trim)",
+      fix_code=TRIM_SNIPPET)
+def saved_for_unwanted_gradient(ctx: RuleContext):
+    """An op keeps a tensor that only the gradient of an input nobody differentiates would read.
+
+    What it flags:
+        Saves of ops without a rule of their own (tensor ** tensor, attention's value and output
+        when only the value trains, randomized leaky ReLU's input in training) that the op
+        knowledge shows unread for the inputs that need a gradient.
+    Why it costs memory:
+        Ops whose gradients share one formula save everything any gradient could read; autograd
+        keeps the tensor until backward although no wanted gradient reads it.
+    Example:
+        y = torch.pow(base, exponent)    # exponent frozen: the result is kept for its gradient
+    Fix:
+        ``gradaudit.trim(model)`` drops such saves as the forward proceeds.
+    Fix safety:
+        Gradients are bit-identical: the dropped tensor is never read.
+    Known limits:
+        The op's output is often also the next op's saved input; bytes say what is freed.
+    """
+    for node, hits in ctx.claims("GA001", NOT_NEEDED):
+        yield Flag(node, hits, f"{node.module or 'model'}: {node.name} saves {', '.join(t.attr for t in hits)} "
+                               f"that no wanted gradient reads")
+
+
+@rule("GA002", "saved-for-shape-only",
+      fix="Keep only the shape of a save backward reads for its shape (gradaudit.trim)",
+      fix_code=TRIM_SNIPPET)
+def saved_for_shape_only(ctx: RuleContext):
+    """An op keeps a whole tensor although backward reads only its shape.
+
+    What it flags:
+        ``torch.gather``'s source and ``nll_loss``'s log-probabilities (cross-entropy's input after
+        log_softmax): backward reads their sizes, never their values.
+    Why it costs memory:
+        Autograd saves the tensor itself because the backward formula names it; the formula only
+        asks it for its sizes.
+    Example:
+        loss = F.nll_loss(F.log_softmax(logits, -1), target)   # the log-probabilities are kept twice
+    Fix:
+        ``gradaudit.trim(model)`` replaces the save by a placeholder of its shape.
+    Fix safety:
+        Gradients are bit-identical: the values are never read.
+    Known limits:
+        The tensor is often also saved by the op that made it (log_softmax keeps its result):
+        then nothing is freed and the finding is information.
+    """
+    for node, hits in ctx.claims("GA002", NOT_NEEDED):
+        yield Flag(node, hits, f"{node.module or 'model'}: {node.name} saves its whole "
+                               f"{'x'.join(map(str, hits[0].shape))} {hits[0].attr}; backward reads only its shape")

@@ -1,10 +1,9 @@
 """One registry for rules: a decorator fills it, duplicate codes raise, docs come from docstrings.
 
-Two kinds of entries live here:
-- op knowledge (``@needs("ConvolutionBackward0")``): given a node's edge mask and scalars, which of
-  its saved attributes backward needs. This sets each SavedTensor's verdict.
-- rules (``@rule("GA101", "conv-input-saved-for-frozen-weight")``): read the verdicts and the graph
-  and emit flags; the analysis turns flags into Findings with storage-aware byte figures.
+Rules (``@rule("GA101", "conv-input-saved-for-frozen-weight")``) read the verdicts and the graph
+and emit flags; the analysis turns flags into Findings with storage-aware byte figures. The
+verdicts come from the op knowledge (gradaudit/knowledge), whose declarations also name the rule
+that explains each save they leave unneeded or bit-packable (``RuleContext.claims``).
 Rules are pure functions of the recording's plain data: they never touch tensors or hooks.
 """
 
@@ -22,50 +21,6 @@ DOC_SECTIONS = ("What it flags", "Why it costs memory", "Example", "Fix", "Fix s
 SEVERITIES = ("waste", "warning", "info")
 CODE_PATTERN = re.compile(r"^GA\d{3}$")
 NAME_PATTERN = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
-
-
-@dataclass(frozen=True)
-class Verdict:
-    verdict: str  # records.NEEDED / NOT_NEEDED / SIGN_ONLY / UNKNOWN
-    reason: str
-    bitpackable: bool = False
-
-
-NeedsFunction = Callable[[GraphNode, dict[str, SavedTensor]], dict[str, Verdict]]
-_NEEDS: dict[str, NeedsFunction] = {}
-_SCALARS: dict[str, tuple[str, ...]] = {}
-
-
-def needs(*node_names: str, scalars: tuple[str, ...] = ()) -> Callable[[NeedsFunction], NeedsFunction]:
-    """Register what an autograd node type's backward reads, as a function of its edge mask.
-
-    ``scalars``: the node's non-tensor saved values the function reads (``node.scalars``), so a
-    hot-path caller (gradaudit.trim) reads and keys its cache on exactly those. A test checks
-    that no knowledge function reads a scalar it did not declare.
-    """
-
-    def register(function: NeedsFunction) -> NeedsFunction:
-        for name in node_names:
-            if name in _NEEDS:
-                raise ValueError(f"op knowledge for {name} registered twice")
-            _NEEDS[name] = function
-            _SCALARS[name] = tuple(scalars)
-        return function
-
-    return register
-
-
-def op_knowledge(node_name: str) -> Optional[NeedsFunction]:
-    return _NEEDS.get(node_name)
-
-
-def op_scalars(node_name: str) -> tuple[str, ...]:
-    """The scalars the op knowledge of ``node_name`` reads (empty when it reads none)."""
-    return _SCALARS.get(node_name, ())
-
-
-def known_ops() -> list[str]:
-    return sorted(_NEEDS)
 
 
 @dataclass
@@ -98,6 +53,20 @@ class RuleContext:
         wanted = set(names)
         return (n for n in self.nodes if n.name in wanted and n.created_here)
 
+    def claims(self, code: str, verdict: str, *, bitpackable: bool = False
+               ) -> Iterator[tuple[GraphNode, list[SavedTensor]]]:
+        """Per node: the held saves (activations or outputs) with ``verdict`` whose op knowledge
+        names rule ``code`` as their explanation (``bitpackable``: only bit-packable ones)."""
+        for node in self.nodes:
+            if not node.created_here:
+                continue
+            hits = [self.tensors[i] for i in node.saved]
+            hits = [t for t in hits if t.explained_by == code and t.verdict == verdict
+                    and t.managed_by == "autograd" and t.storage_kind in ("activation", "output")
+                    and (t.bitpackable or not bitpackable)]
+            if hits:
+                yield node, hits
+
     def saved(self, node: GraphNode) -> dict[str, SavedTensor]:
         return {self.tensors[i].attr: self.tensors[i] for i in node.saved}
 
@@ -129,6 +98,7 @@ class Rule:
     fix_code: str
     fix_safe: bool
     check: Callable[[RuleContext], Iterable[Flag]]
+    catch_all: bool = False  # runs after every other rule: it reports what none of them covered
 
     @property
     def family(self) -> int:
@@ -142,7 +112,7 @@ _RULES: dict[str, Rule] = {}
 
 
 def rule(code: str, name: str, *, severity: str = "waste", fix: str, fix_code: str = "",
-         fix_safe: bool = True) -> Callable[[Callable[[RuleContext], Iterable[Flag]]], Callable]:
+         fix_safe: bool = True, catch_all: bool = False) -> Callable[[Callable[[RuleContext], Iterable[Flag]]], Callable]:
     """Register a rule. Its docstring is its documentation (sections: DOC_SECTIONS)."""
     if not CODE_PATTERN.match(code):
         raise ValueError(f"rule code {code!r} must look like GA123")
@@ -158,7 +128,7 @@ def rule(code: str, name: str, *, severity: str = "waste", fix: str, fix_code: s
             raise ValueError(f"rule name {name} registered twice")
         doc = inspect.cleandoc(check.__doc__ or "")
         _RULES[code] = Rule(code, name, severity, doc.splitlines()[0] if doc else "", doc,
-                            fix, inspect.cleandoc(fix_code) if fix_code else "", fix_safe, check)
+                            fix, inspect.cleandoc(fix_code) if fix_code else "", fix_safe, check, catch_all)
         return check
 
     return register

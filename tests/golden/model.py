@@ -1,7 +1,7 @@
 """The small deterministic model behind the reporters' golden files and the browser test.
 
 Frozen conv/BN/pool in front of a trainable head, so the report has GA101-style waste, sign-only
-ReLU saves, parameters (free) and an input that needs no gradient. Loaded by path from the tests.
+ReLU saves, parameters (free) and an input that needs no gradient. Loaded by tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ class Tiny(nn.Module):
         x = self.block(x)
         x = getattr(self, self.head_name)(x)
         return self.fc(x.flatten(1))
+
+
+# A head module named like this must show as text in every report, never as markup. (Line
+# numbers above this point appear in the golden files.)
+MARKUP = "<script>alert(1)</script>"
 
 
 def build_report(head_name: str = "head") -> gradaudit.Report:

@@ -1,0 +1,186 @@
+"""What the backward of PyTorch's own autograd nodes reads, one declaration per node type.
+
+Sources: PyTorch's tools/autograd/derivatives.yaml and the backward kernels (pytorch/pytorch
+issue 133566 for convolution and batch norm). Every declared name must exist in the installed
+torch, and on a generated case of each the static verdicts must equal the proven ones
+(tests/test_knowledge.py); the rule fixtures are re-checked under the proof too
+(tests/test_rules_hold.py).
+
+Conservatism: a claim of "not needed" or "sign-only" must hold for every input, every device we
+support, and every value. When an op has variants we have not checked, leave it undeclared.
+"""
+
+from __future__ import annotations
+
+from .registry import Bit, Read, Reads, declare
+
+DROPOUT_MODULES = ("Dropout", "Dropout1d", "Dropout2d", "Dropout3d")
+
+# -- convolution: one multi-output formula, so every save is made whenever any gradient is wanted
+declare("ConvolutionBackward0", edges=("input", "weight", "bias"), weight="weight",
+        source="derivatives.yaml convolution_backward; pytorch/pytorch#133566",
+        saves={
+            # convolution_backward(grad, input, weight, ..., output_mask): grad_input reads the
+            # weight, grad_weight reads the input, grad_bias reads neither
+            "input": Read(by=("weight",), rule="GA101"),
+            "weight": Read(by=("input",), rule="GA102"),
+        })
+
+# -- batch norm (native kernel: CPU, and CUDA when cuDNN is not chosen)
+_BATCH_NORM = dict(edges=("input", "weight", "bias"), source="derivatives.yaml native_batch_norm_backward")
+declare("NativeBatchNormBackward0", when={"training": True}, **_BATCH_NORM, saves={
+    # in training the input gradient and the weight gradient both read the input and the batch
+    # statistics; the bias gradient (sum of grad) reads none of them
+    "input": Read(by=("input", "weight"), witness="weight", rule="GA202"),
+    "weight": Read(by=("input",), rule="GA102"),
+    "result1": Read(by=("input", "weight"), witness="weight", rule="GA202",
+                    why="saved batch mean, read in training mode"),
+    "result2": Read(by=("input", "weight"), witness="weight", rule="GA202",
+                    why="saved inverse std, read in training mode"),
+    # running statistics are buffers (free): say needed rather than make a claim worth 0 bytes
+    "running_mean": Read(why="running statistics buffer"),
+    "running_var": Read(why="running statistics buffer"),
+})
+# eval: y = (x - running_mean) * invstd(running_var) * weight + bias, so
+# grad_input = grad * weight * invstd and grad_weight = sum(grad * (x - mean) * invstd)
+declare("NativeBatchNormBackward0", when={"training": False}, **_BATCH_NORM, saves={
+    "input": Read(by=("weight",), rule="GA201", unread="in eval mode only the weight gradient reads "
+                                                       "the input, and the weight needs no gradient"),
+    "running_mean": Read(by=("weight",), rule="GA201",
+                         unread="in eval mode only the weight gradient reads the running mean"),
+    "running_var": Read(by=("input", "weight"), rule="GA201", why="read by the input and weight gradients",
+                        unread="no gradient of this node is required"),
+    "weight": Read(by=("input",), rule="GA102"),
+    "result1": Read(reads=Reads.NOTHING, rule="GA201", unread="batch mean is not used in eval mode"),
+    "result2": Read(reads=Reads.NOTHING, rule="GA201", unread="batch inverse std is not used in eval mode"),
+})
+
+# -- layer and group norm: like batch norm in training, the bias gradient reads nothing saved
+_NORM_STATS = dict(by=("input", "weight"), witness="weight", rule="GA202")
+_NORM_SAVES = {
+    "input": Read(**_NORM_STATS),
+    "result1": Read(**_NORM_STATS, why="saved mean, read by the input and weight gradients"),
+    "result2": Read(**_NORM_STATS, why="saved inverse std, read by the input and weight gradients"),
+    "weight": Read(by=("input",), rule="GA102"),
+}
+declare("NativeLayerNormBackward0", edges=("input", "weight", "bias"), source="derivatives.yaml native_layer_norm",
+        saves={**_NORM_SAVES, "bias": Read(reads=Reads.NOTHING, rule="GA202",
+                                            unread="no gradient formula reads the bias")})
+declare("NativeGroupNormBackward0", edges=("input", "weight", "bias"), source="derivatives.yaml native_group_norm",
+        saves=_NORM_SAVES)
+
+# -- pooling: max pooling's indices route the gradient; average pooling spreads it evenly. Either
+# way the input is read for its shape only
+_SHAPE_ONLY = "the backward reads only the input's shape"
+declare("MaxPool2DWithIndicesBackward0", "MaxPool3DWithIndicesBackward0",  # max_pool1d runs the 2-D kernel
+        edges=("self",), source="derivatives.yaml max_pool*d_with_indices_backward", saves={
+            "self": Read(reads=Reads.SHAPE, rule="GA301",
+                         unread="the backward reads only the input's shape; the indices say where the maxima were"),
+            "result1": Read(why="the indices route the gradient"),
+        })
+declare("AdaptiveMaxPool2DBackward0", edges=("self",), source="derivatives.yaml adaptive_max_pool2d_backward",
+        saves={
+            "self": Read(reads=Reads.SHAPE, rule="GA301",
+                         unread="the backward reads only the input's shape; the indices say where the maxima were"),
+            "result1": Read(why="the indices route the gradient"),
+        })
+declare("AvgPool2DBackward0", "AdaptiveAvgPool2DBackward0", edges=("self",),
+        source="derivatives.yaml avg_pool2d_backward / _adaptive_avg_pool2d_backward",
+        saves={"self": Read(reads=Reads.SHAPE, rule="GA302", unread=_SHAPE_ONLY)})
+
+# -- ops that read a saved tensor for its shape only
+declare("GatherBackward0", edges=("self", "index"), source="derivatives.yaml gather: gather_backward",
+        saves={"self": Read(reads=Reads.SHAPE, rule="GA002", unread=_SHAPE_ONLY),
+               "index": Read(why="the indices route the gradient")})
+declare("NllLossBackward0", edges=("self", "target", "weight"), source="derivatives.yaml nll_loss_backward",
+        saves={"self": Read(reads=Reads.SHAPE, rule="GA002", unread=_SHAPE_ONLY),
+               "target": Read(why="the targets pick the gradient's entries"),
+               "weight": Read(why="the class weights scale the gradient"),
+               "total_weight": Read(why="the reduction divides by it")})
+
+# -- ops whose saves only some gradients read (codegen saves them whenever any is wanted)
+declare("PowBackward1", edges=("self", "exponent"), source="derivatives.yaml pow.Tensor_Tensor", saves={
+    "self": Read(why="read by the self and exponent gradients"),
+    "exponent": Read(by=("self",), rule="GA001"),
+    "result": Read(by=("exponent",), rule="GA001"),
+})
+declare("PowBackward2", edges=("exponent",), source="derivatives.yaml pow.Scalar: pow_backward_exponent",
+        saves={"result": Read(why="read by the exponent gradient"),
+               "exponent": Read(why="read by the exponent gradient", sometimes="only a base of 0 makes the "
+                                "gradient depend on the exponent's sign")})
+declare("PreluKernelBackward0", edges=("self", "weight"), weight="weight", source="derivatives.yaml _prelu_kernel",
+        saves={"self": Read(why="read by the self and weight gradients"),
+               "weight": Read(by=("self",), rule="GA102")})
+declare("ScaledDotProductFlashAttentionForCpuBackward0", edges=("query", "key", "value"),
+        source="derivatives.yaml _scaled_dot_product_flash_attention_for_cpu", saves={
+            # dV = P^T dO needs only query, key and logsumexp (to recompute P); the output and
+            # value enter dQ and dK (through rowsum(dO * O) and dO V^T)
+            "query": Read(why="the probabilities are recomputed from it"),
+            "key": Read(why="the probabilities are recomputed from it"),
+            "logsumexp": Read(why="the probabilities are recomputed from it"),
+            "value": Read(by=("query", "key"), rule="GA001"),
+            "output": Read(by=("query", "key"), rule="GA001"),
+        })
+declare("RreluWithNoiseBackward0", edges=("self",), when={"training": True},
+        source="derivatives.yaml rrelu_with_noise: in training grad * noise", saves={
+            "noise": Read(why="the sampled slopes scale the gradient"),
+            "self": Read(reads=Reads.NOTHING, rule="GA001", unread="in training the sampled noise alone scales "
+                                                                   "the gradient"),
+        })
+declare("RreluWithNoiseBackward0", edges=("self",), when={"training": False},
+        source="derivatives.yaml rrelu_with_noise: in eval leaky_relu_backward with the mean slope", saves={
+            "noise": Read(reads=Reads.NOTHING, rule="GA001", unread="in eval mode a fixed slope is used, not the noise"),
+            "self": Read(reads=Reads.SIGN, bit=Bit.GT_ZERO, rule="GA401", why="the backward reads only self > 0"),
+        })
+
+# -- activations whose backward reads one bit per element
+declare("ReluBackward0", edges=("self",), source="derivatives.yaml relu: threshold_backward(grad, result, 0)",
+        saves={"result": Read(reads=Reads.SIGN, bit=Bit.NOT_LE_ZERO, rule="GA401",
+                              why="the backward reads only result > 0")})
+declare("LeakyReluBackward0", edges=("self",), source="derivatives.yaml leaky_relu_backward",
+        saves={"self": Read(reads=Reads.SIGN, bit=Bit.GT_ZERO, rule="GA401",
+                            why="the backward reads only self > 0")})
+declare("ThresholdBackward0", edges=("self",), when={"threshold": 0}, source="derivatives.yaml threshold_backward",
+        saves={"self": Read(reads=Reads.SIGN, bit=Bit.NOT_LE_ZERO, rule="GA401",
+                            why="the backward reads only self > 0")})
+declare("ThresholdBackward0", edges=("self",), source="derivatives.yaml threshold_backward",
+        saves={"self": Read(why="compared against the threshold")})
+
+# -- multiplication: nn.Dropout on CPU (and wherever native_dropout is not used) multiplies by a
+# float mask holding 0 and 1/(1-p); codegen saves each factor only for the other's gradient
+declare("MulBackward0", edges=("self", "other"), source="derivatives.yaml mul.Tensor", saves={
+    "self": Read(witness="other", why="read by the gradient of the other factor"),
+    "other": Read(witness="self", reads=Reads.MASK, only_in=DROPOUT_MODULES, rule="GA402",
+                  why="read by the gradient of the other factor"),
+})
+
+# -- matrix products: codegen saves each operand only when the other's gradient is wanted
+_MATMUL_WHY = "read by the gradient formula of an input that needs a gradient"
+declare("AddmmBackward0", edges=("self", "mat1", "mat2"), weight="mat2", source="derivatives.yaml addmm",
+        saves={"mat1": Read(witness="mat2", why=_MATMUL_WHY), "mat2": Read(witness="mat1", why=_MATMUL_WHY)})
+declare("MmBackward0", "BmmBackward0", edges=("self", "mat2"), weight="mat2", source="derivatives.yaml mm/bmm",
+        saves={"self": Read(witness="mat2", why=_MATMUL_WHY), "mat2": Read(witness="self", why=_MATMUL_WHY)})
+declare("LinearBackward0", edges=("input", "weight", "bias"), weight="weight", source="derivatives.yaml linear",
+        saves={"input": Read(witness="weight", why=_MATMUL_WHY), "weight": Read(witness="input", why=_MATMUL_WHY)})
+
+# Ops whose every save is read by the gradient formula of an input that needs a gradient:
+# PyTorch's codegen saves each tensor only when such a formula needs it (single-output derivative
+# formulas). Reviewed one by one against derivatives.yaml; extend only after checking with verify=True.
+declare(
+    "AddbmmBackward0", "BaddbmmBackward0",
+    "DivBackward0", "PowBackward0",
+    "SoftmaxBackward0", "SafeSoftmaxBackward0", "LogSoftmaxBackward0", "GeluBackward0", "SiluBackward0",
+    "SigmoidBackward0", "TanhBackward0", "HardtanhBackward0", "EluBackward0", "SoftplusBackward0",
+    "HardswishBackward0", "HardsigmoidBackward0", "MishBackward0", "ExpBackward0", "LogBackward0",
+    "SqrtBackward0", "RsqrtBackward0", "SinBackward0", "CosBackward0",
+    "EmbeddingBackward0", "IndexBackward0", "MeanBackward1", "NormBackward1",
+    "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductFlashAttentionBackward0",
+    "MseLossBackward0", "LinalgVectorNormBackward0", "ReciprocalBackward0", "NegBackward0",
+    "AbsBackward0", "ClampBackward1", "ClampMinBackward0", "ClampMaxBackward0", "WhereBackward0",
+    "MaxBackward0", "MinBackward0", "MaxBackward1", "MinBackward1",
+    "UpsampleNearest2DBackward0", "MaskedFillBackward0",
+    "ProdBackward0", "ProdBackward1", "CumsumBackward0", "VarMeanBackward0", "StdMeanBackward0",
+    "SliceBackward0", "SelectBackward0", "ViewBackward0", "UnsafeViewBackward0",
+    "SoftmaxBackwardDataBackward0",
+    edges=(), default=Read(why=_MATMUL_WHY), source="derivatives.yaml (single-output formulas, guarded saves)",
+)

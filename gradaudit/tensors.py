@@ -1,0 +1,90 @@
+"""Small tensor and storage helpers every stage may import (below them only gradaudit.torchapi).
+
+Inputs as the caller gives them (a tensor, a tuple, a dict), tensors nested in outputs, and the
+identity and extent of storages: the recorder, the analysis, the proof, the measurements and
+``trim`` all count bytes by storage, with one key and one span formula.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from .torchapi import sparse_coo_parts, storage_key
+
+__all__ = ["split_inputs", "iter_tensors", "unique", "storage_key", "storage_span", "strided_parts",
+           "dtype_name", "itemsize"]
+
+
+def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Tensor -> one positional argument; tuple -> positional arguments; dict -> keyword arguments.
+
+    Anything else (a list, a custom object) is passed as one positional argument.
+    """
+    if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
+        return inputs, {}
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    return (inputs,), {}
+
+
+def iter_tensors(value: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested tuples, lists, dicts, dataclasses and ModelOutput objects."""
+    if _depth > 20:
+        return
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):  # includes transformers' ModelOutput (an OrderedDict)
+        for v in value.values():
+            yield from iter_tensors(v, _depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from iter_tensors(v, _depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from iter_tensors(getattr(value, f.name, None), _depth + 1)
+    elif hasattr(value, "to_tuple") and callable(value.to_tuple):
+        yield from iter_tensors(value.to_tuple(), _depth + 1)
+
+
+def unique(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in order, each object once."""
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def storage_span(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """Elements a strided layout reaches, from its first element to its last (0 when empty)."""
+    if any(size == 0 for size in shape):
+        return 0
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+
+
+def strided_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The strided tensors holding a tensor's memory: itself, or a sparse tensor's index and
+    value tensors."""
+    if t.layout == torch.strided:
+        return [t]
+    if t.layout == torch.sparse_coo:
+        return sparse_coo_parts(t)
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [t.ccol_indices(), t.row_indices(), t.values()]
+    return []
+
+
+def dtype_name(dtype: Optional[torch.dtype]) -> str:
+    """``torch.float32`` -> ``"float32"`` (``"unknown"`` for None)."""
+    return str(dtype).replace("torch.", "") if dtype is not None else "unknown"
+
+
+def itemsize(dtype: Optional[torch.dtype]) -> int:
+    return dtype.itemsize if dtype is not None else 0

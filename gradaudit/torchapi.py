@@ -1,0 +1,226 @@
+"""Every private PyTorch API gradaudit uses, behind one door.
+
+Each feature is looked up once, when this module is imported; a missing one becomes a
+``GradauditError`` that names the feature, the installed torch and what to do, raised where a
+caller needs it (``require``), never an AttributeError deep inside a hook. Enum values are taken
+by name, and hooks are recognised by identity (a code object), not by a substring of a name.
+
+Tested on torch 2.13 and 2.14 (see pyproject.toml); tests/test_torchapi.py pins each feature.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (the storage trackers' base)
+from torch.utils._pytree import tree_flatten  # noqa: F401
+
+from .errors import GradauditError
+
+_AUTOGRAD = torch._C._autograd
+
+# -- features -------------------------------------------------------------------------------------
+FEATURES: dict[str, bool] = {
+    # a callback for every autograd node as it is created (gradaudit.trim; the recorder's sites)
+    "node creation hook": hasattr(_AUTOGRAD, "_push_node_creation_hook")
+    and hasattr(_AUTOGRAD, "_pop_node_creation_hook"),
+    "sequence numbers": hasattr(_AUTOGRAD, "_get_sequence_nr"),
+    "graph task id": hasattr(torch._C, "_current_graph_task_id"),
+    "saved-tensor hook state": hasattr(_AUTOGRAD, "_saved_tensors_hooks_is_enabled")
+    and hasattr(_AUTOGRAD, "_top_saved_tensors_default_hooks"),
+    "SDPA kernel choice": hasattr(torch, "_fused_sdp_choice"),
+}
+
+
+def has(feature: str) -> bool:
+    return FEATURES[feature]
+
+
+def require(feature: str, who: str) -> None:
+    """Raise a GradauditError when ``feature`` is missing from the installed torch."""
+    if not FEATURES[feature]:
+        raise GradauditError(f"{who} needs PyTorch's {feature}, which torch {torch.__version__} does not "
+                             f"have; install a torch release gradaudit supports (pyproject.toml)")
+
+
+# -- storages ---------------------------------------------------------------------------------------
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identity of a strided tensor's storage (the StorageImpl address), valid while it lives."""
+    return storage_id(tensor.untyped_storage())
+
+
+def storage_id(storage: Any) -> int:
+    """The same identity for an untyped storage object (``storage_key(t) == storage_id(t.untyped_storage())``)."""
+    return storage._cdata
+
+
+def sparse_coo_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """A COO tensor's index and value tensors, coalesced or not."""
+    return [t._indices(), t._values()]
+
+
+# -- autograd nodes ---------------------------------------------------------------------------------
+NO_SEQUENCE = (1 << 64) - 1  # AccumulateGrad nodes report this sequence number
+
+
+def sequence_number() -> int:
+    """The sequence number the next autograd node created on this thread will get."""
+    return int(_AUTOGRAD._get_sequence_nr())
+
+
+def node_sequence_number(node: Any) -> int:
+    return node._sequence_nr()
+
+
+def input_metadata(node: Any) -> Any:
+    """Shape, dtype and device of the gradients ``node`` receives, one entry per output."""
+    return node._input_metadata
+
+
+def node_type_exists(name: str) -> bool:
+    """Whether the installed torch defines a built-in autograd node type of this name."""
+    return hasattr(torch._C._functions, name)
+
+
+def is_custom_function(node: Any) -> bool:
+    """Whether ``node`` is the backward of a Python ``torch.autograd.Function``."""
+    return isinstance(node, torch.autograd.function.BackwardCFunction)
+
+
+_slot_names: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def slot_names(node: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(tensor slot names, scalar attribute names) of a built-in node type, cached per type."""
+    kind = type(node)
+    names = _slot_names.get(kind)
+    if names is None:
+        listing = dir(node)
+        tensors = tuple(n[len("_raw_saved_"):] for n in listing if n.startswith("_raw_saved_"))
+        scalars = tuple(
+            n[len("_saved_"):] for n in listing
+            if n.startswith("_saved_") and n[len("_saved_"):] not in tensors
+        )
+        names = _slot_names[kind] = (tensors, scalars)
+    return names
+
+
+def raw_slot(node: Any, attr: str) -> Any:
+    """The raw SavedVariable (or list of them) behind tensor slot ``attr`` (reading it unpacks nothing)."""
+    return getattr(node, "_raw_saved_" + attr)
+
+
+def raw_saved_slots(node: Any) -> Iterator[tuple[str, Any]]:
+    """Yield (attribute name, raw SavedTensor) for every tensor slot a node saved."""
+    if is_custom_function(node):
+        raws = node._raw_saved_tensors or ()
+        for i, raw in enumerate(raws):
+            if raw is not None:
+                yield f"saved_tensors[{i}]", raw
+        return
+    for attr in slot_names(node)[0]:
+        raw = raw_slot(node, attr)
+        if isinstance(raw, (list, tuple)):
+            for i, item in enumerate(raw):
+                if item is not None:
+                    yield f"{attr}[{i}]", item
+        elif raw is not None:
+            yield attr, raw
+
+
+def saved_values(node: Any) -> Iterator[tuple[str, Any]]:
+    """(attribute, value) of every saved slot, tensors unpacked: only for graphs nobody else's
+    hooks packed (reading a checkpointed slot recomputes its block)."""
+    for name in dir(node):
+        if name.startswith("_saved_"):
+            try:
+                yield name[len("_saved_"):], getattr(node, name)
+            except Exception:  # released or unreadable slots hold nothing
+                continue
+
+
+_SCALAR_TYPES = (bool, int, float, str)
+
+
+def node_scalars(node: Any, names: Optional[Iterable[str]] = None) -> dict[str, Any]:
+    """The node's non-tensor saved values (BN's ``training``, threshold values, strides...).
+
+    ``names``: read only these (a caller on a hot path that knows which ones matter).
+    Reading these never runs an unpack hook: only tensor slots are packed.
+    """
+    if is_custom_function(node):
+        return {}
+    values: dict[str, Any] = {}
+    for attr in slot_names(node)[1] if names is None else names:
+        try:
+            value = getattr(node, "_saved_" + attr)
+        except Exception:  # some symbolic-size attributes cannot be read on every device
+            continue
+        if isinstance(value, _SCALAR_TYPES) or value is None:
+            values[attr] = value
+        elif isinstance(value, (tuple, list)) and all(isinstance(v, _SCALAR_TYPES) for v in value):
+            values[attr] = list(value)
+    return values
+
+
+def push_node_creation_hook(callback: Callable[[Any], None], who: str) -> None:
+    require("node creation hook", who)
+    _AUTOGRAD._push_node_creation_hook(callback)
+
+
+def pop_node_creation_hook() -> None:
+    _AUTOGRAD._pop_node_creation_hook()
+
+
+def in_backward() -> bool:
+    """Whether an autograd graph task is running on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# -- saved-tensor hooks -----------------------------------------------------------------------------
+def saved_tensors_hooks_enabled() -> bool:
+    return bool(_AUTOGRAD._saved_tensors_hooks_is_enabled())
+
+
+def top_saved_tensors_hooks() -> Optional[tuple[Callable, Callable]]:
+    """The innermost (pack, unpack) pair of ``saved_tensors_hooks`` in force, or None."""
+    return _AUTOGRAD._top_saved_tensors_default_hooks(True)
+
+
+def _nested_codes(function: Any) -> set[Any]:
+    code = getattr(function, "__code__", None)
+    return {c for c in (code.co_consts if code else ()) if hasattr(c, "co_code")}
+
+
+# save_on_cpu's unpack hook is a closure made in its __init__: recognised by its code object
+_OFFLOAD_CODES = _nested_codes(torch.autograd.graph.save_on_cpu.__init__)
+_CHECKPOINT_MODULE = "torch.utils.checkpoint"
+
+
+def manager_of(unpack_hook: Any) -> str:
+    """Who manages a save packed by someone else's hooks: "checkpoint" (torch.utils.checkpoint),
+    "offload" (torch.autograd.graph.save_on_cpu) or "hooks" (anybody else's)."""
+    if (getattr(unpack_hook, "__module__", "") or "") == _CHECKPOINT_MODULE:
+        return "checkpoint"
+    if getattr(unpack_hook, "__code__", None) in _OFFLOAD_CODES:
+        return "offload"
+    return "hooks"
+
+
+def packed_by_checkpoint(pack_hook: Any) -> bool:
+    return (getattr(pack_hook, "__module__", "") or "") == _CHECKPOINT_MODULE
+
+
+# -- kernels ----------------------------------------------------------------------------------------
+def _flash_backend() -> Optional[int]:
+    backend = getattr(getattr(torch.nn, "attention", None), "SDPBackend", None)
+    return int(backend.FLASH_ATTENTION) if backend is not None else None
+
+
+SDP_FLASH = _flash_backend()
+
+
+def fused_sdp_choice(*args: Any, **kwargs: Any) -> int:
+    """The attention backend the dispatcher would choose for these (CPU) arguments."""
+    return int(torch._fused_sdp_choice(*args, **kwargs))

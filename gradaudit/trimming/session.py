@@ -1,0 +1,297 @@
+"""The hook session of ``trim``: boxes every save during a forward and rewrites them at module
+boundaries as the plan says (drop, bit-pack or keep)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .. import torchapi
+from ..errors import GradauditError
+from ..recorder import ModuleTracker
+from ..tensors import iter_tensors, storage_key
+from .codec import Packer, contiguous_strides, dense, unfilled_strided, unpack_bits
+from .plan import KEEP, kind_of, plan_for
+
+_KEPT, _DROPPED, _PACKED = 0, 1, 2
+
+class Box:
+    """What autograd stores instead of a saved tensor while a model is trimmed."""
+
+    __slots__ = ("session", "state", "payload", "shape", "dtype", "device", "version", "stride",
+                 "offset", "scale", "zero_stride", "outer_unpack", "__weakref__")
+
+    def __init__(self, session: Optional["Session"], payload: Any, tensor: torch.Tensor,
+                 outer_unpack: Optional[Callable[[Any], Any]]) -> None:
+        self.session = session
+        self.state = _KEPT
+        self.payload = payload  # the tensor, the outer hook's packed object, or the packed bits
+        self.shape = tensor.shape
+        self.dtype = tensor.dtype
+        self.device = tensor.device
+        self.version = tensor._version
+        # read when the box is dropped or packed (the tensor is still at hand then), except behind
+        # an outer hook, whose packed object is not the tensor
+        self.stride: tuple[int, ...] = () if outer_unpack is None or session is None else tensor.stride()
+        self.offset = 0
+        self.zero_stride = False  # dropped: a zero-stride placeholder is enough
+        self.scale = 1.0  # bit-packed: the value a set bit stands for
+        self.outer_unpack = outer_unpack
+
+
+def unpack(box: Box) -> torch.Tensor:
+    if box.state == _KEPT:
+        return box.payload if box.outer_unpack is None else box.outer_unpack(box.payload)
+    if torch.is_grad_enabled() and torchapi.in_backward():
+        # backward(create_graph=True) differentiates the backward formulas themselves, which may
+        # read values the first-order backward never reads
+        raise GradauditError(
+            "gradaudit.trim does not support double backward (create_graph=True): a save it "
+            "dropped or bit-packed was read with grad mode on. Remove the trim handle for this model")
+    if box.state == _DROPPED:
+        if box.zero_stride:
+            return torch.zeros((), dtype=box.dtype, device=box.device).expand(box.shape)
+        return unfilled_strided(box)
+    return unpack_bits(box)
+
+
+
+
+class _PackedUse:
+    """The bit boxes of one storage during one forward (the storage may be freed meanwhile:
+    its weak reference tells a reused address from the original)."""
+
+    __slots__ = ("ref", "boxes")
+
+    def __init__(self, ref: StorageWeakRef) -> None:
+        self.ref = ref
+        self.boxes: list[weakref.ref] = []
+
+
+class Session:
+    """Trimming state for one model; active between the root's forward pre-hook and forward hook."""
+
+    def __init__(self, model: nn.Module, bitpack: bool) -> None:
+        self.model_ref = weakref.ref(model)
+        self.bitpack = bitpack
+        self.active = False
+        self.depth = 0
+        self.pending: list[tuple[Any, tuple[str, str]]] = []  # (node, module) since the last boundary
+        # (path, class) of the modules running now; every boundary decides the pending nodes
+        self.modules = ModuleTracker(model, on_boundary=self.boundary)
+        self.stack = self.modules.stack
+        self.waiting: list[tuple[Box, Callable]] = []  # saves to bit-pack at the next boundary
+        self.protected: set[int] = set()  # storages alive anyway (parameters, buffers, inputs)
+        self.alive_anyway: Optional[list[torch.Tensor]] = None  # parameters and buffers
+        # storage -> a box keeping a save of it (alive box: alive storage, so the address is
+        # not reused) and storage -> its bit boxes; bit-packing a kept storage frees nothing
+        self.kept: dict[int, weakref.ref] = {}
+        self.packed: dict[int, _PackedUse] = {}
+        self.outer: Optional[tuple[Callable, Callable]] = None
+        self.hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
+        self.stats = {"kept": 0, "dropped": 0, "bitpacked": 0, "unpacked_again": 0}
+
+    # -- hooks during the forward ---------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> Box:
+        # Sparse and other non-strided saves have no placeholder and no bits: kept as they are,
+        # in a box of no session, which no decision looks at
+        owner = self
+        if tensor.layout != torch.strided:
+            owner = None
+            self.stats["kept"] += 1
+        if self.outer is not None:
+            return Box(owner, self.outer[0](tensor), tensor, self.outer[1])
+        return Box(owner, tensor, tensor, None)
+
+    def on_node(self, node: Any) -> None:
+        self.pending.append((node, self.stack[-1]))
+
+    def begin(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.active:
+            self.depth += 1  # the model calls itself; the outer call's session covers it
+            return
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return
+        if not torchapi.saved_tensors_hooks_enabled():
+            raise GradauditError(
+                "gradaudit.trim cannot work here: saved-tensor hooks are disabled around this forward "
+                "(torch.compile and some distributed wrappers do this). Remove the trim handle")
+        top = torchapi.top_saved_tensors_hooks()
+        if top is not None:
+            owner = getattr(top[0], "__self__", None)
+            home = getattr(top[0], "__module__", "") or ""
+            if isinstance(owner, Session) or home.startswith("gradaudit.") or \
+                    torchapi.packed_by_checkpoint(top[0]):
+                # another trim session covers this forward, gradaudit is auditing it, or
+                # checkpoint holds nothing here and needs every pack it counted
+                return
+            self.outer = top
+        else:
+            self.outer = None
+        if self.alive_anyway is None:
+            # walking the module tree costs more than the storage look-ups: do it once. A parameter
+            # replaced later is only treated like an activation (its unneeded saves dropped)
+            self.alive_anyway = [*module.parameters(), *module.buffers()]
+        self.protected = {storage_key(t) for t in [*self.alive_anyway, *iter_tensors((args, kwargs))]}
+        self.kept = {}
+        self.packed = {}
+        self.pending = []
+        self.waiting = []
+        self.modules.reset()
+        self.active = True
+        self.depth = 0
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+        self.hooks.__enter__()
+        torchapi.push_node_creation_hook(self.on_node, "gradaudit.trim")
+
+    def end(self) -> None:
+        if not self.active:
+            return
+        if self.depth:
+            self.depth -= 1
+            return
+        try:
+            self.step(final=True)
+        finally:
+            self.active = False
+            torchapi.pop_node_creation_hook()
+            hooks, self.hooks = self.hooks, None
+            hooks.__exit__(None, None, None)
+            self.kept = {}
+            self.packed = {}
+            self.protected = set()
+            self.pending = []
+            self.waiting = []
+            self.outer = None
+
+    def boundary(self) -> None:
+        if self.active and self.pending:
+            self.step()
+
+    # -- decisions ------------------------------------------------------------------------------
+    def step(self, final: bool = False) -> None:
+        nodes, self.pending = self.pending, []
+        waiting, self.waiting = self.waiting, []
+        if not nodes and not final:
+            self.waiting = waiting
+            return
+        for node, module in nodes:
+            self.decide(node, module)
+        # Bit-packable saves wait one boundary before they are packed: the op that consumes
+        # a ReLU result usually runs next, and when it keeps the tensor, packing would only
+        # have cost time (the bits would be given back)
+        if final:
+            waiting, self.waiting = waiting + self.waiting, []
+        if waiting:
+            with torch.no_grad():
+                for box, packer in waiting:
+                    if self.packable(box):
+                        self.pack_bits(box, packer)
+                    else:
+                        self.keep(box)
+
+    def decide(self, node: Any, module: tuple[str, str]) -> None:
+        kind = kind_of(node)
+        boxes = []
+        if kind.slots is None:
+            slots = torchapi.raw_saved_slots(node)
+        else:
+            slots = []
+            for attr in kind.slots:
+                raw = torchapi.raw_slot(node, attr)
+                if raw is None:
+                    continue
+                if type(raw) is list or type(raw) is tuple:
+                    slots.extend((f"{attr}[{i}]", item) for i, item in enumerate(raw) if item is not None)
+                else:
+                    slots.append((attr, raw))
+        for attr, raw in slots:
+            box = raw.data
+            if type(box) is Box and box.session is self:
+                boxes.append((attr, box))
+        if not boxes:
+            return
+        if not kind.declared:
+            for _, box in boxes:
+                self.keep(box)
+            return
+        for (attr, box), action in zip(boxes, plan_for(kind, node, module, boxes)):
+            if action is KEEP:
+                self.keep(box)
+            elif type(action) is bool:  # dropped; True: a zero-stride placeholder may do
+                if not self.droppable(box):
+                    self.keep(box)
+                    continue
+                if box.outer_unpack is None:
+                    box.stride = box.payload.stride()
+                box.zero_stride = action and box.stride == contiguous_strides(box.shape)
+                box.payload, box.state = None, _DROPPED
+                self.stats["dropped"] += 1
+            elif self.packable(box):
+                self.waiting.append((box, action))
+            else:
+                self.keep(box)
+
+    def droppable(self, box: Box) -> bool:
+        if box.outer_unpack is not None:
+            return True
+        # parameters, buffers and inputs are alive anyway: replacing their saves frees nothing
+        return storage_key(box.payload) not in self.protected
+
+    def packable(self, box: Box) -> bool:
+        if not self.bitpack or box.outer_unpack is not None:
+            return False
+        tensor = box.payload
+        if not tensor.is_floating_point() or tensor._version != box.version:
+            return False  # modified in place since it was saved: leave it as autograd would
+        key = storage_key(tensor)
+        if key in self.protected:
+            return False
+        ref = self.kept.get(key)
+        keeper = ref() if ref is not None else None
+        return keeper is None or keeper.state != _KEPT
+
+    def keep(self, box: Box) -> None:
+        self.stats["kept"] += 1
+        if box.outer_unpack is not None or not self.bitpack:
+            return
+        tensor = box.payload
+        storage = tensor.untyped_storage()
+        key = torchapi.storage_id(storage)
+        if key in self.protected:
+            return  # parameters are never bit-packed: nothing to give back
+        self.kept[key] = weakref.ref(box)
+        use = self.packed.pop(key, None)
+        if use is None or use.ref.expired():
+            return
+        # a bit box of this storage frees nothing any more: give it back the tensor (unless the
+        # tensor was modified in place since: then the bits hold what backward must see)
+        for ref in use.boxes:
+            packed_box = ref()
+            if packed_box is not None and packed_box.state == _PACKED and tensor._version == packed_box.version:
+                view = torch.empty((0,), dtype=packed_box.dtype, device=packed_box.device)
+                view.set_(storage, packed_box.offset, packed_box.shape, packed_box.stride)
+                packed_box.payload, packed_box.state = view, _KEPT
+                self.stats["unpacked_again"] += 1
+
+    def pack_bits(self, box: Box, packer: Packer) -> None:
+        tensor = box.payload
+        # dense: the values in memory order, whatever the layout (unpacking restores the strides)
+        found = packer(tensor.as_strided((tensor.numel(),), (1,))) if dense(tensor) else None
+        if found is None:
+            self.keep(box)
+            return
+        bits, box.scale = found
+        box.stride, box.offset = tensor.stride(), tensor.storage_offset()
+        storage = tensor.untyped_storage()
+        use = self.packed.get(torchapi.storage_id(storage))
+        if use is None or use.ref.expired():
+            use = self.packed[torchapi.storage_id(storage)] = _PackedUse(StorageWeakRef(storage))
+        use.boxes.append(weakref.ref(box))
+        box.payload, box.state = bits, _PACKED
+        self.stats["bitpacked"] += 1
+

@@ -1,0 +1,335 @@
+"""The op knowledge tied to the installed torch and to the rules.
+
+1. Every declared node type exists in the installed torch, and on a generated case of it, for every
+   pattern of which inputs need a gradient, its static verdicts equal the proof's (both ways: no
+   claim of "not needed" the proof refutes, and no "needed" the proof shows to be unread).
+2. Every held activation the op knowledge leaves unneeded or bit-packable is claimed by a rule,
+   so no byte of ``reclaimable_bytes`` is without a finding.
+3. The declaration API: user declarations for a custom autograd.Function reach the audit, the
+   proof's hints and ``trim``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradaudit
+from gradaudit import torchapi
+from gradaudit.knowledge import Bit, Read, Reads, declaration, declarations, declared_ops
+from gradaudit.knowledge.registry import forget
+from gradaudit.records import NEEDED, NOT_NEEDED, SIGN_ONLY
+from gradaudit.rules import all_rules
+
+
+def _float(*shape):
+    return lambda: torch.randn(*shape)
+
+
+def _const(value):
+    return lambda: value
+
+
+def _buffer(make):
+    """An input passed as it is, like a module's buffer (alive anyway: its saves cost nothing)."""
+    def factory():
+        t = make()
+        t.case_buffer = True
+        return t
+    return factory
+
+
+def _softmax_data(x):
+    # the softmax backward's own node, recorded by differentiating it with create_graph
+    y = torch.softmax(x, -1)
+    (grad,) = torch.autograd.grad(y, x, torch.ones_like(y), create_graph=True)
+    return grad
+
+
+# node -> (function of the inputs, input factories, inputs that may require grad (positions)).
+# The function receives copies of the inputs (activations, not the caller's tensors: saves of
+# the caller's inputs are free and never proven).
+CASES = {
+    "ConvolutionBackward0": (lambda x, w: F.conv2d(x, w), [_float(2, 3, 6, 6), _float(4, 3, 3, 3)], (0, 1)),
+    "NativeBatchNormBackward0[training=True]": (
+        lambda x, w, b, mean, var: F.batch_norm(x, mean, var, w, b, training=True),
+        [_float(4, 3, 5, 5), _float(3), _float(3), _buffer(_float(3)), _buffer(lambda: torch.rand(3) + 0.5)],
+        (0, 1, 2)),
+    "NativeBatchNormBackward0[training=False]": (
+        lambda x, w, b, mean, var: F.batch_norm(x, mean, var, w, b, training=False),
+        [_float(4, 3, 5, 5), _float(3), _float(3), _buffer(_float(3)), _buffer(lambda: torch.rand(3) + 0.5)],
+        (0, 1, 2)),
+    "MaxPool2DWithIndicesBackward0": (lambda x: F.max_pool2d(x, 2), [_float(2, 3, 6, 6)], (0,)),
+    "MaxPool3DWithIndicesBackward0": (lambda x: F.max_pool3d(x, 2), [_float(1, 2, 4, 4, 4)], (0,)),
+    "ReluBackward0": (torch.relu, [_float(4, 8)], (0,)),
+    "LeakyReluBackward0": (F.leaky_relu, [_float(4, 8)], (0,)),
+    "ThresholdBackward0[threshold=0]": (lambda x: F.threshold(x, 0.0, 0.0), [_float(4, 8)], (0,)),
+    "ThresholdBackward0": (lambda x: F.threshold(x, 0.5, -1.0), [_float(4, 8)], (0,)),
+    "MulBackward0": (torch.mul, [_float(4, 8), _float(4, 8)], (0, 1)),
+    "AddmmBackward0": (torch.addmm, [_float(3, 5), _float(3, 4), _float(4, 5)], (0, 1, 2)),
+    "MmBackward0": (torch.mm, [_float(3, 4), _float(4, 5)], (0, 1)),
+    "BmmBackward0": (torch.bmm, [_float(2, 3, 4), _float(2, 4, 5)], (0, 1)),
+    "AddbmmBackward0": (torch.addbmm, [_float(3, 5), _float(2, 3, 4), _float(2, 4, 5)], (0, 1, 2)),
+    "BaddbmmBackward0": (torch.baddbmm, [_float(2, 3, 5), _float(2, 3, 4), _float(2, 4, 5)], (0, 1, 2)),
+    "DivBackward0": (torch.div, [_float(4, 8), lambda: torch.rand(4, 8) + 0.5], (0, 1)),
+    "PowBackward0": (lambda x: x ** 3, [_float(4, 8)], (0,)),
+    "PowBackward1": (torch.pow, [lambda: torch.rand(4, 8) + 0.5, _float(4, 8)], (0, 1)),
+    "PowBackward2": (lambda x: torch.pow(2.0, x), [_float(4, 8)], (0,)),
+    "SoftmaxBackward0": (lambda x: torch.softmax(x, -1), [_float(4, 8)], (0,)),
+    "SafeSoftmaxBackward0": (lambda x: torch.ops.aten._safe_softmax(x, -1), [_float(4, 8)], (0,)),
+    "LogSoftmaxBackward0": (lambda x: torch.log_softmax(x, -1), [_float(4, 8)], (0,)),
+    "SoftmaxBackwardDataBackward0": (_softmax_data, [_float(4, 8)], (0,)),
+    "GeluBackward0": (F.gelu, [_float(4, 8)], (0,)),
+    "SiluBackward0": (F.silu, [_float(4, 8)], (0,)),
+    "SigmoidBackward0": (torch.sigmoid, [_float(4, 8)], (0,)),
+    "TanhBackward0": (torch.tanh, [_float(4, 8)], (0,)),
+    "HardtanhBackward0": (F.hardtanh, [_float(4, 8)], (0,)),
+    "EluBackward0": (F.elu, [_float(4, 8)], (0,)),
+    "SoftplusBackward0": (F.softplus, [_float(4, 8)], (0,)),
+    "HardswishBackward0": (F.hardswish, [_float(4, 8)], (0,)),
+    "HardsigmoidBackward0": (F.hardsigmoid, [_float(4, 8)], (0,)),
+    "MishBackward0": (F.mish, [_float(4, 8)], (0,)),
+    "ExpBackward0": (torch.exp, [_float(4, 8)], (0,)),
+    "LogBackward0": (torch.log, [lambda: torch.rand(4, 8) + 0.5], (0,)),
+    "SqrtBackward0": (torch.sqrt, [lambda: torch.rand(4, 8) + 0.5], (0,)),
+    "RsqrtBackward0": (torch.rsqrt, [lambda: torch.rand(4, 8) + 0.5], (0,)),
+    "SinBackward0": (torch.sin, [_float(4, 8)], (0,)),
+    "CosBackward0": (torch.cos, [_float(4, 8)], (0,)),
+    "ReciprocalBackward0": (torch.reciprocal, [lambda: torch.rand(4, 8) + 0.5], (0,)),
+    "NegBackward0": (torch.neg, [_float(4, 8)], (0,)),
+    "AbsBackward0": (torch.abs, [_float(4, 8)], (0,)),
+    "NativeLayerNormBackward0": (lambda x, w, b: F.layer_norm(x, (8,), w, b), [_float(4, 8), _float(8), _float(8)],
+                                 (0, 1, 2)),
+    "NativeGroupNormBackward0": (lambda x, w, b: F.group_norm(x, 2, w, b), [_float(2, 4, 3, 3), _float(4), _float(4)],
+                                 (0, 1, 2)),
+    "EmbeddingBackward0": (lambda w, i: F.embedding(i, w), [_float(10, 4), _const(torch.tensor([[1, 3], [9, 0]]))], (0,)),
+    "IndexBackward0": (lambda x, i: x[i], [_float(6, 4), _const(torch.tensor([0, 5, 2]))], (0,)),
+    "GatherBackward0": (lambda x, i: torch.gather(x, 1, i), [_float(3, 5), _const(torch.tensor([[0, 4], [1, 1], [3, 2]]))],
+                        (0,)),
+    "MeanBackward1": (lambda x: x.mean(1), [_float(4, 8)], (0,)),
+    "NormBackward1": (lambda x: torch.ops.aten.norm.ScalarOpt_dim(x, 2, [1]), [_float(4, 8)], (0,)),
+    "LinalgVectorNormBackward0": (lambda x: torch.linalg.vector_norm(x, dim=1), [_float(4, 8)], (0,)),
+    "ScaledDotProductFlashAttentionForCpuBackward0": (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [_float(1, 2, 4, 8)] * 3, (0, 1, 2)),
+    "NllLossBackward0": (lambda x, t: F.nll_loss(x, t), [_float(4, 5), _const(torch.tensor([0, 4, 2, 1]))], (0,)),
+    "MseLossBackward0": (F.mse_loss, [_float(4, 8), _float(4, 8)], (0, 1)),
+    "ClampBackward1": (lambda x: x.clamp(-0.5, 0.5), [_float(4, 8)], (0,)),
+    "ClampMinBackward0": (lambda x: x.clamp_min(0.1), [_float(4, 8)], (0,)),
+    "ClampMaxBackward0": (lambda x: x.clamp_max(0.1), [_float(4, 8)], (0,)),
+    "WhereBackward0": (lambda c, x, y: torch.where(c > 0, x, y), [_float(4, 8), _float(4, 8), _float(4, 8)], (1, 2)),
+    "MaxBackward0": (lambda x: x.max(1)[0], [_float(4, 8)], (0,)),
+    "MaxBackward1": (lambda x: x.max(), [_float(4, 8)], (0,)),
+    "MinBackward0": (lambda x: x.min(1)[0], [_float(4, 8)], (0,)),
+    "MinBackward1": (lambda x: x.min(), [_float(4, 8)], (0,)),
+    "AdaptiveMaxPool2DBackward0": (lambda x: F.adaptive_max_pool2d(x, 2), [_float(2, 3, 6, 6)], (0,)),
+    "AvgPool2DBackward0": (lambda x: F.avg_pool2d(x, 2), [_float(2, 3, 6, 6)], (0,)),
+    "AdaptiveAvgPool2DBackward0": (lambda x: F.adaptive_avg_pool2d(x, 2), [_float(2, 3, 6, 6)], (0,)),
+    "UpsampleNearest2DBackward0": (lambda x: F.interpolate(x, scale_factor=2), [_float(1, 2, 3, 3)], (0,)),
+    "MaskedFillBackward0": (lambda x, m: x.masked_fill(m > 0, 0.0), [_float(4, 8), _float(4, 8)], (0,)),
+    "PreluKernelBackward0": (lambda x, w: F.prelu(x, w), [_float(2, 3, 4), _float(3)], (0, 1)),
+    "RreluWithNoiseBackward0[training=True]": (lambda x: F.rrelu(x, training=True), [_float(4, 8)], (0,)),
+    "RreluWithNoiseBackward0[training=False]": (lambda x: F.rrelu(x, training=False), [_float(4, 8)], (0,)),
+    "ProdBackward0": (lambda x: x.prod(), [_float(2, 3)], (0,)),
+    "ProdBackward1": (lambda x: x.prod(1), [_float(2, 3)], (0,)),
+    "CumsumBackward0": (lambda x: x.cumsum(1), [_float(4, 8)], (0,)),
+    "VarMeanBackward0": (lambda x: torch.var_mean(x, 1)[0], [_float(4, 8)], (0,)),
+    "StdMeanBackward0": (lambda x: torch.std_mean(x, 1)[0], [_float(4, 8)], (0,)),
+    "SliceBackward0": (lambda x: x[1:], [_float(4, 8)], (0,)),
+    "SelectBackward0": (lambda x: x[1], [_float(4, 8)], (0,)),
+    "ViewBackward0": (lambda x: x.view(8, 4), [_float(4, 8)], (0,)),
+    "UnsafeViewBackward0": (lambda x, w: x @ w, [_float(2, 3, 4), _float(4, 5)], (0, 1)),
+}
+
+# Nodes made only by kernels this machine cannot run (CUDA) or by dispatch paths a CPU forward
+# does not take: built on the meta device, where the kernel still builds its node. Their claims
+# are proven only where such a device is at hand (no proof runs on meta).
+META_CASES = {
+    "ScaledDotProductEfficientAttentionBackward0": lambda q: torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, q, q, None, True)[0],
+    "ScaledDotProductFlashAttentionBackward0": lambda q: torch.ops.aten._scaled_dot_product_flash_attention(q, q, q)[0],
+}
+
+# Linear has a node of its own only for nested tensors (dense linear decomposes into addmm/mm)
+STATIC_CASES = {
+    "LinearBackward0": lambda: F.linear(torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)],
+                                                                   requires_grad=True),
+                                        torch.randn(5, 3, requires_grad=True)),
+}
+
+
+def _node_name(case_name: str) -> str:
+    return case_name.split("[")[0]
+
+
+class _Function(nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+
+    def forward(self, *inputs):
+        # copies: the saves are activations (the caller's inputs are alive anyway and never proven)
+        return self.function(*[t if hasattr(t, "case_buffer") else t.clone() for t in inputs])
+
+
+def _patterns(case):
+    function, factories, trainable = case
+    for count in range(1, len(trainable) + 1):
+        for chosen in itertools.combinations(trainable, count):
+            torch.manual_seed(0)
+            inputs = [make() for make in factories]
+            for i in chosen:
+                inputs[i].requires_grad_(True)
+            yield chosen, _Function(function), tuple(inputs)
+
+
+def test_every_declared_node_type_exists_in_the_installed_torch():
+    missing = [name for name in declared_ops() if not torchapi.node_type_exists(name)]
+    assert not missing, f"declared but not a node type of torch {torch.__version__}: {missing}"
+
+
+def test_every_declared_node_type_has_a_generated_case():
+    covered = {_node_name(c) for c in CASES} | set(META_CASES) | set(STATIC_CASES)
+    assert covered == set(declared_ops())
+    # every variant of a node with variants has its own case
+    for variant in declarations():
+        if variant.when:
+            label = variant.name + "[" + ",".join(f"{k}={v}" for k, v in variant.when.items()) + "]"
+            assert label in CASES, label
+
+
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_static_verdicts_equal_the_proven_ones(case_name):
+    node_name = _node_name(case_name)
+    compared = 0
+    for chosen, model, inputs in _patterns(CASES[case_name]):
+        static = gradaudit.audit(model, inputs)
+        proven = gradaudit.audit(model, inputs, verify=True)
+        assert node_name in {n.name for n in static.nodes}, (case_name, chosen)
+        assert not proven.disagreements, (case_name, chosen, proven.disagreements)
+        for s, p in zip(static.tensors, proven.tensors):
+            if p.node != node_name or not p.proven:
+                continue
+            compared += 1
+            read = declaration(node_name, static.nodes[s.node_id].scalars).read(s.attr)
+            if (s.verdict, p.verdict) == (NEEDED, NOT_NEEDED) and read is not None and read.sometimes:
+                continue  # read for some values only (the declaration says which)
+            assert (s.attr, s.verdict) == (p.attr, p.verdict), (case_name, chosen, s.reason, p.reason)
+            if s.verdict in (NEEDED, SIGN_ONLY):
+                # bit-packable statically: the proof found the values to take one bit (or a mask)
+                assert not s.bitpackable or p.bitpackable or s.verdict == NEEDED, (case_name, s.attr)
+    saves = any(n.saved for n in static.nodes if n.name == node_name)
+    assert compared or not saves, f"{case_name}: no save of the node was proven"
+
+
+@pytest.mark.parametrize("case_name", sorted(META_CASES) + sorted(STATIC_CASES))
+def test_nodes_of_other_kernels_and_layouts_are_built_here(case_name):
+    if case_name in META_CASES:
+        output = META_CASES[case_name](torch.randn(1, 2, 4, 8, device="meta", requires_grad=True))
+    else:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # nested tensors are a prototype
+            output = STATIC_CASES[case_name]()
+    assert type(output.grad_fn).__name__ == case_name
+    known = declaration(case_name)
+    assert known is not None and all(known.outcome(attr, [True, True, True]).verdict == NEEDED
+                                     for attr in known.saves)
+
+
+# -- every unneeded or bit-packable held activation is claimed by a rule ---------------------------
+
+def test_every_unneeded_or_bitpackable_read_names_a_registered_rule():
+    codes = {r.code for r in all_rules()}
+    for variant in declarations():
+        for attr, read in [*variant.saves.items(), ("<default>", variant.default)]:
+            if read is not None and read.rule is not None:
+                assert read.rule in codes, (variant.name, attr, read.rule)
+
+
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_unneeded_and_bitpackable_saves_are_claimed_by_findings(case_name):
+    for chosen, model, inputs in _patterns(CASES[case_name]):
+        for verify in (False, True):
+            report = gradaudit.audit(model, inputs, verify=verify)
+            storages = report.storages
+            for t in report.held_tensors:
+                if t.storage_id < 0 or storages[t.storage_id].kind not in ("activation", "output"):
+                    continue
+                if storages[t.storage_id].nbytes == 0:
+                    continue  # an empty save (eval batch norm's batch statistics) holds nothing
+                if t.verdict == NOT_NEEDED or t.bitpackable:
+                    assert t.rule is not None, (case_name, chosen, verify, t.node, t.attr, t.verdict)
+
+
+# -- declaring one's own op --------------------------------------------------------------------------
+
+class ScaleByWeight(torch.autograd.Function):
+    """y = x * w; saves x and w, as many hand-written Functions do, whatever needs a gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return (grad * w if ctx.needs_input_grad[0] else None,
+                (grad * x).sum(0) if ctx.needs_input_grad[1] else None)
+
+
+class ScaleLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        return ScaleByWeight.apply(torch.tanh(x), self.w)
+
+
+@pytest.fixture
+def declared_scale():
+    gradaudit.declare_function(ScaleByWeight, edges=("x", "w"), saves=[
+        Read(by=("w",), rule="GA000"),  # x: read only by the weight gradient
+        Read(by=("x",), rule="GA000"),  # w: read only by the input gradient
+    ])
+    yield
+    forget(["ScaleByWeightBackward"])
+
+
+def test_a_declared_custom_function_gets_static_verdicts(declared_scale):
+    layer = ScaleLayer().requires_grad_(False)
+    x = torch.randn(8, 16, requires_grad=True)
+    report = gradaudit.audit(layer, x)
+    saves = {t.attr: t for t in report.tensors if t.node == "ScaleByWeightBackward"}
+    # x is the tanh result, read only by the frozen weight's gradient; w by the input's gradient
+    assert saves["saved_tensors[0]"].verdict == NOT_NEEDED and saves["saved_tensors[1]"].verdict == NEEDED
+    assert report.reclaimable_bytes == 0  # TanhBackward0 keeps the same tensor
+    proven = gradaudit.audit(layer, x, verify=True)
+    assert not proven.disagreements
+
+
+def test_trim_follows_a_user_declaration(declared_scale):
+    layer = ScaleLayer().requires_grad_(False)
+    x = torch.randn(8, 16, requires_grad=True)
+    plain = torch.autograd.grad(layer(x).sum(), x)[0]
+    with gradaudit.trim(layer) as handle:
+        trimmed = torch.autograd.grad(layer(x).sum(), x)[0]
+    assert torch.equal(plain, trimmed) and handle.stats["dropped"] == 1  # x dropped; w is a parameter
+
+
+def test_declarations_validate_what_they_say():
+    with pytest.raises(ValueError, match="edge"):
+        gradaudit.declare("NoSuchBackward0", edges=("self",), saves={"x": Read(by=("other",), rule="GA000")})
+    with pytest.raises(ValueError, match="rule"):
+        Read(reads=Reads.SHAPE)  # a save left unneeded must name the rule that explains it
+    with pytest.raises(ValueError, match="bit"):
+        Read(reads=Reads.SIGN, rule="GA401")
+    with pytest.raises(ValueError, match="twice"):
+        gradaudit.declare("ReluBackward0", edges=("self",),
+                          saves={"result": Read(reads=Reads.SIGN, bit=Bit.GT_ZERO, rule="GA401")})
