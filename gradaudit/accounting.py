@@ -12,14 +12,12 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable
 
-from .records import NOT_NEEDED, ModuleTotal, SavedTensor, Storage
-
-HELD_KINDS = ("activation", "output")
+from .records import HELD_KINDS, NOT_NEEDED, ModuleTotal, SavedTensor, Storage, StorageKind
 
 
-def held(tensors: Iterable[SavedTensor]) -> list[SavedTensor]:
-    """Saves autograd holds until backward: reachable, not checkpointed/offloaded, storage known."""
-    return [t for t in tensors if t.node_id >= 0 and t.managed_by == "autograd" and t.storage_id >= 0]
+def counted(tensors: Iterable[SavedTensor]) -> list[SavedTensor]:
+    """The held saves (``SavedTensor.held``) whose storage is known: the ones byte figures count."""
+    return [t for t in tensors if t.held and t.storage_id >= 0]
 
 
 def packed_bits_nbytes(t: SavedTensor) -> int:
@@ -34,7 +32,7 @@ class Accountant:
         self.tensors = tensors
         self.storages = storages
         self.refs: dict[int, list[SavedTensor]] = defaultdict(list)
-        for t in held(tensors):
+        for t in counted(tensors):
             self.refs[t.storage_id].append(t)
 
     def saved_bytes(self) -> int:
@@ -51,7 +49,7 @@ class Accountant:
         for storage_id in touched:
             storage = self.storages[storage_id]
             refs = self.refs.get(storage_id, [])
-            if storage.kind != "activation" or not refs:
+            if storage.kind != StorageKind.ACTIVATION or not refs:
                 continue
             if not all(t.index in dropped or t.index in bitpacked for t in refs):
                 continue
@@ -64,12 +62,12 @@ class Accountant:
         return result
 
     def not_needed(self) -> set[int]:
-        return {t.index for t in held(self.tensors) if t.verdict == NOT_NEEDED}
+        return {t.index for t in counted(self.tensors) if t.verdict == NOT_NEEDED}
 
     def bitpackable(self) -> set[int]:
         # the flag, not the verdict: a proven sign-only save whose values take three signs
         # (-, 0, +) needs more than one bit, and the proof clears the flag for it
-        return {t.index for t in held(self.tensors) if t.bitpackable}
+        return {t.index for t in counted(self.tensors) if t.bitpackable}
 
     def reclaimable_bytes(self) -> int:
         return self.freed(self.not_needed())

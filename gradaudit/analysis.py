@@ -9,10 +9,10 @@ import torch
 
 from . import rules as _rules  # noqa: F401  (registers the catalogue)
 from .knowledge import declaration
-from .accounting import Accountant, held, module_totals
+from .accounting import Accountant, counted, module_totals
 from .recorder import Recording
 from .records import (
-    UNKNOWN, Finding, GraphNode, Report, SavedTensor, Storage,
+    HELD_KINDS, UNKNOWN, Finding, GraphNode, Manager, Report, SavedTensor, Severity, Storage, StorageKind,
 )
 from .rules.registry import Flag, RuleContext, all_rules, selected
 from .tensors import dtype_name, itemsize, storage_key
@@ -25,16 +25,18 @@ class KnownStorages:
                  outputs: Sequence[torch.Tensor]) -> None:
         self.kind: dict[int, str] = {}
         # (sparse and other non-strided tensors have no single storage: not classified)
-        for kind, tensors in [("output", outputs), ("input", inputs), ("buffer", model.buffers()),
+        for kind, tensors in [(StorageKind.OUTPUT, outputs), (StorageKind.INPUT, inputs),
+                              (StorageKind.BUFFER, model.buffers()),
                               # an unregistered tensor kept on a module (``self.mask = ...``) lives
                               # with the module like a buffer: saving it costs autograd nothing
-                              ("buffer", _tensor_attributes(model)), ("parameter", model.parameters())]:
+                              (StorageKind.BUFFER, _tensor_attributes(model)),
+                              (StorageKind.PARAMETER, model.parameters())]:
             for t in tensors:
                 if t.layout == torch.strided:
                     self.kind[storage_key(t)] = kind
 
     def classify(self, key: int) -> str:
-        return self.kind.get(key, "activation")
+        return self.kind.get(key, StorageKind.ACTIVATION)
 
 
 def _tensor_attributes(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -107,7 +109,7 @@ def build_report(
             index=len(tensors), node_id=save.node_pos, node=recording.nodes[save.node_pos].name,
             attr=save.attr, shape=shape, dtype=dtype_name(dtype), device=device, numel=numel,
             itemsize=itemsize(dtype), storage_id=sid,
-            storage_kind=storages[sid].kind if sid >= 0 else "activation",
+            storage_kind=storages[sid].kind if sid >= 0 else StorageKind.ACTIVATION,
             module=save.site.module, module_class=save.site.module_class, source=save.site.source,
             managed_by=save.managed_by, source_index=save.index, storage_offset=offset, stride=stride,
         )
@@ -152,10 +154,10 @@ def build_report(
                 tensors[i].rule = finding.code
 
     unexplained = blind_spots(tensors, storages)
-    offloaded = sum(t.view_nbytes for t in tensors if t.managed_by == "offload" and t.node_id >= 0)
-    recomputed = sum(t.view_nbytes for t in tensors if t.managed_by == "checkpoint" and t.node_id >= 0)
+    offloaded = sum(t.view_nbytes for t in tensors if t.managed_by == Manager.OFFLOAD and t.node_id >= 0)
+    recomputed = sum(t.view_nbytes for t in tensors if t.managed_by == Manager.CHECKPOINT and t.node_id >= 0)
     notes = list(notes) + [d.message() for d in disagreements]
-    if any(t.managed_by == "checkpoint" for t in tensors):
+    if any(t.managed_by == Manager.CHECKPOINT for t in tensors):
         notes.append("some saves are managed by torch.utils.checkpoint: they are recomputed in backward, "
                      "not held, and their sizes are not known without recomputing (gradaudit does not)")
     return Report(
@@ -204,10 +206,10 @@ def run_rules(ctx: RuleContext, accountant: Accountant, select: Sequence[str] = 
         severity, message = flag.severity or r.severity, flag.message
         freed = flag.bytes if flag.bytes is not None else alone
         contributes = any(ctx.tensors[i].storage_id in together for i in indices)
-        if severity == "waste" and freed == 0 and not contributes:
+        if severity == Severity.WASTE and freed == 0 and not contributes:
             # True, but no combination of fixes frees a byte of it (a needed save shares the
             # storage): keep it visible as information, never as waste that fails a check.
-            severity = "info"
+            severity = Severity.INFO
             message += "; nothing would be freed: a save that backward needs shares its storage"
         findings.append(Finding(
             code=r.code, name=r.name, severity=severity, message=message,
@@ -224,8 +226,8 @@ def run_rules(ctx: RuleContext, accountant: Accountant, select: Sequence[str] = 
 def blind_spots(tensors: list[SavedTensor], storages: list[Storage]) -> list[dict[str, Any]]:
     """Node types whose held saves no rule understood: the tool's own blind spots."""
     groups: dict[str, dict[str, Any]] = defaultdict(lambda: {"tensors": 0, "view_bytes": 0, "attrs": set()})
-    for t in held(tensors):
-        if t.verdict != UNKNOWN or storages[t.storage_id].kind not in ("activation", "output"):
+    for t in counted(tensors):
+        if t.verdict != UNKNOWN or storages[t.storage_id].kind not in HELD_KINDS:
             continue
         g = groups[t.node]
         g["tensors"] += 1

@@ -9,11 +9,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from . import torchapi
 from .analysis import build_report
 from .errors import ForwardError, GradauditError, NothingRequiresGradError
 from .meta import CpuKernelChoices
 from .recorder import Recorder
-from .records import Report
+from .records import Leaf, Report
 from .tensors import iter_tensors, split_inputs, unique
 
 
@@ -51,11 +52,9 @@ class ModelState:
         self.model = model
         self.modules = list(model.modules())
         self.training = [m.training for m in self.modules]
-        self.param_slots = [(m, dict(m._parameters)) for m in self.modules]
-        self.buffer_slots = [(m, dict(m._buffers)) for m in self.modules]
-        self.module_slots = [(m, dict(m._modules)) for m in self.modules]
+        self.slots = [(m, *(dict(slots) for slots in torchapi.module_slots(m))) for m in self.modules]
         params = list(model.parameters())
-        self.flags = [(p, p.requires_grad, p.grad, p._version) for p in params]
+        self.flags = [(p, p.requires_grad, p.grad, torchapi.version_counter(p)) for p in params]
         # meta buffers have no values to restore (and cloning them would be free anyway)
         self.buffer_values = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
         self.hook_counts = self._hook_counts()
@@ -64,23 +63,17 @@ class ModelState:
                          if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
 
     def _hook_counts(self) -> list[tuple[int, ...]]:
-        return [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
-                 len(getattr(m, "_backward_pre_hooks", {}))) for m in self.modules]
+        return [torchapi.hook_counts(m) for m in self.modules]
 
     def restore(self) -> list[str]:
         """Put everything back; returns notes about what could not be restored exactly."""
         notes = []
         for m, flag in zip(self.modules, self.training):
             m.training = flag
-        for m, slots in self.param_slots:
-            m._parameters.clear()
-            m._parameters.update(slots)
-        for m, slots in self.buffer_slots:
-            m._buffers.clear()
-            m._buffers.update(slots)
-        for m, slots in self.module_slots:
-            m._modules.clear()
-            m._modules.update(slots)
+        for m, *saved in self.slots:
+            for live, slots in zip(torchapi.module_slots(m), saved):
+                live.clear()
+                live.update(slots)
         with torch.no_grad():
             for buffer, value in self.buffer_values:
                 # compared by value: native_batch_norm updates running statistics without bumping
@@ -94,7 +87,7 @@ class ModelState:
                 p.requires_grad_(requires_grad)
             if p.grad is not grad:
                 p.grad = grad
-            if p._version != version:
+            if torchapi.version_counter(p) != version:
                 notes.append("the forward modified a parameter in place; gradaudit cannot undo that")
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
@@ -156,9 +149,9 @@ def audit(
             raise NothingRequiresGradError(
                 "nothing requires grad: no output of the forward has a grad_fn. Unfreeze parameters "
                 "(trainable=[...] / --trainable GLOB) or pass inputs with requires_grad=True")
-        leaf_names = {id(p): f"param:{n}" for n, p in model.named_parameters()}
+        leaf_names = {id(p): Leaf("param", n) for n, p in model.named_parameters()}
         for i, t in enumerate(input_tensors):
-            leaf_names.setdefault(id(t), f"input:{i}")
+            leaf_names.setdefault(id(t), Leaf("input", str(i)))
         if progress:
             progress("walking the autograd graph")
         recording = recorder.collect(outputs, leaf_names)

@@ -11,3 +11,22 @@ class NothingRequiresGradError(GradauditError):
 
 class ForwardError(GradauditError):
     """The model's forward raised on the given inputs."""
+
+
+class DeclarationError(GradauditError, ValueError):
+    """An op-knowledge declaration (``gradaudit.declare``) contradicts itself or an earlier one."""
+
+
+class RuleError(GradauditError, ValueError):
+    """A rule registration is malformed or registers a code or name twice."""
+
+
+class UnknownRuleError(GradauditError, KeyError):
+    """No rule has this code (``gradaudit explain GA999``)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class RenderError(GradauditError):
+    """Graphviz's ``dot`` failed to lay out the autograd graph."""

@@ -53,8 +53,6 @@ class CpuKernelChoices(TorchFunctionMode):
                 del twins
                 if choice == torchapi.SDP_FLASH:
                     # the CPU flash kernel takes grouped key/value heads as they are (no repeat)
-                    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                        query, a["key"], a["value"], a["dropout_p"], a["is_causal"],
-                        attn_mask=a["attn_mask"], scale=a["scale"])
-                    return out[0]
+                    return torchapi.cpu_flash_attention(query, a["key"], a["value"], a["dropout_p"],
+                                                        a["is_causal"], attn_mask=a["attn_mask"], scale=a["scale"])
         return func(*args, **kwargs)

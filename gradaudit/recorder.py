@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from . import torchapi
+from .records import Leaf, Manager
 from .torchapi import NO_SEQUENCE, node_scalars, raw_saved_slots
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -279,7 +280,7 @@ class Recorder:
                 pos = by_sequence[seq] = len(nodes)
                 nodes.append(LiveNode(node=None, name="CopySlices", site=site))
             live = nodes[pos]
-            saves.append(LiveSave(index, pos, f"hidden[{len(live.saves)}]", box.tensor, "autograd", live.site))
+            saves.append(LiveSave(index, pos, f"hidden[{len(live.saves)}]", box.tensor, Manager.AUTOGRAD, live.site))
             live.saves.append(len(saves) - 1)
 
     # -- the walk ------------------------------------------------------------------------------
@@ -323,7 +324,7 @@ class Recorder:
             if live.name == "AccumulateGrad":
                 variable = getattr(node, "variable", None)
                 if variable is not None:
-                    live.variable = leaf_names.get(id(variable), "leaf")
+                    live.variable = leaf_names.get(id(variable), Leaf("leaf"))
             live.created_here = created_here
             if not created_here:
                 # A node from before the audit (e.g. the inputs came out of an earlier graph): its
@@ -340,13 +341,13 @@ class Recorder:
                 if packed is None:
                     continue  # an optional save that was not made
                 if self._owned(packed):
-                    tensor, managed = packed.tensor, "autograd"
+                    tensor, managed = packed.tensor, Manager.AUTOGRAD
                     index = packed.index
                     if site is None and index < len(self.pack_sites):
                         live.site = self.pack_sites[index]
                 elif isinstance(packed, torch.Tensor):
                     # saved while hooks were disabled: held plainly by autograd
-                    tensor, managed, index = packed, "autograd", -1
+                    tensor, managed, index = packed, Manager.AUTOGRAD, -1
                 else:
                     managed = torchapi.manager_of(raw.unpack_hook)
                     tensor, index = None, -1

@@ -7,28 +7,82 @@ serialised and rendered long after the audited forward is gone.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 SCHEMA_VERSION = 1
 
-# What a saved tensor's storage is. Only "activation" and "output" storages cost memory because
-# of autograd; parameters, buffers and the caller's inputs are alive anyway.
-STORAGE_KINDS = ("activation", "output", "parameter", "buffer", "input")
 
-# Who holds a saved tensor between forward and backward.
-#   autograd:   autograd holds it (through gradaudit's recording hooks) - it is counted as held.
-#   checkpoint: torch.utils.checkpoint dropped it; backward recomputes it.
-#   offload:    torch.autograd.graph.save_on_cpu (or similar) moved it elsewhere.
-#   hooks:      the user's own saved-tensor hooks manage it; gradaudit cannot say where it lives.
-MANAGERS = ("autograd", "checkpoint", "offload", "hooks")
+class Name(str, enum.Enum):
+    """A kind named by a string: compares equal to, prints as and serialises to its value."""
 
-# Verdicts on whether backward can need a saved tensor.
-NEEDED = "needed"
-NOT_NEEDED = "not-needed"
-SIGN_ONLY = "sign-only"  # only a 1-bit pattern (sign / mask) of the values is needed
-UNKNOWN = "unknown"
-VERDICTS = (NEEDED, NOT_NEEDED, SIGN_ONLY, UNKNOWN)
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(str.__str__(self), spec)
+
+
+class StorageKind(Name):
+    """What a saved tensor's storage is. Only activations and outputs cost memory because of
+    autograd; parameters, buffers and the caller's inputs are alive anyway."""
+
+    ACTIVATION = "activation"
+    OUTPUT = "output"
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    INPUT = "input"
+
+
+class Manager(Name):
+    """Who holds a saved tensor between forward and backward."""
+
+    AUTOGRAD = "autograd"  # autograd holds it (through gradaudit's recording hooks): counted as held
+    CHECKPOINT = "checkpoint"  # torch.utils.checkpoint dropped it; backward recomputes it
+    OFFLOAD = "offload"  # torch.autograd.graph.save_on_cpu moved it elsewhere
+    HOOKS = "hooks"  # the user's own saved-tensor hooks manage it; where it lives is unknown
+
+
+class Verdict(Name):
+    """Whether backward can need a saved tensor."""
+
+    NEEDED = "needed"
+    NOT_NEEDED = "not-needed"
+    SIGN_ONLY = "sign-only"  # only a 1-bit pattern (sign / mask) of the values is needed
+    UNKNOWN = "unknown"
+
+
+class Severity(Name):
+    WASTE = "waste"  # memory to reclaim
+    WARNING = "warning"  # a correctness hazard
+    INFO = "info"  # true, but frees nothing
+
+
+STORAGE_KINDS = tuple(StorageKind)
+HELD_KINDS = (StorageKind.ACTIVATION, StorageKind.OUTPUT)  # kinds whose bytes autograd holds
+FREE_KINDS = (StorageKind.PARAMETER, StorageKind.BUFFER, StorageKind.INPUT)  # alive anyway
+MANAGERS = tuple(Manager)
+NEEDED, NOT_NEEDED, SIGN_ONLY, UNKNOWN = Verdict.NEEDED, Verdict.NOT_NEEDED, Verdict.SIGN_ONLY, Verdict.UNKNOWN
+VERDICTS = tuple(Verdict)
+SEVERITIES = tuple(Severity)
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """The leaf tensor an AccumulateGrad node accumulates into: a parameter (by name), one of the
+    caller's inputs (by position) or another leaf."""
+
+    kind: str  # "param", "input" or "leaf"
+    name: str = ""
+
+    @property
+    def parameter(self) -> Optional[str]:
+        """The parameter's name, or None for any other leaf."""
+        return self.name if self.kind == "param" else None
+
+    def __str__(self) -> str:  # the JSON form: "param:fc.weight", "input:0", "leaf"
+        return f"{self.kind}:{self.name}" if self.name else self.kind
 
 
 @dataclass
@@ -45,12 +99,12 @@ class SavedTensor:
     numel: int
     itemsize: int
     storage_id: int  # index into Report.storages; -1 when unknown (checkpointed tensors)
-    storage_kind: str  # one of STORAGE_KINDS
+    storage_kind: StorageKind
     module: str  # module path running when it was saved ("" is the root module)
     module_class: str
     source: Optional[str]  # "file.py:123" of the innermost frame outside torch
-    managed_by: str = "autograd"  # one of MANAGERS
-    verdict: str = UNKNOWN  # one of VERDICTS
+    managed_by: Manager = Manager.AUTOGRAD
+    verdict: Verdict = Verdict.UNKNOWN
     proven: bool = False  # True when the verdict comes from the empirical check (verify=True)
     reason: str = ""  # why the verdict holds, in one sentence
     rule: Optional[str] = None  # code of the finding that covers it, if any
@@ -60,6 +114,13 @@ class SavedTensor:
     stride: tuple[int, ...] = ()
     explained_by: Optional[str] = None  # the rule the op knowledge names for it when unneeded/bit-packable
     unproven: str = ""  # verify=True: why the proof could not settle it ("" when proven or not tried)
+
+    @property
+    def held(self) -> bool:
+        """Autograd holds it until backward: reachable from the outputs and not checkpointed,
+        offloaded or managed by anybody else's hooks. (Byte figures also need its storage known:
+        ``storage_id >= 0``; sparse saves have none.)"""
+        return self.node_id >= 0 and self.managed_by == Manager.AUTOGRAD
 
     @property
     def view_nbytes(self) -> int:
@@ -128,7 +189,7 @@ class Storage:
 
     id: int
     nbytes: int
-    kind: str  # one of STORAGE_KINDS
+    kind: StorageKind
     module: str  # module of the first save that referenced it (attribution for per-module totals)
     tensors: list[int] = field(default_factory=list)  # SavedTensor.index values referencing it
 
@@ -146,12 +207,14 @@ class GraphNode:
     next_ids: list[Optional[int]]  # next_functions as node ids; None = that input needs no gradient
     edge_mask: list[bool]  # which inputs of the op need a gradient
     saved: list[int] = field(default_factory=list)  # SavedTensor.index values
-    variable: Optional[str] = None  # AccumulateGrad: the leaf it accumulates into ("param:fc.weight", "input:0")
+    variable: Optional[Leaf] = None  # AccumulateGrad: the leaf it accumulates into
     scalars: dict[str, Any] = field(default_factory=dict)  # non-tensor saved values (BN "training"...)
     created_here: bool = True  # False: the node predates the audited forward and was not inspected
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data["variable"] = str(self.variable) if self.variable is not None else None
+        return data
 
 
 @dataclass(frozen=True)
@@ -160,7 +223,7 @@ class Finding:
 
     code: str  # "GA101"
     name: str  # "conv-input-saved-for-frozen-weight"
-    severity: str  # "waste" (memory to reclaim), "warning" (correctness hazard), "info"
+    severity: Severity
     message: str
     module: str
     module_class: str
@@ -227,11 +290,11 @@ class Report:
 
     @property
     def held_tensors(self) -> list[SavedTensor]:
-        return [t for t in self.tensors if t.node_id >= 0 and t.managed_by == "autograd"]
+        return [t for t in self.tensors if t.held]
 
     @property
     def waste_findings(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity == "waste"]
+        return [f for f in self.findings if f.severity == Severity.WASTE]
 
     def summary(self) -> dict[str, Any]:
         held = self.held_tensors

@@ -12,15 +12,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .errors import GradauditError
+from .torchapi import BATCH_NORM_BASE
+
+class ScenarioError(GradauditError, ValueError):
+    """An unknown scenario name."""
+
+
 SCENARIOS = ("all-trainable", "input-only", "input-only-bn-eval", "norm-only", "surgical")
-NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+NORMS = (BATCH_NORM_BASE, nn.LayerNorm, nn.GroupNorm)
 
 
 def apply_scenario(model: nn.Module, scenario: str, inputs: torch.Tensor) -> None:
     """all-trainable / input-only / input-only-bn-eval / norm-only / surgical (the first third of
     the layers with weights trainable, as in surgical fine-tuning)."""
     if scenario not in SCENARIOS:
-        raise ValueError(f"unknown scenario {scenario!r}; choose one of {', '.join(SCENARIOS)}")
+        raise ScenarioError(f"unknown scenario {scenario!r}; choose one of {', '.join(SCENARIOS)}")
     model.train(scenario != "input-only-bn-eval")
     model.requires_grad_(scenario == "all-trainable")
     inputs.requires_grad_(scenario.startswith("input-only"))

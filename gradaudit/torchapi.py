@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (the s
 from torch.utils._pytree import tree_flatten  # noqa: F401
 
 from .errors import GradauditError
+from .records import Manager
 
 _AUTOGRAD = torch._C._autograd
 
@@ -58,6 +59,24 @@ def storage_id(storage: Any) -> int:
 def sparse_coo_parts(t: torch.Tensor) -> list[torch.Tensor]:
     """A COO tensor's index and value tensors, coalesced or not."""
     return [t._indices(), t._values()]
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """The tensor's version counter (bumped by every in-place write; views share their base's)."""
+    return tensor._version
+
+
+# -- modules ----------------------------------------------------------------------------------------
+def module_slots(module: torch.nn.Module) -> tuple[dict, dict, dict]:
+    """The module's own (parameters, buffers, submodules) dictionaries, live: what ``setattr``
+    changes and what an audit restores."""
+    return module._parameters, module._buffers, module._modules
+
+
+def hook_counts(module: torch.nn.Module) -> tuple[int, ...]:
+    """How many forward, forward-pre, backward and backward-pre hooks the module has."""
+    return (len(module._forward_hooks), len(module._forward_pre_hooks), len(module._backward_hooks),
+            len(getattr(module, "_backward_pre_hooks", {})))
 
 
 # -- autograd nodes ---------------------------------------------------------------------------------
@@ -198,14 +217,14 @@ _OFFLOAD_CODES = _nested_codes(torch.autograd.graph.save_on_cpu.__init__)
 _CHECKPOINT_MODULE = "torch.utils.checkpoint"
 
 
-def manager_of(unpack_hook: Any) -> str:
+def manager_of(unpack_hook: Any) -> Manager:
     """Who manages a save packed by someone else's hooks: "checkpoint" (torch.utils.checkpoint),
     "offload" (torch.autograd.graph.save_on_cpu) or "hooks" (anybody else's)."""
     if (getattr(unpack_hook, "__module__", "") or "") == _CHECKPOINT_MODULE:
-        return "checkpoint"
+        return Manager.CHECKPOINT
     if getattr(unpack_hook, "__code__", None) in _OFFLOAD_CODES:
-        return "offload"
-    return "hooks"
+        return Manager.OFFLOAD
+    return Manager.HOOKS
 
 
 def packed_by_checkpoint(pack_hook: Any) -> bool:
@@ -219,6 +238,17 @@ def _flash_backend() -> Optional[int]:
 
 
 SDP_FLASH = _flash_backend()
+
+
+def cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
+                        is_causal: bool, *, attn_mask: Any = None, scale: Any = None) -> torch.Tensor:
+    """The output of the CPU flash-attention kernel (its meta implementation on meta tensors)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+# the base class of BatchNorm*d and InstanceNorm*d (running statistics, affine weight and bias)
+BATCH_NORM_BASE = torch.nn.modules.batchnorm._NormBase
 
 
 def fused_sdp_choice(*args: Any, **kwargs: Any) -> int:

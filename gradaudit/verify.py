@@ -39,10 +39,9 @@ from .errors import GradauditError
 from .recorder import Packed, Recording
 from .tensors import storage_span
 from .knowledge import declaration
-from .records import NEEDED, NOT_NEEDED, SIGN_ONLY, UNKNOWN, Disagreement, GraphNode, SavedTensor
+from .records import FREE_KINDS, NEEDED, NOT_NEEDED, SIGN_ONLY, UNKNOWN, Disagreement, GraphNode, SavedTensor
 
 # Storage kinds whose memory does not depend on autograd: proving their saves cannot change a byte.
-FREE_KINDS = ("parameter", "buffer", "input")
 SEED = 20240917
 
 Outputs = list[Any]
@@ -130,11 +129,11 @@ class Pools:
         return self.get(kind, dtype, device, numel + offset)[offset:offset + numel].view(tuple(shape))
 
     def versions(self) -> list[tuple[torch.Tensor, int]]:
-        return [(b, b._version) for b in [*self.buffers.values(), *self.retired]]
+        return [(b, torchapi.version_counter(b)) for b in [*self.buffers.values(), *self.retired]]
 
     def check(self, before: list[tuple[torch.Tensor, int]]) -> None:
         """Raise when a call wrote into any buffer (views share their base's version counter)."""
-        if any(b._version != version for b, version in before):
+        if any(torchapi.version_counter(b) != version for b, version in before):
             self.buffers.clear()
             self.retired.clear()
             raise _PoolsTouched()
@@ -420,7 +419,7 @@ class Prover:
     def run(self) -> list[Disagreement]:
         by_node: dict[int, list[int]] = defaultdict(list)
         for j, t in enumerate(self.tensors):
-            if t.node_id >= 0 and t.managed_by == "autograd" and self.live_tensors[j] is not None:
+            if t.held and self.live_tensors[j] is not None:
                 if self.live_tensors[j].device.type == "meta":
                     raise GradauditError("verify=True needs real values; it cannot run on the meta device")
                 by_node[t.node_id].append(j)

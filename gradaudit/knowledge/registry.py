@@ -23,6 +23,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from ..errors import DeclarationError
 from ..records import NEEDED, NOT_NEEDED, SIGN_ONLY
 
 __all__ = ["Reads", "Bit", "Read", "Declaration", "Outcome", "declare", "declare_function",
@@ -79,11 +80,11 @@ class Read:
         if isinstance(self.by, str):
             object.__setattr__(self, "by", (self.by,))
         if (self.reads is Reads.SIGN) != (self.bit is not None):
-            raise ValueError("a SIGN read names its comparison (bit=Bit...), and only a SIGN read does")
+            raise DeclarationError("a SIGN read names its comparison (bit=Bit...), and only a SIGN read does")
         if (self.reads is Reads.MASK) != bool(self.only_in):
-            raise ValueError("a MASK read names the module classes where it holds (only_in=...)")
+            raise DeclarationError("a MASK read names the module classes where it holds (only_in=...)")
         if self.rule is None and (self.reads is not Reads.VALUES or self.by):
-            raise ValueError("a read that can leave a save unneeded or bit-packable names the rule "
+            raise DeclarationError("a read that can leave a save unneeded or bit-packable names the rule "
                              "that explains it (rule='GA...')")
 
 
@@ -196,14 +197,14 @@ def declare(*names: str, edges: Sequence[str], saves: Optional[Mapping[str, Read
     for attr, read in [*saves.items(), *([("<default>", default)] if default else [])]:
         for edge in (*read.by, *([read.witness] if read.witness else [])):
             if edge not in edges:
-                raise ValueError(f"{names[0]}.{attr}: edge {edge!r} is not one of {tuple(edges)}")
+                raise DeclarationError(f"{names[0]}.{attr}: edge {edge!r} is not one of {tuple(edges)}")
     if weight is not None and weight not in saves:
-        raise ValueError(f"{names[0]}: weight slot {weight!r} is not a declared save")
+        raise DeclarationError(f"{names[0]}: weight slot {weight!r} is not a declared save")
     made = []
     for name in names:
         variants = _DECLARED.setdefault(name, [])
         if any(v.when == when for v in variants):
-            raise ValueError(f"op knowledge for {name} (when={when}) declared twice")
+            raise DeclarationError(f"op knowledge for {name} (when={when}) declared twice")
         declaration = Declaration(name, tuple(edges), saves, default, when, weight, source)
         variants.append(declaration)
         # the most specific variant first; among equals, the first declared

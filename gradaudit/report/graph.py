@@ -13,7 +13,9 @@ import subprocess
 from collections import defaultdict
 from typing import Iterable, Optional, Union
 
-from ..records import NOT_NEEDED, SIGN_ONLY, UNKNOWN, GraphNode, Report, SavedTensor
+from ..errors import GradauditError, RenderError
+from ..records import (FREE_KINDS, NOT_NEEDED, SIGN_ONLY, UNKNOWN, GraphNode, Manager, Report, SavedTensor,
+                       Severity)
 from .units import human_bytes
 from .views import module_bitpacking_totals, ranked_findings
 
@@ -26,7 +28,6 @@ MAX_EXPANDED_NODES = 40
 
 INSTALL_HINT = "install Graphviz: apt-get install graphviz (Debian/Ubuntu) or brew install graphviz (macOS)"
 
-FREE_KINDS = ("parameter", "buffer", "input")
 STYLES = {
     # name: (fill, border, legend text)
     "waste": ("#f9d3d0", "#c0392b", "not needed by backward (waste)"),
@@ -37,7 +38,7 @@ STYLES = {
 }
 
 
-class GraphvizMissing(RuntimeError):
+class GraphvizMissing(GradauditError, RuntimeError):
     """The Graphviz ``dot`` program is not on PATH, so no SVG can be drawn (DOT still works)."""
 
 
@@ -64,8 +65,8 @@ def tensor_style(t: SavedTensor) -> str:
 
 def node_module(node: GraphNode) -> str:
     """Module a node belongs to; AccumulateGrad nodes go with the parameter they accumulate into."""
-    if node.variable and node.variable.startswith("param:"):
-        return node.variable[len("param:"):].rpartition(".")[0]
+    if node.variable is not None and node.variable.parameter is not None:
+        return node.variable.parameter.rpartition(".")[0]
     return node.module
 
 
@@ -105,7 +106,7 @@ class _Writer:
 
     def op_node(self, node: GraphNode, depth: int) -> None:
         if node.variable:
-            kind, _, name = node.variable.partition(":")
+            kind, name = node.variable.kind, node.variable.name
             label = f"{name}\n{kind} (leaf)"
             self.emit(f"n{node.id} " + _attrs(label=label, shape="ellipse", style="filled",
                                                fillcolor=STYLES["free"][0], color=STYLES["free"][1],
@@ -124,11 +125,11 @@ class _Writer:
         label = f"{t.attr}\n{shape} {t.dtype}\n{size}"
         if style == "free":
             label += f"\nfree ({t.storage_kind})"
-        elif t.managed_by != "autograd":
+        elif t.managed_by != Manager.AUTOGRAD:
             label += f"\n{t.managed_by}: not held"
         elif t.rule:
             label += f"\n{t.rule}"
-        line_style = "filled,dashed" if t.managed_by != "autograd" or style == "unknown" else "filled"
+        line_style = "filled,dashed" if t.managed_by != Manager.AUTOGRAD or style == "unknown" else "filled"
         self.emit(f"t{t.index} " + _attrs(label=label, shape="note", style=line_style, fillcolor=fill,
                                           color=border, fontsize="9",
                                           tooltip=f"{t.verdict}: {t.reason}" if t.reason else t.verdict), depth)
@@ -191,7 +192,7 @@ def _expanded_nodes(report: Report) -> set[int]:
     """Nodes behind the biggest findings, at most MAX_EXPANDED_NODES, whole findings at a time."""
     chosen: set[int] = set()
     for finding in ranked_findings(report):
-        if finding.severity != "waste":
+        if finding.severity != Severity.WASTE:
             continue
         ids = {report.tensors[i].node_id for i in finding.tensors if report.tensors[i].node_id >= 0}
         if len(chosen | ids) > MAX_EXPANDED_NODES:
@@ -312,7 +313,7 @@ def dot_to_svg(source: str, *, timeout: float = 120.0) -> str:
     result = subprocess.run([dot_program(), "-Tsvg"], input=source.encode(), capture_output=True,
                             timeout=timeout, check=False)
     if result.returncode != 0:
-        raise RuntimeError(f"dot failed: {result.stderr.decode(errors='replace').strip()}")
+        raise RenderError(f"dot failed: {result.stderr.decode(errors='replace').strip()}")
     return result.stdout.decode()
 
 

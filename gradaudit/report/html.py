@@ -16,7 +16,7 @@ from typing import Any, Optional
 import jinja2
 from markupsafe import Markup
 
-from ..accounting import held
+from ..accounting import counted
 from ..records import Report
 from ..rules.registry import get_rule
 from . import graph
@@ -183,7 +183,7 @@ def graph_section(report: Report) -> dict[str, Any]:
 
 def render(report: Report, *, title: Optional[str] = None) -> str:
     """The whole report as one HTML document (a string; the caller decides where it goes)."""
-    heldset = held(report.tensors)
+    heldset = counted(report.tensors)
     context = {
         "title": title or f"gradaudit: {report.model}",
         "report": report,

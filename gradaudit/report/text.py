@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..records import Report
+from ..records import Report, Severity
 from .units import human_bytes, share
 from .views import ranked_findings
 
@@ -88,7 +88,7 @@ def render(report: Report, *, color: bool = False, top: int = 10, width: int = 1
                 lines.append(paint(text, "dim"))
                 continue
             finding = shown[i - 1]
-            style = "red" if finding.severity == "waste" else "amber"
+            style = "red" if finding.severity == Severity.WASTE else "amber"
             lines.append(paint(text[:7], style) + text[7:] if text.startswith("  GA") else text)
             indent = " " * (2 + len(row[0]) + 2)
             lines.append(paint(_clip(f"{indent}{finding.name}: {finding.fix}", width), "dim"))

@@ -9,7 +9,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
-from ..accounting import HELD_KINDS, Accountant, held, roll_up
+from ..accounting import Accountant, counted, roll_up
+from ..records import HELD_KINDS
 from ..records import Finding, Report
 
 
@@ -54,7 +55,7 @@ def timeline(report: Report) -> list[TimelinePoint]:
     save, whole (the same rule as the report's saved_bytes, so the last point equals it).
     """
     freed = freed_with_all_fixes(report)
-    saves = sorted((t for t in held(report.tensors) if t.source_index >= 0), key=lambda t: t.source_index)
+    saves = sorted((t for t in counted(report.tensors) if t.source_index >= 0), key=lambda t: t.source_index)
     seen: set[int] = set()
     points: list[TimelinePoint] = []
     total = after = 0

@@ -7,11 +7,10 @@
 
 from __future__ import annotations
 
-from ..records import NEEDED, NOT_NEEDED, SIGN_ONLY, GraphNode
+from ..records import HELD_KINDS, NEEDED, NOT_NEEDED, SIGN_ONLY, GraphNode, Manager, Severity, StorageKind
 from ..knowledge import weight_slots
 from .registry import Flag, RuleContext, rule
 
-HELD_KINDS = ("activation", "output")
 
 # the fix of every rule whose waste gradaudit.trim drops as the forward proceeds
 TRIM_SNIPPET = """
@@ -341,8 +340,10 @@ def saved_only_for_input_gradient(ctx: RuleContext):
     if not any(ctx.parameter_names.values()):
         return
     nodes = ctx.nodes
-    to_param = _reaches(nodes, lambda n: (n.variable or "").startswith("param:") or not n.created_here)
-    to_leaf = _reaches(nodes, lambda n: n.name == "AccumulateGrad" and not (n.variable or "").startswith("param:"))
+    to_param = _reaches(nodes, lambda n: (n.variable is not None and n.variable.parameter is not None)
+                        or not n.created_here)
+    to_leaf = _reaches(nodes, lambda n: n.name == "AccumulateGrad"
+                       and (n.variable is None or n.variable.parameter is None))
     only_leaf = {n.id for n in nodes if to_leaf[n.id] and not to_param[n.id]}
     chosen = [t for t in ctx.held() if t.node_id in only_leaf and t.storage_kind in HELD_KINDS]
     if not chosen:
@@ -386,7 +387,7 @@ def saved_view_keeps_large_base(ctx: RuleContext):
     """
     seen: set[int] = set()
     for t in ctx.held():
-        if t.storage_id < 0 or t.storage_id in seen or t.storage_kind != "activation":
+        if t.storage_id < 0 or t.storage_id in seen or t.storage_kind != StorageKind.ACTIVATION:
             continue
         storage = ctx.storages[t.storage_id]
         refs = ctx.storage_refs(t.storage_id)
@@ -434,7 +435,7 @@ def frozen_weight_cast_copy_saved(ctx: RuleContext):
     slots = weight_slots()
     for node in ctx.nodes_named(*slots):
         weight = ctx.saved(node).get(slots[node.name])
-        if (weight is None or weight.managed_by != "autograd" or weight.storage_kind != "activation"
+        if (weight is None or weight.managed_by != Manager.AUTOGRAD or weight.storage_kind != StorageKind.ACTIVATION
                 or weight.dtype not in LOW_PRECISION or weight.verdict == NOT_NEEDED):
             continue
         name = f"{weight.module}.weight" if weight.module else "weight"
@@ -476,7 +477,7 @@ def eager_attention_saves_probabilities(ctx: RuleContext):
     """
     for node in ctx.nodes_named("SoftmaxBackward0", "SafeSoftmaxBackward0"):
         result = ctx.saved(node).get("result")
-        if result is None or len(result.shape) != 4 or result.managed_by != "autograd" \
+        if result is None or len(result.shape) != 4 or result.managed_by != Manager.AUTOGRAD \
                 or result.storage_kind not in HELD_KINDS:
             continue
         batch, heads, queries, keys = result.shape
@@ -489,7 +490,7 @@ def eager_attention_saves_probabilities(ctx: RuleContext):
                    bytes=max(0, freed - logsumexp))
 
 
-@rule("GA901", "trainable-parameters-get-no-gradient", severity="warning",
+@rule("GA901", "trainable-parameters-get-no-gradient", severity=Severity.WARNING,
       fix="Use non-reentrant checkpointing (or make an input of the checkpointed block require grad)",
       fix_code="""
         from torch.utils.checkpoint import checkpoint
@@ -517,7 +518,7 @@ def trainable_parameters_get_no_gradient(ctx: RuleContext):
         Parameters used only outside the audited forward (a loss module, tied weights used
         elsewhere) are reported too; ignore with ``ignore=["GA901"]`` when intended.
     """
-    reached = {n.variable[len("param:"):] for n in ctx.nodes if (n.variable or "").startswith("param:")}
+    reached = {n.variable.parameter for n in ctx.nodes if n.variable is not None and n.variable.parameter}
     if not any(n.name == "AccumulateGrad" or n.saved for n in ctx.nodes):
         return
     missing = sorted(name for name, trains in ctx.parameter_names.items() if trains and name not in reached)
@@ -530,7 +531,7 @@ def trainable_parameters_get_no_gradient(ctx: RuleContext):
                    module=module, bytes=0)
 
 
-@rule("GA902", "batchnorm-train-in-checkpoint", severity="warning",
+@rule("GA902", "batchnorm-train-in-checkpoint", severity=Severity.WARNING,
       fix="Keep batch norm outside the checkpointed region (its running statistics update again on recompute)",
       fix_code="""
         from torch.utils.checkpoint import checkpoint
@@ -559,7 +560,7 @@ def batchnorm_train_in_checkpoint(ctx: RuleContext):
                                 "MiopenBatchNormBackward0"):
         if node.scalars.get("training") is not True:
             continue
-        hits = [t for t in ctx.saved(node).values() if t.managed_by == "checkpoint"]
+        hits = [t for t in ctx.saved(node).values() if t.managed_by == Manager.CHECKPOINT]
         if hits:
             yield Flag(node, hits, f"{node.module or 'model'} (batch norm, training mode) runs inside a "
                                    f"checkpoint: its running statistics are updated again on recompute",

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from ..accounting import Accountant
-from ..records import GraphNode, SavedTensor
+from ..errors import RuleError, UnknownRuleError
+from ..records import HELD_KINDS, SEVERITIES, GraphNode, SavedTensor, Severity
 
 DOC_SECTIONS = ("What it flags", "Why it costs memory", "Example", "Fix", "Fix safety", "Known limits")
-SEVERITIES = ("waste", "warning", "info")
 CODE_PATTERN = re.compile(r"^GA\d{3}$")
 NAME_PATTERN = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 
@@ -62,7 +62,7 @@ class RuleContext:
                 continue
             hits = [self.tensors[i] for i in node.saved]
             hits = [t for t in hits if t.explained_by == code and t.verdict == verdict
-                    and t.managed_by == "autograd" and t.storage_kind in ("activation", "output")
+                    and t.held and t.storage_kind in HELD_KINDS
                     and (t.bitpackable or not bitpackable)]
             if hits:
                 yield node, hits
@@ -71,7 +71,7 @@ class RuleContext:
         return {self.tensors[i].attr: self.tensors[i] for i in node.saved}
 
     def held(self) -> Iterator[SavedTensor]:
-        return (t for t in self.tensors if t.node_id >= 0 and t.managed_by == "autograd")
+        return (t for t in self.tensors if t.held)
 
     def freed_by_storage(self, indices: Iterable[int]) -> dict[int, int]:
         """Storage id -> bytes freed if the saves ``indices`` were gone (storage-aware: a storage
@@ -111,21 +111,21 @@ class Rule:
 _RULES: dict[str, Rule] = {}
 
 
-def rule(code: str, name: str, *, severity: str = "waste", fix: str, fix_code: str = "",
+def rule(code: str, name: str, *, severity: Severity = Severity.WASTE, fix: str, fix_code: str = "",
          fix_safe: bool = True, catch_all: bool = False) -> Callable[[Callable[[RuleContext], Iterable[Flag]]], Callable]:
     """Register a rule. Its docstring is its documentation (sections: DOC_SECTIONS)."""
     if not CODE_PATTERN.match(code):
-        raise ValueError(f"rule code {code!r} must look like GA123")
+        raise RuleError(f"rule code {code!r} must look like GA123")
     if not NAME_PATTERN.match(name):
-        raise ValueError(f"rule name {name!r} must be kebab-case")
+        raise RuleError(f"rule name {name!r} must be kebab-case")
     if severity not in SEVERITIES:
-        raise ValueError(f"severity {severity!r} not in {SEVERITIES}")
+        raise RuleError(f"severity {severity!r} not in {SEVERITIES}")
 
     def register(check: Callable[[RuleContext], Iterable[Flag]]) -> Callable:
         if code in _RULES:
-            raise ValueError(f"rule code {code} registered twice")
+            raise RuleError(f"rule code {code} registered twice")
         if any(r.name == name for r in _RULES.values()):
-            raise ValueError(f"rule name {name} registered twice")
+            raise RuleError(f"rule name {name} registered twice")
         doc = inspect.cleandoc(check.__doc__ or "")
         _RULES[code] = Rule(code, name, severity, doc.splitlines()[0] if doc else "", doc,
                             fix, inspect.cleandoc(fix_code) if fix_code else "", fix_safe, check, catch_all)
@@ -141,7 +141,7 @@ def all_rules() -> list[Rule]:
 def get_rule(code: str) -> Rule:
     code = code.upper()
     if code not in _RULES:
-        raise KeyError(code)
+        raise UnknownRuleError(f"no rule has code {code}; `gradaudit rules` lists them")
     return _RULES[code]
 
 

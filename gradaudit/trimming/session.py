@@ -33,7 +33,7 @@ class Box:
         self.shape = tensor.shape
         self.dtype = tensor.dtype
         self.device = tensor.device
-        self.version = tensor._version
+        self.version = torchapi.version_counter(tensor)
         # read when the box is dropped or packed (the tensor is still at hand then), except behind
         # an outer hook, whose packed object is not the tensor
         self.stride: tuple[int, ...] = () if outer_unpack is None or session is None else tensor.stride()
@@ -246,7 +246,7 @@ class Session:
         if not self.bitpack or box.outer_unpack is not None:
             return False
         tensor = box.payload
-        if not tensor.is_floating_point() or tensor._version != box.version:
+        if not tensor.is_floating_point() or torchapi.version_counter(tensor) != box.version:
             return False  # modified in place since it was saved: leave it as autograd would
         key = storage_key(tensor)
         if key in self.protected:
@@ -272,7 +272,8 @@ class Session:
         # tensor was modified in place since: then the bits hold what backward must see)
         for ref in use.boxes:
             packed_box = ref()
-            if packed_box is not None and packed_box.state == _PACKED and tensor._version == packed_box.version:
+            if packed_box is not None and packed_box.state == _PACKED \
+                    and torchapi.version_counter(tensor) == packed_box.version:
                 view = torch.empty((0,), dtype=packed_box.dtype, device=packed_box.device)
                 view.set_(storage, packed_box.offset, packed_box.shape, packed_box.stride)
                 packed_box.payload, packed_box.state = view, _KEPT
