@@ -211,7 +211,13 @@ class Recorder:
         return NodeSite(path, cls, user_source_line())
 
     def _pack(self, tensor: torch.Tensor) -> Packed:
-        box = Packed(tensor, len(self._boxes))
+        # The box keeps a detached alias (same storage, strides, version counter; no grad_fn), never
+        # ``tensor`` itself: when a node saves its own output, ``tensor.grad_fn`` is that node, and
+        # tensor -> grad_fn -> saved slot -> box -> tensor would be a cycle through C++ that Python's
+        # collector cannot see, keeping the whole graph alive after the audit. Backward does not
+        # care: it re-attaches the unpacked data to the node it saved for (torch's
+        # saved_tensors_hooks docs ask for exactly this).
+        box = Packed(tensor.detach(), len(self._boxes))
         self._boxes.append(weakref.ref(box))
         self.pack_owners.append(self._announced)
         if not self._node_hook_installed:

@@ -38,11 +38,16 @@ def has(feature: str) -> bool:
     return FEATURES[feature]
 
 
+# the first torch release with each feature, for the error message
+SINCE = {"node creation hook": "2.14"}
+
+
 def require(feature: str, who: str) -> None:
     """Raise a GradauditError when ``feature`` is missing from the installed torch."""
     if not FEATURES[feature]:
-        raise GradauditError(f"{who} needs PyTorch's {feature}, which torch {torch.__version__} does not "
-                             f"have; install a torch release gradaudit supports (pyproject.toml)")
+        since = f" (torch >= {SINCE[feature]})" if feature in SINCE else ""
+        raise GradauditError(f"{who} needs PyTorch's {feature}{since}, which torch {torch.__version__} does not "
+                             f"have; upgrade torch to use it (audits work without it)")
 
 
 # -- storages ---------------------------------------------------------------------------------------

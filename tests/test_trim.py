@@ -11,9 +11,11 @@ from torch import nn
 import gradaudit
 from gradaudit.errors import GradauditError
 from gradaudit.knowledge import Bit
+from gradaudit import torchapi
 from gradaudit.trimming import compare, trim
 
-torchvision = pytest.importorskip("torchvision")
+pytestmark = pytest.mark.skipif(not torchapi.has("node creation hook"),
+                                reason=f"gradaudit.trim needs torch >= 2.14 (this is {torch.__version__})")
 
 from gradaudit.scenarios import SCENARIOS, apply_scenario
 
@@ -228,7 +230,7 @@ TORCHVISION_CASES = [("resnet18", s) for s in SCENARIOS] + [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,scenario", TORCHVISION_CASES)
-def test_torchvision_gradients_bit_identical(name, scenario):
+def test_torchvision_gradients_bit_identical(name, scenario, torchvision):
     torch.manual_seed(0)
     model = getattr(torchvision.models, name)(num_classes=10)
     x = torch.randn(2, 3, 64, 64)
@@ -240,7 +242,7 @@ def test_torchvision_gradients_bit_identical(name, scenario):
     assert stats["dropped"] + stats["bitpacked"] > 0
 
 
-def test_resnet_frees_exactly_what_the_audit_reclaims_and_lowers_the_peak():
+def test_resnet_frees_exactly_what_the_audit_reclaims_and_lowers_the_peak(torchvision):
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10)
     x = torch.randn(2, 3, 64, 64)
@@ -255,7 +257,7 @@ def test_resnet_frees_exactly_what_the_audit_reclaims_and_lowers_the_peak():
     assert measured["peak_after"] < measured["peak_before"]
 
 
-def test_resnet_channels_last_gradients_bit_identical():
+def test_resnet_channels_last_gradients_bit_identical(torchvision):
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10).to(memory_format=torch.channels_last)
     x = torch.randn(2, 3, 64, 64).to(memory_format=torch.channels_last)
@@ -556,3 +558,4 @@ def test_sparse_saves_are_kept():
     plain, trimmed, stats = plain_and_trimmed(LinearThen(SavesSparse, torch.relu), (torch.randn(2, 3),))
     assert stats["kept"] >= 1
     assert_identical(plain, trimmed)
+

@@ -22,8 +22,8 @@ declare("ConvolutionBackward0", edges=("input", "weight", "bias"), weight="weigh
         saves={
             # convolution_backward(grad, input, weight, ..., output_mask): grad_input reads the
             # weight, grad_weight reads the input, grad_bias reads neither
-            "input": Read(by=("weight",), rule="GA101"),
-            "weight": Read(by=("input",), rule="GA102"),
+            "input": Read(by=("weight",), witness="weight", rule="GA101"),
+            "weight": Read(by=("input",), witness="input", rule="GA102"),
         })
 
 # -- batch norm (native kernel: CPU, and CUDA when cuDNN is not chosen)
@@ -44,7 +44,7 @@ declare("NativeBatchNormBackward0", when={"training": True}, **_BATCH_NORM, save
 # eval: y = (x - running_mean) * invstd(running_var) * weight + bias, so
 # grad_input = grad * weight * invstd and grad_weight = sum(grad * (x - mean) * invstd)
 declare("NativeBatchNormBackward0", when={"training": False}, **_BATCH_NORM, saves={
-    "input": Read(by=("weight",), rule="GA201", unread="in eval mode only the weight gradient reads "
+    "input": Read(by=("weight",), witness="weight", rule="GA201", unread="in eval mode only the weight gradient reads "
                                                        "the input, and the weight needs no gradient"),
     "running_mean": Read(by=("weight",), rule="GA201",
                          unread="in eval mode only the weight gradient reads the running mean"),
@@ -56,7 +56,7 @@ declare("NativeBatchNormBackward0", when={"training": False}, **_BATCH_NORM, sav
 })
 
 # -- layer and group norm: like batch norm in training, the bias gradient reads nothing saved
-_NORM_STATS = dict(by=("input", "weight"), witness="weight", rule="GA202")
+_NORM_STATS = dict(by=("input", "weight"), rule="GA202")
 _NORM_SAVES = {
     "input": Read(**_NORM_STATS),
     "result1": Read(**_NORM_STATS, why="saved mean, read by the input and weight gradients"),
@@ -149,8 +149,8 @@ declare("ThresholdBackward0", edges=("self",), source="derivatives.yaml threshol
 # -- multiplication: nn.Dropout on CPU (and wherever native_dropout is not used) multiplies by a
 # float mask holding 0 and 1/(1-p); codegen saves each factor only for the other's gradient
 declare("MulBackward0", edges=("self", "other"), source="derivatives.yaml mul.Tensor", saves={
-    "self": Read(witness="other", why="read by the gradient of the other factor"),
-    "other": Read(witness="self", reads=Reads.MASK, only_in=DROPOUT_MODULES, rule="GA402",
+    "self": Read(why="read by the gradient of the other factor"),
+    "other": Read(reads=Reads.MASK, only_in=DROPOUT_MODULES, rule="GA402",
                   why="read by the gradient of the other factor"),
 })
 
@@ -161,7 +161,7 @@ declare("AddmmBackward0", edges=("self", "mat1", "mat2"), weight="mat2", source=
 declare("MmBackward0", "BmmBackward0", edges=("self", "mat2"), weight="mat2", source="derivatives.yaml mm/bmm",
         saves={"self": Read(witness="mat2", why=_MATMUL_WHY), "mat2": Read(witness="self", why=_MATMUL_WHY)})
 declare("LinearBackward0", edges=("input", "weight", "bias"), weight="weight", source="derivatives.yaml linear",
-        saves={"input": Read(witness="weight", why=_MATMUL_WHY), "weight": Read(witness="input", why=_MATMUL_WHY)})
+        saves={"input": Read(why=_MATMUL_WHY), "weight": Read(why=_MATMUL_WHY)})
 
 # Ops whose every save is read by the gradient formula of an input that needs a gradient:
 # PyTorch's codegen saves each tensor only when such a formula needs it (single-output derivative

@@ -60,8 +60,10 @@ class Read:
     rule: the finding code that explains the save whenever it is not needed or bit-packable
         (required for such reads; a test checks the rule exists).
     why / unread: the verdict's reason when read / when not read (default: from the edges).
-    witness: the one gradient to compute alone to show the read cheaply (default: the first of
-        ``by`` that is wanted). A speed hint for the proof; a wrong one costs time, not verdicts.
+    witness: the one gradient to compute alone to show the read cheaply: a speed hint for the
+        proof (a wrong one costs time, not verdicts). Opt-in, op by op: computing one gradient
+        alone must work on every supported torch (torch 2.13's group norm backward crashes when
+        asked for the weight gradient alone).
     sometimes: for a VALUES read that happens only for some values (``pow(0, x)`` reads x,
         ``pow(2, x)`` does not): why, so the proof finding it unread on one case is no contradiction.
     """
@@ -145,14 +147,11 @@ class Declaration:
         return Outcome(NEEDED, why)
 
     def witness_edges(self, attr: str, edge_mask: Sequence[bool]) -> Optional[tuple[int, ...]]:
-        """One wanted gradient edge whose formula reads ``attr`` (None: no hint)."""
+        """The declared witness edge for ``attr`` when that gradient is wanted (None: no hint)."""
         read = self.read(attr)
-        if read is None:
+        if read is None or read.witness is None or not self._wanted(read.witness, edge_mask):
             return None
-        for name in ([read.witness] if read.witness else []) + list(read.by):
-            if self._wanted(name, edge_mask):
-                return (self.edge(name),)
-        return None
+        return (self.edge(read.witness),)
 
     def _wanted(self, edge_name: str, edge_mask: Sequence[bool]) -> bool:
         i = self.edge(edge_name)

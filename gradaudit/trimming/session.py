@@ -105,7 +105,11 @@ class Session:
             self.stats["kept"] += 1
         if self.outer is not None:
             return Box(owner, self.outer[0](tensor), tensor, self.outer[1])
-        return Box(owner, tensor, tensor, None)
+        # a detached alias (same storage, strides, version counter), never ``tensor`` itself: a
+        # save of the node's own output would otherwise close the cycle tensor -> grad_fn -> saved
+        # slot -> box -> tensor through C++, and a graph dropped without backward would never be
+        # freed (see Recorder._pack)
+        return Box(owner, tensor.detach(), tensor, None)
 
     def on_node(self, node: Any) -> None:
         self.pending.append((node, self.stack[-1]))

@@ -1,0 +1,70 @@
+"""The one door to private torch APIs (gradaudit/torchapi.py): each feature pinned on the installed torch,
+recognition by identity, and a clear error where a feature is missing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradaudit
+from gradaudit import GradauditError, torchapi
+from gradaudit.records import Manager
+
+TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def test_features_present_on_the_supported_torch_releases():
+    # every feature but the node-creation hook exists on 2.13 and 2.14; the hook arrived in 2.14
+    for feature, present in torchapi.FEATURES.items():
+        if feature == "node creation hook":
+            assert present == (TORCH >= (2, 14)), feature
+        else:
+            assert present, feature
+
+
+def test_no_module_of_gradaudit_but_torchapi_reaches_into_torch_privately():
+    import pathlib
+    import re
+
+    package = pathlib.Path(gradaudit.__file__).parent
+    private = re.compile(r"torch\._C|torch\.utils\._|torch\.ops\.aten\._|_raw_saved_|_saved_tensors_hooks_is_enabled|_top_saved_tensors_default|"
+                         r"\._cdata|\._version\b|\._sequence_nr|\._input_metadata|\._parameters\b|\._buffers\b"
+                         r"|\._modules\b|_NormBase")
+    offenders = [f"{path.relative_to(package)}:{n}" for path in package.rglob("*.py") if path.name != "torchapi.py"
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if private.search(line)]
+    assert not offenders, offenders
+
+
+def test_managers_are_recognised_by_identity():
+    x = torch.randn(4, 4, requires_grad=True)
+    with torch.autograd.graph.save_on_cpu():
+        offloaded = torch.sin(x).grad_fn
+    assert torchapi.manager_of(offloaded._raw_saved_self.unpack_hook) == Manager.OFFLOAD
+
+    def unpack_from_cpu(t):  # the same name, somebody else's hook: not offloading as far as anyone knows
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack_from_cpu):
+        hooked = torch.sin(x).grad_fn
+    assert torchapi.manager_of(hooked._raw_saved_self.unpack_hook) == Manager.HOOKS
+
+
+def test_storage_keys_agree():
+    t = torch.randn(3, 4)
+    view = t[1:]
+    assert torchapi.storage_key(view) == torchapi.storage_key(t) == torchapi.storage_id(t.untyped_storage())
+
+
+def test_node_types_are_looked_up_in_the_installed_torch():
+    assert torchapi.node_type_exists("ConvolutionBackward0")
+    assert not torchapi.node_type_exists("CrossEntropyLossBackward0")  # cross_entropy decomposes
+
+
+def test_trim_refuses_clearly_without_the_node_creation_hook(monkeypatch):
+    """torch 2.13 has no node-creation hook: trim says so when called, not from inside a forward hook."""
+    monkeypatch.setitem(torchapi.FEATURES, "node creation hook", False)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(GradauditError, match=r"node creation hook \(torch >= 2\.14\)"):
+        gradaudit.trim(model)
+    assert not model._forward_hooks and not model._forward_pre_hooks  # nothing was installed
