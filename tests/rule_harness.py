@@ -1,4 +1,10 @@
-"""Reads ``# expect: GAxxx`` comments in fixture models and compares them with an audit's findings."""
+"""Reads ``# expect: GAxxx`` comments in fixture models and compares them with an audit's findings.
+
+An expectation may also carry the finding's bytes (freed by fixing it alone) and a fragment of its
+message, beside the code that causes it (as pylint's functional tests keep messages beside code):
+
+    x = self.conv(x)  # expect: GA101 bytes=3136 "input for a weight gradient nobody asked for"
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from collections import Counter
 import gradaudit
 
 EXPECT = re.compile(r"#\s*expect:\s*(GA\d{3}(?:\s*,\s*GA\d{3})*)")
+DETAILS = re.compile(r"#\s*expect:\s*(GA\d{3})(?:\s+bytes=(\d+))?(?:\s+\"([^\"]*)\")?")
 
 
 def expected(fixture) -> Counter:
@@ -21,6 +28,18 @@ def expected(fixture) -> Counter:
         if match:
             for code in re.split(r"\s*,\s*", match.group(1)):
                 found[(first + offset, code)] += 1
+    return found
+
+
+def expected_details(fixture) -> dict:
+    """(line, code) -> (bytes or None, message fragment or None), for expectations that carry them."""
+    lines, first = inspect.getsourcelines(fixture)
+    found = {}
+    for offset, text in enumerate(lines):
+        match = DETAILS.search(text)
+        if match and (match.group(2) or match.group(3)):
+            nbytes = int(match.group(2)) if match.group(2) else None
+            found[(first + offset, match.group(1))] = (nbytes, match.group(3))
     return found
 
 

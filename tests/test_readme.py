@@ -32,3 +32,17 @@ def test_rule_table_lists_exactly_the_registered_rules_in_code_order():
     assert listed == registered, (
         f"README.md's rule table lists the rules as {_rows(listed)}; all_rules() (code order) gives "
         f"{_rows(registered)}")
+
+
+def test_how_it_works_names_every_module_of_the_package():
+    section = readme_section("How it works")
+    package = README.parent / "gradaudit"
+    modules = sorted(str(path.relative_to(README.parent)) for path in package.rglob("*.py")
+                     if path.name != "__init__.py")
+    named = set(re.findall(r"`(gradaudit/[\w/]+\.py)`", section))
+    # a bullet may name a package folder and its files by name: `gradaudit/trimming/`: `codec.py` ...
+    for bullet in re.split(r"\n(?=- )", section):
+        for folder in re.findall(r"`(gradaudit/\w+/)`", bullet):
+            named.update(folder + name for name in re.findall(r"`(\w+\.py)`", bullet))
+    missing = [m for m in modules if m not in named]
+    assert not missing, f"README.md's 'How it works' does not name: {missing}"

@@ -10,7 +10,7 @@ import gradaudit
 from gradaudit.rules.registry import all_rules
 from tests.fixtures.rule_models import (FIXTURES, CustomFunctionWaste, DropoutMLP, EagerAttention,
                                         InputGradMLP, LastTokenHead)
-from tests.rule_harness import actual, audit_fixture, expected
+from tests.rule_harness import actual, audit_fixture, expected, expected_details
 
 
 @pytest.mark.parametrize("fixture", FIXTURES, ids=lambda f: f.__name__)
@@ -18,6 +18,22 @@ def test_fixture_findings_match_expect_comments(fixture):
     report = audit_fixture(fixture)
     assert expected(fixture), "a fixture without expectations tests nothing"
     assert actual(fixture, report) == expected(fixture)
+
+
+@pytest.mark.parametrize("fixture", FIXTURES, ids=lambda f: f.__name__)
+def test_fixture_findings_carry_the_bytes_and_message_written_beside_them(fixture):
+    report = audit_fixture(fixture)
+    for (line, code), (nbytes, fragment) in expected_details(fixture).items():
+        found = [f for f in report.findings if f.code == code and f.source and f.source.endswith(f":{line}")]
+        assert len(found) == 1, (line, code)
+        if nbytes is not None:
+            assert found[0].bytes == nbytes, (line, code, found[0].bytes)
+        if fragment is not None:
+            assert fragment in found[0].message, (line, code, found[0].message)
+
+
+def test_expectations_with_details_exist():
+    assert sum(len(expected_details(f)) for f in FIXTURES) >= 10
 
 
 def test_every_rule_has_a_fixture():
