@@ -16,6 +16,16 @@ from gradaudit.measure import held_bytes_after_forward
 from gradaudit.recorder import short_path
 
 
+def assert_every_reclaimable_save_is_claimed(report):
+    """No byte of reclaimable_bytes without a finding: every held activation the op knowledge (or
+    the proof) leaves unneeded or bit-packable is covered by one."""
+    unclaimed = [(t.node, t.attr, t.module) for t in report.held_tensors
+                 if t.storage_id >= 0 and report.storages[t.storage_id].kind in ("activation", "output")
+                 and report.storages[t.storage_id].nbytes and (t.verdict == "not-needed" or t.bitpackable)
+                 and t.rule is None]
+    assert not unclaimed, unclaimed
+
+
 def check_accuracy(model, inputs, **kwargs):
     report = gradaudit.audit(model, inputs, **kwargs)
     assert report.saved_bytes > 0
@@ -32,6 +42,7 @@ def check_accuracy(model, inputs, **kwargs):
     else:
         held = held_bytes_after_forward(model, inputs)
     assert report.saved_bytes == held
+    assert_every_reclaimable_save_is_claimed(report)
     assert 0 <= report.reclaimable_bytes <= report.reclaimable_with_bitpacking_bytes <= report.saved_bytes
     return report
 
@@ -76,6 +87,7 @@ def test_more_torchvision_architectures_are_exact_and_proven(name, vision_model)
     check_accuracy(model.eval(), images)
     proven = gradaudit.audit(model.train(), images, verify=True)
     assert not proven.disagreements
+    assert_every_reclaimable_save_is_claimed(proven)
     if name == "vit":  # the head saves the class token x[:, 0] (2*64*4 = 512 bytes), keeping the
         # whole sequence alive: 2 images * (16 patches + 1 class token) * 64 * 4 = 8704 bytes
         (view,) = [f for f in proven.waste_findings if f.code == "GA601"]

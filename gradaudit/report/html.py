@@ -20,7 +20,7 @@ from ..accounting import counted
 from ..records import Report
 from ..rules.registry import get_rule
 from . import graph
-from .jsonout import _finite
+from .jsonout import finite
 from .units import human_bytes, share
 from .views import module_bitpacking_totals, ranked_findings, timeline
 
@@ -56,7 +56,7 @@ def _load_template(name: str) -> str:
 
 def script_json(value: Any) -> Markup:
     """JSON safe inside a <script> element: no "</script>", "<!--" or "&" can appear literally."""
-    text = json.dumps(_finite(value), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    text = json.dumps(finite(value), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     text = text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     # U+2028/2029 are legal in JSON but end a line in older JavaScript parsers
     text = text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")

@@ -9,19 +9,19 @@ from typing import Any, Optional
 from ..records import Report
 
 
-def _finite(value: Any) -> Any:
+def finite(value: Any) -> Any:
     """Non-finite floats (a node scalar such as clamp's max=inf) as strings: strict JSON has no NaN."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [finite(v) for v in value]
     return value
 
 
 def document(report: Report) -> dict[str, Any]:
-    return _finite(report.to_dict())
+    return finite(report.to_dict())
 
 
 def render(report: Report, *, indent: Optional[int] = 2) -> str:
