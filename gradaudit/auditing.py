@@ -106,6 +106,7 @@ def audit(
     frozen: Optional[Sequence[str]] = None,
     select: Sequence[str] = (),
     ignore: Sequence[str] = (),
+    eager: bool = False,
     progress: Optional[Callable[[str], None]] = None,
 ) -> Report:
     """Run one forward of ``model`` on ``inputs`` and report what autograd saved for backward.
@@ -117,12 +118,17 @@ def audit(
     trainable: glob patterns over ``named_parameters()`` names; when given, exactly the matching
         parameters require grad during the audit (a what-if). ``frozen``: patterns to freeze on top.
     select / ignore: rule code prefixes (longest prefix wins).
+    eager: run ``torch.compile``'d parts of the model eagerly, so that what eager autograd saves
+        (and the findings about it) is seen op by op. Without it, a compiled region is one
+        ``CompiledFunctionBackward`` node whose saves the compiler chose; the report says so.
 
     The model is left exactly as found: parameters, buffers, requires_grad flags, ``.grad``,
     train/eval flags, the RNG state and module hooks - also when the forward raises.
     """
     if not isinstance(model, nn.Module):
         raise GradauditError(f"audit() needs a torch.nn.Module, got {type(model).__name__}")
+    if eager and torchapi.compiled_original(model) is not None:
+        model = torchapi.compiled_original(model)  # its module paths, without "_orig_mod."
     args, kwargs = split_inputs(inputs)
     input_tensors = unique(list(iter_tensors((args, kwargs))))
     on_meta = any(t.device.type == "meta" for t in input_tensors + list(model.parameters())[:1])
@@ -137,13 +143,14 @@ def audit(
         recorder = Recorder(model)
         # on meta, attention must take the kernel CPU would take, or it saves different tensors
         kernels = CpuKernelChoices() if on_meta else contextlib.nullcontext()
-        with recorder, kernels:
+        stance = torchapi.force_eager("audit(eager=True)") if eager else contextlib.nullcontext()
+        with recorder, kernels, stance:
             try:
                 output = model(*args, **kwargs)
             except GradauditError:
                 raise
             except Exception as error:
-                raise ForwardError(f"the model's forward raised {type(error).__name__}: {error}") from error
+                raise ForwardError(_forward_failure(error, on_meta)) from error
         outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
         if not outputs:
             raise NothingRequiresGradError(
@@ -166,4 +173,29 @@ def audit(
     finally:
         notes = state.restore()
     report.notes.extend(notes)
+    report.notes.extend(_compiled_notes(model, report))
     return report
+
+
+def _forward_failure(error: Exception, on_meta: bool) -> str:
+    message = f"the model's forward raised {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    if on_meta and "meta" in str(error).lower():
+        # meta tensors have shapes and dtypes but no values
+        message += (". On the meta device tensors have no values, so code that reads them (Tensor.item(), "
+                    ".tolist(), masks or control flow computed from values) cannot run: audit on CPU with "
+                    "small inputs (the same layers at a shorter sequence or batch), or pass the values the "
+                    "model would compute (an attention_mask, position ids)")
+    return message
+
+
+def _compiled_notes(model: nn.Module, report: Report) -> list[str]:
+    """What a torch.compile'd model's report can and cannot say."""
+    regions = sum(1 for n in report.nodes if n.name == torchapi.COMPILED_NODE)
+    if not regions:
+        return []
+    compiled = [path or "the model" for path, m in model.named_modules() if torchapi.compiled_original(m) is not None]
+    where = f" ({', '.join(compiled[:5])})" if compiled else ""
+    return [f"{regions} torch.compile'd region{'s' if regions > 1 else ''}{where} ran as one compiled graph each "
+            f"({torchapi.COMPILED_NODE}): what such a region keeps for backward is the compiler's choice, "
+            f"counted in the byte figures but without per-op verdicts or findings. To see what eager "
+            f"autograd would keep and which fixes apply, audit with eager=True (gradaudit scan --eager)"]

@@ -31,6 +31,8 @@ FEATURES: dict[str, bool] = {
     "saved-tensor hook state": hasattr(_AUTOGRAD, "_saved_tensors_hooks_is_enabled")
     and hasattr(_AUTOGRAD, "_top_saved_tensors_default_hooks"),
     "SDPA kernel choice": hasattr(torch, "_fused_sdp_choice"),
+    # torch.compiler.set_stance("force_eager"): run torch.compile'd code eagerly
+    "compiler stance": hasattr(getattr(torch, "compiler", None), "set_stance"),
 }
 
 
@@ -234,6 +236,25 @@ def manager_of(unpack_hook: Any) -> Manager:
 
 def packed_by_checkpoint(pack_hook: Any) -> bool:
     return (getattr(pack_hook, "__module__", "") or "") == _CHECKPOINT_MODULE
+
+
+# -- torch.compile ----------------------------------------------------------------------------------
+COMPILED_NODE = "CompiledFunctionBackward"  # one node per compiled region in the autograd graph
+
+
+def compiled_original(module: Any) -> Optional[torch.nn.Module]:
+    """The eager module behind a ``torch.compile``'d one (``OptimizedModule._orig_mod``), else None.
+    Recognised without importing torch._dynamo (importing it is slow)."""
+    if type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None),
+                                                                 torch.nn.Module):
+        return module._orig_mod
+    return None
+
+
+def force_eager(who: str) -> Any:
+    """A context in which torch.compile'd modules and functions run eagerly."""
+    require("compiler stance", who)
+    return torch.compiler.set_stance("force_eager")
 
 
 # -- kernels ----------------------------------------------------------------------------------------

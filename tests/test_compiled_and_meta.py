@@ -1,0 +1,67 @@
+"""Blind spots named, not hidden: torch.compile'd models and the meta device's limits."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import gradaudit
+from gradaudit import ForwardError, torchapi
+
+
+def _frozen_mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model[2].requires_grad_(False)  # so only the ReLU keeps its result: GA401
+    return model
+
+
+@pytest.fixture
+def compiled():
+    if not torchapi.has("compiler stance"):
+        pytest.skip("torch.compiler.set_stance is missing")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield torch.compile(_frozen_mlp(), backend="aot_eager")  # no C++ compiler needed
+    torch._dynamo.reset()  # dynamo's caches otherwise outlive the test (and complain at exit)
+
+
+def test_a_compiled_model_is_named_as_such(compiled):
+    x = torch.randn(8, 16)
+    report = gradaudit.audit(compiled, x)
+    assert [n.name for n in report.nodes if n.saved] == ["CompiledFunctionBackward"]
+    note, = [n for n in report.notes if "torch.compile" in n]
+    assert "eager=True" in note and "compiler's choice" in note
+    assert report.findings == []  # no per-op verdicts inside a compiled region
+
+
+def test_eager_audits_what_the_eager_model_keeps(compiled):
+    x = torch.randn(8, 16)
+    eager = gradaudit.audit(compiled, x, eager=True)
+    plain = gradaudit.audit(_frozen_mlp(), x)
+    assert not [n for n in eager.notes if "torch.compile" in n]
+    # the same saves, module paths and findings as the model that was never compiled
+    assert [(t.node, t.attr, t.module) for t in eager.tensors] == [(t.node, t.attr, t.module) for t in plain.tensors]
+    assert {f.code for f in eager.findings} == {"GA401"}
+    assert eager.saved_bytes == plain.saved_bytes
+
+
+def test_a_value_read_on_meta_says_what_to_do():
+    class ReadsAValue(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.sum().item() > 0:  # data-dependent, as some attention-mask helpers are
+                return self.fc(x)
+            return self.fc(-x)
+
+    with torch.device("meta"):
+        model = ReadsAValue()
+        x = torch.randn(2, 4)
+    with pytest.raises(ForwardError, match=r"meta device tensors have no values.*audit on CPU with small inputs"):
+        gradaudit.audit(model, x)
