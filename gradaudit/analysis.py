@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from typing import Any, Callable, Optional, Sequence
 
@@ -63,6 +64,7 @@ def build_report(
     ignore: Sequence[str] = (),
     prove: Optional[Callable[..., Any]] = None,
     notes: Sequence[str] = (),
+    measured: Optional[dict[str, int]] = None,
 ) -> Report:
     known = KnownStorages(model, inputs, recording.outputs)
 
@@ -70,7 +72,7 @@ def build_report(
     nodes = [
         GraphNode(id=i, name=live.name, module=live.site.module, next_ids=list(live.next_positions),
                   edge_mask=list(live.edge_mask), variable=live.variable, scalars=dict(live.scalars),
-                  created_here=live.created_here)
+                  created_here=live.created_here, attention=live.attention)
         for i, live in enumerate(recording.nodes)
     ]
 
@@ -119,6 +121,18 @@ def build_report(
         tensors.append(saved)
         live_tensors.append(t)
 
+    # -- what fused attention would keep, in this report's storage ids ---------------------------
+    calls: dict[int, Any] = {}
+    for node in nodes:
+        call = node.attention
+        if call is None:
+            continue
+        if call.index not in calls:
+            keeps = tuple((storage_ids.get(ref.cdata, -1) if not ref.expired() else -1, nbytes)
+                          for ref, nbytes in recording.attention_tensors[call.index])
+            calls[call.index] = dataclasses.replace(call, fused_keeps=keeps)
+        node.attention = calls[call.index]
+
     # -- verdicts from op knowledge -----------------------------------------------------------
     for node in nodes:
         if not node.saved:
@@ -146,7 +160,7 @@ def build_report(
     # -- findings -------------------------------------------------------------------------------
     params = {name: p.requires_grad for name, p in model.named_parameters()}
     ctx = RuleContext(tensors=tensors, nodes=nodes, storages=storages, parameter_names=params,
-                      training=model.training, accountant=accountant)
+                      training=model.training, accountant=accountant, measured=dict(measured or {}))
     findings = run_rules(ctx, accountant, select, ignore)
     for finding in findings:
         for i in finding.tensors:

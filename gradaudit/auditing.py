@@ -12,9 +12,10 @@ from torch import nn
 from . import torchapi
 from .analysis import build_report
 from .errors import ForwardError, GradauditError, NothingRequiresGradError
-from .meta import CpuKernelChoices
+from .measure import held_bytes_after_forward
+from .meta import CpuKernelChoices, WithoutAttentionDropout
 from .recorder import Recorder
-from .records import Leaf, Report
+from .records import Leaf, Manager, Report
 from .tensors import iter_tensors, split_inputs, unique
 
 
@@ -165,10 +166,24 @@ def audit(
         prove = None
         if verify:
             from .verify import prove  # noqa: WPS433 (imported only when asked for)
+        measured = {}
+        if any(live.attention is not None and live.attention.math_fallback and live.attention.dropout_p
+               and live.attention.kernel_without_dropout != "math"
+               and any(recording.saves[i].managed_by == Manager.AUTOGRAD for i in live.saves)
+               for live in recording.nodes):
+            # attention dropout made SDPA run its math kernel: measure what the model holds
+            # without it, so the finding's bytes are a measurement, not a guess
+            if progress:
+                progress("measuring the forward without attention dropout")
+            with contextlib.ExitStack() as stack:
+                if on_meta:
+                    stack.enter_context(CpuKernelChoices())
+                stack.enter_context(WithoutAttentionDropout())
+                measured["held_without_attention_dropout"] = held_bytes_after_forward(model, inputs)
         if progress:
             progress("analysing saved tensors")
         report = build_report(model, recording, inputs=input_tensors, verify=verify, select=select,
-                              ignore=ignore, prove=prove)
+                              ignore=ignore, prove=prove, measured=measured)
         del recording, output, outputs
     finally:
         notes = state.restore()

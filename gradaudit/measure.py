@@ -78,7 +78,10 @@ def _saved_scalars(roots: list[Any]) -> Any:
             continue
         visited.add(node)
         stack.extend(fn for fn, _ in node.next_functions)
-        for _, value in torchapi.saved_values(node):
+        # the packed objects, never the unpacked values: unpacking a checkpointed slot would
+        # recompute its block; a slot packed by anybody's hooks holds no plain tensor here
+        for _, raw in torchapi.raw_saved_slots(node):
+            value = raw.data
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(t, torch.Tensor) and t.dim() == 0:
                     yield t

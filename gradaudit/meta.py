@@ -9,7 +9,7 @@ same shapes, dtypes and flags, and calls that kernel's meta implementation direc
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ def _cpu_twin(t: Any) -> Any:
     return twin.requires_grad_(t.requires_grad)
 
 
-def _sdpa_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
+def sdpa_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     bound = dict(zip(names, args))
     bound.update(kwargs)
@@ -38,20 +38,41 @@ def _sdpa_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound
 
 
+def sdpa_backend(bound: dict[str, Any], dropout_p: Optional[float] = None) -> int:
+    """The backend ``F.scaled_dot_product_attention`` picks for these arguments on their device;
+    meta tensors are asked as CPU tensors (what an audit on meta emulates). ``dropout_p``: ask
+    with another dropout probability (what-if)."""
+    query = bound["query"]
+    tensors = [bound[n] for n in ("query", "key", "value", "attn_mask")]
+    if isinstance(query, torch.Tensor) and query.device.type == "meta":
+        tensors = [_cpu_twin(t) for t in tensors]
+    p = bound["dropout_p"] if dropout_p is None else dropout_p
+    return torchapi.fused_sdp_choice(*tensors, p, bound["is_causal"], scale=bound["scale"],
+                                     enable_gqa=bound["enable_gqa"])
+
+
+class WithoutAttentionDropout(TorchFunctionMode):
+    """A what-if: every ``F.scaled_dot_product_attention`` call runs with ``dropout_p=0``."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            bound = sdpa_arguments(args, kwargs)
+            bound["dropout_p"] = 0.0
+            return func(**bound)
+        return func(*args, **kwargs)
+
+
 class CpuKernelChoices(TorchFunctionMode):
     """Redirects meta-device SDPA calls to the kernel CPU would choose (only flash differs)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            a = _sdpa_arguments(args, kwargs)
+            a = sdpa_arguments(args, kwargs)
             query = a["query"]
             if isinstance(query, torch.Tensor) and query.device.type == "meta":
-                twins = [_cpu_twin(a[n]) for n in ("query", "key", "value", "attn_mask")]
-                choice = torchapi.fused_sdp_choice(*twins, a["dropout_p"], a["is_causal"], scale=a["scale"],
-                                                 enable_gqa=a["enable_gqa"])
-                del twins
-                if choice == torchapi.SDP_FLASH:
+                if sdpa_backend(a) == torchapi.SDP_FLASH:
                     # the CPU flash kernel takes grouped key/value heads as they are (no repeat)
                     return torchapi.cpu_flash_attention(query, a["key"], a["value"], a["dropout_p"],
                                                         a["is_causal"], attn_mask=a["attn_mask"], scale=a["scale"])

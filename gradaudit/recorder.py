@@ -20,10 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 
 from . import torchapi
-from .records import Leaf, Manager
+from .meta import sdpa_arguments, sdpa_backend
+from .records import AttentionCall, Leaf, Manager
 from .torchapi import NO_SEQUENCE, node_scalars, raw_saved_slots
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -64,6 +68,56 @@ class LiveSave:
     dtype: Optional[torch.dtype] = None
 
 
+class AttentionCalls(TorchFunctionMode):
+    """Notes every ``F.scaled_dot_product_attention`` call: the kernel it picks (and would pick
+    without dropout) and the sequence numbers of the nodes it creates, so a rule can tell the
+    math fallback of a fused-attention call from attention written out by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, int, AttentionCall]] = []  # (first sequence nr, end, call)
+        # per call: (weak storage reference, bytes) of query, key, value and output (see
+        # AttentionCall.fused_keeps); weak, so that an address reused after a free is not mistaken
+        self.tensors: list[list[tuple[StorageWeakRef, int]]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        bound = sdpa_arguments(args, kwargs)
+        query = bound["query"]
+        call = None
+        if isinstance(query, torch.Tensor):
+            try:
+                kernel = sdpa_backend(bound)
+                without = sdpa_backend(bound, dropout_p=0.0) if bound["dropout_p"] else kernel
+                batch_heads_queries = query.numel() // query.shape[-1] if query.dim() else 0
+                call = AttentionCall(
+                    index=len(self.calls), logsumexp_bytes=batch_heads_queries * 4, kernel=torchapi.sdp_backend_name(kernel), kernel_without_dropout=torchapi.sdp_backend_name(without),
+                    dropout_p=float(bound["dropout_p"]), masked=bound["attn_mask"] is not None,
+                    causal=bool(bound["is_causal"]),
+                    device="cpu" if query.device.type == "meta" else query.device.type)
+            except Exception:  # the choice cannot be asked for these arguments: say nothing
+                call = None
+        start = torchapi.sequence_number()
+        out = func(*args, **kwargs)
+        if call is not None:
+            self.calls.append((start, torchapi.sequence_number(), call))
+            kept = {}  # one entry per storage (a packed qkv projection gives three views of one)
+            for t in (bound["query"], bound["key"], bound["value"], out):
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                    ref = StorageWeakRef(t.untyped_storage())
+                    kept.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
+            self.tensors.append(list(kept.values()))
+        return out
+
+    def call_of(self, sequence: int) -> Optional[AttentionCall]:
+        for start, end, call in self.calls:
+            if start <= sequence < end:
+                return call
+        return None
+
+
 @dataclass
 class LiveNode:
     node: Any  # torch.autograd.graph.Node
@@ -75,6 +129,7 @@ class LiveNode:
     variable: Optional[str] = None
     scalars: dict[str, Any] = field(default_factory=dict)
     created_here: bool = True
+    attention: Optional[AttentionCall] = None
 
 
 @dataclass
@@ -86,6 +141,7 @@ class Recording:
     outputs: list[torch.Tensor]
     pack_count: int  # tensors packed during the forward (reachable or not)
     node_sites: dict[int, NodeSite]
+    attention_tensors: list[list[tuple[Any, int]]] = field(default_factory=list)  # AttentionCalls.tensors
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,6 +260,7 @@ class Recorder:
         self.start_sequence = 0
         self.end_sequence = 0
         self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
+        self.attention = AttentionCalls()
 
     # -- hooks ---------------------------------------------------------------------------------
     def _site(self) -> NodeSite:
@@ -238,6 +295,7 @@ class Recorder:
 
     def __enter__(self) -> "Recorder":
         self.tracker.__enter__()
+        self.attention.__enter__()
         if torchapi.has("node creation hook"):
             torchapi.push_node_creation_hook(self._on_node, "the recorder")
             self._node_hook_installed = True
@@ -254,6 +312,7 @@ class Recorder:
         finally:
             if self._node_hook_installed:
                 torchapi.pop_node_creation_hook()
+            self.attention.__exit__(*exc)
             self.tracker.__exit__(*exc)
 
     def _collect_hidden(self, nodes: list[LiveNode], saves: list[LiveSave]) -> None:
@@ -332,6 +391,8 @@ class Recorder:
                 if variable is not None:
                     live.variable = leaf_names.get(id(variable), Leaf("leaf"))
             live.created_here = created_here
+            if created_here and self.attention.calls:
+                live.attention = self.attention.call_of(seq)
             if not created_here:
                 # A node from before the audit (e.g. the inputs came out of an earlier graph): its
                 # saved tensors may be managed by hooks we do not own; do not touch them.
@@ -371,5 +432,5 @@ class Recorder:
                 None if fn is None else positions.get(fn) for fn, _ in live.node.next_functions
             ]
         self._collect_hidden(nodes, saves)
-        return Recording(nodes=nodes, saves=saves, outputs=outputs,
-                         pack_count=len(self._boxes), node_sites=self.node_sites)
+        return Recording(nodes=nodes, saves=saves, outputs=outputs, pack_count=len(self._boxes),
+                         node_sites=self.node_sites, attention_tensors=self.attention.tensors)

@@ -197,6 +197,28 @@ class Storage:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class AttentionCall:
+    """The ``F.scaled_dot_product_attention`` call a node was created in, and the kernel it chose."""
+
+    index: int  # the call's number in the forward
+    kernel: str  # "flash", "efficient", "cudnn", "math", ... (torch.nn.attention.SDPBackend, lower case)
+    kernel_without_dropout: str  # the kernel the same call picks with dropout_p = 0
+    dropout_p: float
+    masked: bool  # an attn_mask was passed
+    causal: bool
+    device: str  # the device type the kernel was chosen for ("cpu" for an audit on meta)
+    # what a fused kernel would keep instead: the storages of query, key, value and output as
+    # (Report.storages id, or -1 when no save refers to it; bytes), and its float32 logsumexp
+    fused_keeps: tuple[tuple[int, int], ...] = ()
+    logsumexp_bytes: int = 0
+
+    @property
+    def math_fallback(self) -> bool:
+        """The unfused kernel ran: it keeps the B x H x L x L probabilities for backward."""
+        return self.kernel == "math"
+
+
 @dataclass
 class GraphNode:
     """One autograd node created during the audited forward."""
@@ -210,6 +232,7 @@ class GraphNode:
     variable: Optional[Leaf] = None  # AccumulateGrad: the leaf it accumulates into
     scalars: dict[str, Any] = field(default_factory=dict)  # non-tensor saved values (BN "training"...)
     created_here: bool = True  # False: the node predates the audited forward and was not inspected
+    attention: Optional[AttentionCall] = None  # made inside F.scaled_dot_product_attention
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

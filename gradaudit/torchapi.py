@@ -266,6 +266,14 @@ def _flash_backend() -> Optional[int]:
 SDP_FLASH = _flash_backend()
 
 
+def sdp_backend_name(choice: int) -> str:
+    """"flash", "efficient", "cudnn", "math"... for a backend number (by the enum's names)."""
+    backend = getattr(getattr(torch.nn, "attention", None), "SDPBackend", None)
+    names = {int(getattr(backend, n)): n for n in dir(backend) if n.isupper()} if backend is not None else {}
+    name = names.get(int(choice), "unknown").lower()
+    return {"flash_attention": "flash", "efficient_attention": "efficient", "cudnn_attention": "cudnn"}.get(name, name)
+
+
 def cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
                         is_causal: bool, *, attn_mask: Any = None, scale: Any = None) -> torch.Tensor:
     """The output of the CPU flash-attention kernel (its meta implementation on meta tensors)."""

@@ -202,3 +202,28 @@ def test_a_finding_needed_for_a_combined_fix_stays_waste():
     assert by_code["GA301"].bytes == 0 and by_code["GA401"].bytes == 0
     # the ReLU result is 2*4*10*10 floats = 3200 bytes; bit-packed it keeps ceil(800/8) = 100
     assert by_code["GA301"].bytes_together + by_code["GA401"].bytes_together == 3200 - 100
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_sdpa_with_attention_dropout_names_the_cause_not_sdpa(family, tiny_hf_config, transformers):
+    """Hugging Face's default attention is SDPA; in training its attention dropout sends the CPU
+    call to the math kernel, which keeps the L x L probabilities. GA801 must say that, not advise
+    SDPA, and its bytes are what a forward without attention dropout gives back (measured)."""
+    from gradaudit.measure import held_bytes_after_forward
+
+    dropout = {"bert": "attention_probs_dropout_prob", "gpt2": "attn_pdrop"}[family]
+    model_class = {"bert": transformers.BertModel, "gpt2": transformers.GPT2LMHeadModel}[family]
+
+    def build(p):
+        torch.manual_seed(0)
+        return model_class._from_config(tiny_hf_config(family, **{dropout: p}), attn_implementation="sdpa").train()
+
+    ids = {"input_ids": torch.randint(0, 100, (2, 16))}
+    report = gradaudit.audit(build(0.1), ids)
+    (finding,) = [f for f in report.findings if f.code == "GA801"]
+    assert "dropout_p=0.1" in finding.message and "math kernel" in finding.message
+    assert "scaled_dot_product_attention" not in finding.fix  # never advise what is already done
+    # independent measurement: held bytes with attention dropout minus held bytes without it
+    assert finding.bytes == held_bytes_after_forward(build(0.1), ids) - held_bytes_after_forward(build(0.0), ids) > 0
+    assert not [f for f in gradaudit.audit(build(0.0), ids).findings if f.code == "GA801"]
+    assert not [f for f in gradaudit.audit(build(0.1).eval(), ids).findings if f.code == "GA801"]

@@ -48,6 +48,9 @@ class RuleContext:
     parameter_names: dict[str, bool] = field(default_factory=dict)  # name -> requires_grad
     training: bool = False
     accountant: Optional[Accountant] = field(default=None, repr=False)  # built from the above if None
+    # what-if measurements made by the audit (bytes held by a forward run otherwise), by name:
+    #   "held_without_attention_dropout": every scaled_dot_product_attention call with dropout_p=0
+    measured: dict[str, int] = field(default_factory=dict)
 
     def nodes_named(self, *names: str) -> Iterator[GraphNode]:
         wanted = set(names)
