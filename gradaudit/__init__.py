@@ -7,7 +7,8 @@ installed, and must not make unrelated test suites import torch.
 
 from typing import Any
 
-from .errors import ForwardError, GradauditError, NothingRequiresGradError
+from .errors import (ForwardError, GradauditError, NoMatchingParameterError, NothingRequiresGradError,
+                     UnknownCodeError)
 from .records import SCHEMA_VERSION, Disagreement, Finding, Report, SavedTensor
 
 __version__ = "0.1.0"
@@ -29,7 +30,8 @@ _LAZY = {
 __all__ = [
     "audit", "trim", "TrimHandle", "assert_no_waste", "declare", "declare_function", "Read", "Reads", "Bit",
     "Report", "Finding", "SavedTensor", "Disagreement", "SCHEMA_VERSION",
-    "GradauditError", "ForwardError", "NothingRequiresGradError", "__version__",
+    "GradauditError", "ForwardError", "NothingRequiresGradError", "UnknownCodeError", "NoMatchingParameterError",
+    "__version__",
 ]
 
 

@@ -4,15 +4,18 @@ Rules (autograd-facts.md, "Counting bytes honestly"):
 - bytes are counted once per storage, whole storage (a saved view keeps its whole base alive);
 - parameters, buffers and the caller's inputs are alive anyway and cost nothing;
 - a storage is freed only when *every* save referencing it is dropped (or bit-packed), and it is
-  not a parameter, buffer, input or model output.
+  not a parameter, buffer, input or model output;
+- the report's figures count the fixes of its findings only (``Accountant.scope``): with
+  select/ignore, a save whose rule is not selected stays as it is, and a storage it shares is not
+  freed.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from typing import Iterable, Optional
 
-from .records import HELD_KINDS, NOT_NEEDED, ModuleTotal, SavedTensor, Storage, StorageKind
+from .records import HELD_KINDS, NOT_NEEDED, Finding, ModuleTotal, Report, SavedTensor, Storage, StorageKind
 
 
 def counted(tensors: Iterable[SavedTensor]) -> list[SavedTensor]:
@@ -25,15 +28,36 @@ def packed_bits_nbytes(t: SavedTensor) -> int:
     return (t.numel + 7) // 8
 
 
-class Accountant:
-    """Answers "how many bytes would this set of fixes free" for one report's saves."""
+def fix_scope(findings: Iterable[Finding]) -> set[int]:
+    """The saves whose fix (drop or bit-pack) these findings name: the tensors of every finding
+    that is not a code change (``Finding.rewrite``: those free what their rule states)."""
+    return {i for f in findings if not f.rewrite for i in f.tensors}
 
-    def __init__(self, tensors: list[SavedTensor], storages: list[Storage]) -> None:
+
+class Accountant:
+    """Answers "how many bytes would this set of fixes free" for one report's saves.
+
+    ``scope``: the saves whose fixes the figures about "every fix" count (``not_needed``,
+    ``bitpackable``, ``all_fixes`` and what derives from them); None counts every save. A report
+    scopes them to its (selected) findings: ``Accountant.for_report``.
+    """
+
+    def __init__(self, tensors: list[SavedTensor], storages: list[Storage],
+                 scope: Optional[Iterable[int]] = None) -> None:
         self.tensors = tensors
         self.storages = storages
+        self.scope = None if scope is None else set(scope)
         self.refs: dict[int, list[SavedTensor]] = defaultdict(list)
         for t in counted(tensors):
             self.refs[t.storage_id].append(t)
+
+    @classmethod
+    def for_report(cls, report: Report) -> "Accountant":
+        """The accountant behind the report's figures: scoped to its findings' saves."""
+        return cls(report.tensors, report.storages, fix_scope(report.findings))
+
+    def _in_scope(self, indices: set[int]) -> set[int]:
+        return indices if self.scope is None else indices & self.scope
 
     def saved_bytes(self) -> int:
         return sum(self.storages[s].nbytes for s in self.refs if self.storages[s].kind in HELD_KINDS)
@@ -62,12 +86,12 @@ class Accountant:
         return result
 
     def not_needed(self) -> set[int]:
-        return {t.index for t in counted(self.tensors) if t.verdict == NOT_NEEDED}
+        return self._in_scope({t.index for t in counted(self.tensors) if t.verdict == NOT_NEEDED})
 
     def bitpackable(self) -> set[int]:
         # the flag, not the verdict: a proven sign-only save whose values take three signs
         # (-, 0, +) needs more than one bit, and the proof clears the flag for it
-        return {t.index for t in counted(self.tensors) if t.bitpackable}
+        return self._in_scope({t.index for t in counted(self.tensors) if t.bitpackable})
 
     def reclaimable_bytes(self) -> int:
         return self.freed(self.not_needed())
@@ -76,7 +100,8 @@ class Accountant:
         """(dropped, bit-packed) among these saves when their fixes apply."""
         indices = set(indices)
         dropped = {i for i in indices if self.tensors[i].verdict == NOT_NEEDED}
-        return dropped, (indices & self.bitpackable()) - dropped
+        packed = {t.index for t in counted(self.tensors[i] for i in indices) if t.bitpackable}
+        return dropped, packed - dropped
 
     def all_fixes(self) -> tuple[set[int], set[int]]:
         """(dropped, bit-packed) saves when every fix applies: unneeded saves are dropped, saves
@@ -131,3 +156,4 @@ def module_totals(tensors: list[SavedTensor], storages: list[Storage], accountan
                     own_reclaimable.get(path, 0), totals_reclaimable.get(path, 0))
         for path in sorted(paths, key=lambda p: (p != "", p))
     ]
+

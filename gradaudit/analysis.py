@@ -10,7 +10,7 @@ import torch
 
 from . import rules as _rules  # noqa: F401  (registers the catalogue)
 from .knowledge import declaration
-from .accounting import Accountant, counted, module_totals
+from .accounting import Accountant, counted, fix_scope, module_totals
 from .recorder import Recording
 from .records import (
     HELD_KINDS, UNKNOWN, Finding, GraphNode, Manager, Report, SavedTensor, Severity, Storage, StorageKind,
@@ -152,12 +152,8 @@ def build_report(
         disagreements = list(prove(recording=recording, nodes=nodes, tensors=tensors,
                                  live_tensors=live_tensors))
 
-    # -- accounting -----------------------------------------------------------------------------
-    accountant = Accountant(tensors, storages)
-    classes = {path: type(m).__name__ for path, m in model.named_modules()}
-    modules = module_totals(tensors, storages, accountant, classes)
-
     # -- findings -------------------------------------------------------------------------------
+    accountant = Accountant(tensors, storages)
     params = {name: p.requires_grad for name, p in model.named_parameters()}
     ctx = RuleContext(tensors=tensors, nodes=nodes, storages=storages, parameter_names=params,
                       training=model.training, accountant=accountant, measured=dict(measured or {}))
@@ -167,10 +163,17 @@ def build_report(
             if tensors[i].rule is None:
                 tensors[i].rule = finding.code
 
+    # -- accounting: every figure counts the fixes of the (selected) findings -----------------------
+    scope = fix_scope(findings)
+    scoped = Accountant(tensors, storages, scope)
+    classes = {path: type(m).__name__ for path, m in model.named_modules()}
+    modules = module_totals(tensors, storages, scoped, classes)
+    notes = list(notes) + _unreported(accountant, scope, ctx.covered, select, ignore)
+
     unexplained = blind_spots(tensors, storages)
     offloaded = sum(t.view_nbytes for t in tensors if t.managed_by == Manager.OFFLOAD and t.node_id >= 0)
     recomputed = sum(t.view_nbytes for t in tensors if t.managed_by == Manager.CHECKPOINT and t.node_id >= 0)
-    notes = list(notes) + [d.message() for d in disagreements]
+    notes += [d.message() for d in disagreements]
     if any(t.managed_by == Manager.CHECKPOINT for t in tensors):
         notes.append("some saves are managed by torch.utils.checkpoint: they are recomputed in backward, "
                      "not held, and their sizes are not known without recomputing (gradaudit does not)")
@@ -178,13 +181,35 @@ def build_report(
         model=type(model).__name__, torch_version=torch.__version__, device=_device_of(model, inputs),
         training=model.training, verified=bool(verify), tensors=tensors, storages=storages, nodes=nodes,
         modules=modules, findings=findings, saved_bytes=accountant.saved_bytes(),
-        reclaimable_bytes=accountant.reclaimable_bytes(),
-        reclaimable_with_bitpacking_bytes=accountant.reclaimable_with_bitpacking_bytes(),
+        reclaimable_bytes=scoped.reclaimable_bytes(),
+        reclaimable_with_bitpacking_bytes=scoped.reclaimable_with_bitpacking_bytes(),
+        rewrite_bytes=sum(f.bytes_together for f in findings if f.rewrite and f.severity == Severity.WASTE),
+        select=tuple(select), ignore=tuple(ignore),
         recomputed_bytes=recomputed, offloaded_bytes=offloaded,
         parameters_requiring_grad=sum(1 for v in params.values() if v),
         inputs_requiring_grad=sum(1 for t in inputs if t.requires_grad),
         unexplained=unexplained, notes=notes, disagreements=disagreements,
     )
+
+
+def _unreported(accountant: Accountant, scope: set[int], covered: set[int], select: Sequence[str],
+                ignore: Sequence[str]) -> list[str]:
+    """A note for unneeded or bit-packable saves that no rule reports (a gap in the rules, or a
+    declaration naming GA000 in a static audit): no figure counts them, since no finding says how
+    to free them, but they are not silently lost either."""
+    dropped, packed = accountant.all_fixes()
+    orphans = {i for i in dropped | packed if i not in covered
+               and selected(accountant.tensors[i].explained_by or "GA000", select, ignore)}
+    if not orphans:
+        return []
+    wider = accountant.freed_by_storage(dropped & (scope | orphans), packed & (scope | orphans))
+    more = sum(wider.values()) - accountant.freed(dropped & scope, packed & scope)
+    if more <= 0:
+        return []
+    named = sorted({t.explained_by for t in (accountant.tensors[i] for i in orphans)
+                    if t.explained_by and t.storage_id in wider})
+    return [f"{more} bytes more would be freed by dropping or bit-packing saves no finding reports "
+            f"(the op knowledge names {', '.join(named) or 'no rule'} for them): no figure counts them"]
 
 
 def _device_of(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> str:
@@ -195,46 +220,84 @@ def _device_of(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> str:
 
 def run_rules(ctx: RuleContext, accountant: Accountant, select: Sequence[str] = (),
               ignore: Sequence[str] = ()) -> list[Finding]:
-    """Run every selected rule; attach storage-aware bytes to each flag."""
+    """Run the rules, keep the selected ones' flags and attach storage-aware bytes to each.
+
+    Every rule runs, selected or not: the catch-all (GA000) reports only what no rule covered, and
+    a save an ignored rule explains is not "unexplained". The byte figures count the selected
+    flags' fixes only: a save whose rule is ignored stays as it is, so a storage it shares with a
+    selected finding's save is not freed ("all fixes" means all selected fixes).
+    """
     flagged: list[tuple[Any, Flag]] = []
     # the catch-all rule (GA000) runs last: it reports what no other rule covered
     for r in sorted(all_rules(), key=lambda r: (r.catch_all, r.code)):
-        if not selected(r.code, select, ignore):
-            continue
+        keep = selected(r.code, select, ignore)
         for flag in r.check(ctx) or ():
-            flagged.append((r, flag))
+            if keep:
+                flagged.append((r, flag))
             ctx.covered.update(t.index for t in flag.tensors)
-    together = accountant.freed_by_all_fixes()
-    claimed: set[int] = set()
+    # a flag with its own bytes is a code change (fused attention, a clone, a detached input): it
+    # frees what its rule states, not what dropping or bit-packing its saves would
+    scoped = Accountant(ctx.tensors, ctx.storages,
+                        {t.index for _, flag in flagged if flag.bytes is None for t in flag.tensors})
+    together = scoped.freed_by_all_fixes()
+    unselected = accountant.freed_by_all_fixes()  # every save's fix, selected or not
+    shares = _shares(ctx, flagged, together)
     findings: list[Finding] = []
-    for r, flag in flagged:
+    for k, (r, flag) in enumerate(flagged):
         indices = {t.index for t in flag.tensors}
         alone = accountant.freed(*accountant.fixes_of(indices))
-        share = 0
-        for sid in {ctx.tensors[i].storage_id for i in indices}:
-            if sid in together and sid not in claimed:
-                claimed.add(sid)
-                share += together[sid]
         first = flag.tensors[0] if flag.tensors else None
         node = flag.node
         severity, message = flag.severity or r.severity, flag.message
         freed = flag.bytes if flag.bytes is not None else alone
-        contributes = any(ctx.tensors[i].storage_id in together for i in indices)
-        if severity == Severity.WASTE and freed == 0 and not contributes:
-            # True, but no combination of fixes frees a byte of it (a needed save shares the
-            # storage): keep it visible as information, never as waste that fails a check.
+        sids = {ctx.tensors[i].storage_id for i in indices}
+        if severity == Severity.WASTE and freed == 0 and not sids & together.keys():
+            # True, but no combination of the selected fixes frees a byte of it: keep it visible as
+            # information, never as waste that fails a check.
             severity = Severity.INFO
-            message += "; nothing would be freed: a save that backward needs shares its storage"
+            if sids & unselected.keys():
+                message += ("; nothing would be freed by the selected rules: a save of a rule not selected "
+                            "(select/ignore) shares its storage")
+            else:
+                message += "; nothing would be freed: a save that backward needs shares its storage"
         findings.append(Finding(
             code=r.code, name=r.name, severity=severity, message=message,
             module=flag.module if flag.module is not None else (first.module if first else (node.module if node else "")),
             module_class=first.module_class if first else "",
             node=node.name if node else "", attrs=tuple(t.attr for t in flag.tensors),
             source=first.source if first else None, tensors=tuple(sorted(indices)),
-            bytes=freed, bytes_together=share, fix=flag.fix or r.fix, fix_code=flag.fix_code or r.fix_code,
+            bytes=freed, bytes_together=shares[k],
+            fix=flag.fix or r.fix, fix_code=flag.fix_code or r.fix_code,
             fix_safe=r.fix_safe, proven=bool(flag.tensors) and all(t.proven for t in flag.tensors),
+            rewrite=flag.bytes is not None,
         ))
     return findings
+
+
+def _shares(ctx: RuleContext, flagged: list[tuple[Any, Flag]], together: dict[int, int]) -> list[int]:
+    """Each flag's share of the bytes every selected fix frees together; the shares add up to it.
+
+    A storage freed by dropping or bit-packing goes to the first flag (in rule order) that names
+    one of its saves. A code change (a flag with its own ``bytes``) adds what it states minus what
+    the storages it names already count, biggest first, so no storage is counted twice.
+    """
+    shares = [0] * len(flagged)
+    counted_bytes: dict[int, int] = {}
+    for k, (_, flag) in enumerate(flagged):
+        if flag.bytes is not None:
+            continue
+        for sid in {t.storage_id for t in flag.tensors}:
+            if sid in together and sid not in counted_bytes:
+                counted_bytes[sid] = together[sid]
+                shares[k] += together[sid]
+    rewrites = [k for k, (r, flag) in enumerate(flagged)
+                if flag.bytes is not None and (flag.severity or r.severity) == Severity.WASTE]
+    for k in sorted(rewrites, key=lambda k: -flagged[k][1].bytes):
+        sids = {t.storage_id for t in flagged[k][1].tensors if t.storage_id >= 0}
+        shares[k] = max(0, flagged[k][1].bytes - sum(counted_bytes.get(sid, 0) for sid in sids))
+        for sid in sids:
+            counted_bytes[sid] = ctx.storages[sid].nbytes
+    return shares
 
 
 def blind_spots(tensors: list[SavedTensor], storages: list[Storage]) -> list[dict[str, Any]]:

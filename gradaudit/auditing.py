@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fnmatch
 from typing import Any, Callable, Optional, Sequence
 
@@ -11,11 +12,12 @@ from torch import nn
 
 from . import torchapi
 from .analysis import build_report
-from .errors import ForwardError, GradauditError, NothingRequiresGradError
+from .errors import ForwardError, GradauditError, NoMatchingParameterError, NothingRequiresGradError
 from .measure import held_bytes_after_forward
 from .meta import CpuKernelChoices, WithoutAttentionDropout
 from .recorder import Recorder
 from .records import Leaf, Manager, Report
+from .rules.registry import check_codes
 from .tensors import iter_tensors, split_inputs, unique
 
 
@@ -24,11 +26,41 @@ def matching_parameters(model: nn.Module, patterns: Sequence[str]) -> set[str]:
     return {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
 
 
+def check_patterns(model: nn.Module, patterns: Optional[Sequence[str]], label: str) -> None:
+    """Raise NoMatchingParameterError for the first pattern that matches no parameter name.
+
+    A pattern that matches nothing (a typo, ``fc`` for ``fc.*``, a name from another model) would
+    silently audit a different freezing pattern than the one asked for; the error names up to
+    three real names closest to it. ``label`` names the option (``--trainable``, ``trainable``).
+    """
+    if not patterns:
+        return
+    names = [n for n, _ in model.named_parameters()]
+    for pattern in patterns:
+        if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            continue
+        if not names:
+            raise NoMatchingParameterError(f"{label} {pattern!r} matches no parameter: the model has no "
+                                           f"parameters")
+        # glob characters say nothing about closeness: compare the literal part of the pattern;
+        # a module path ("layers.3" for "layers.3.*") names its own parameters first
+        literal = pattern.replace("*", "").replace("?", "").replace("[", "").replace("]", "")
+        near = [n for n in names if literal and n.startswith(literal)][:3]
+        near += [n for n in difflib.get_close_matches(literal, names, n=3, cutoff=0.0) if n not in near]
+        near = near[:3]
+        raise NoMatchingParameterError(
+            f"{label} {pattern!r} matches no parameter (globs match whole names from named_parameters()); "
+            f"nearest: {', '.join(near)}")
+
+
 def apply_trainable(model: nn.Module, trainable: Optional[Sequence[str]], frozen: Optional[Sequence[str]]) -> None:
     """The what-if: with ``trainable``, exactly the matching parameters require grad; parameters
-    matching ``frozen`` do not. No patterns: the flags stay as they are."""
+    matching ``frozen`` do not. No patterns: the flags stay as they are. A pattern that matches no
+    parameter raises NoMatchingParameterError (before any flag changes)."""
     if trainable is None and not frozen:
         return
+    check_patterns(model, trainable, "trainable")
+    check_patterns(model, frozen, "frozen")
     chosen = matching_parameters(model, trainable) if trainable is not None else None
     blocked = matching_parameters(model, frozen) if frozen else set()
     for name, p in model.named_parameters():
@@ -118,7 +150,9 @@ def audit(
         (CPU/GPU only; not on the meta device).
     trainable: glob patterns over ``named_parameters()`` names; when given, exactly the matching
         parameters require grad during the audit (a what-if). ``frozen``: patterns to freeze on top.
-    select / ignore: rule code prefixes (longest prefix wins).
+    select / ignore: rule code prefixes (longest prefix wins). They define what the report counts:
+        its findings and every byte figure (``reclaimable_bytes`` and the rest) cover the selected
+        rules only. An entry that is a prefix of no rule code raises UnknownCodeError.
     eager: run ``torch.compile``'d parts of the model eagerly, so that what eager autograd saves
         (and the findings about it) is seen op by op. Without it, a compiled region is one
         ``CompiledFunctionBackward`` node whose saves the compiler chose; the report says so.
@@ -128,6 +162,11 @@ def audit(
     """
     if not isinstance(model, nn.Module):
         raise GradauditError(f"audit() needs a torch.nn.Module, got {type(model).__name__}")
+    select, ignore = check_codes(select, "select entry"), check_codes(ignore, "ignore entry")
+    if isinstance(trainable, str):  # one pattern, not a list of its characters
+        trainable = [trainable]
+    if isinstance(frozen, str):
+        frozen = [frozen]
     if eager and torchapi.compiled_original(model) is not None:
         model = torchapi.compiled_original(model)  # its module paths, without "_orig_mod."
     args, kwargs = split_inputs(inputs)

@@ -26,8 +26,9 @@ Exit codes:
   1  a --fail-on-waste or --max-reclaimable threshold was exceeded
   2  something prevented the scan: a bad SPEC, a missing file or factory,
      a factory or forward that raised, nothing requiring grad, an
-     unwritable output path (one or two lines on stderr; --debug for the
-     traceback)
+     unwritable output path, a --select/--ignore code no rule has, a
+     --trainable/--freeze pattern no parameter matches (one or two lines
+     on stderr; --debug for the traceback)
 """
 
 
@@ -172,13 +173,21 @@ def run_scan(options: ScanOptions) -> int:
         if path:
             _check_writable(path, option)
     limit = loading.parse_size(options.max_reclaimable) if options.max_reclaimable else None
+    # before the model is built (which can take minutes): a typo must not quietly change the gate
+    from .rules.registry import check_codes
+
+    check_codes(options.select, "--select")
+    check_codes(options.ignore, "--ignore")
     if options.verify and options.device == "meta":
         raise ScanFailed("--verify needs real values and cannot run on --device meta; use --device cpu "
                          "(or cuda), or drop --verify")
 
     model, inputs = prepare(options)
 
-    from .auditing import audit
+    from .auditing import audit, check_patterns
+
+    check_patterns(model, options.trainable, "--trainable")
+    check_patterns(model, options.freeze, "--freeze")
 
     report = audit(model, inputs, verify=options.verify,
                    trainable=list(options.trainable) if options.trainable else None,
@@ -241,11 +250,15 @@ def run_scan(options: ScanOptions) -> int:
 
 def _one_line(report: Any) -> str:
     from .report.units import human_bytes
+    from .report.views import selection
 
+    every = (f", {human_bytes(report.reclaimable_with_all_fixes_bytes)} with all fixes"
+             if report.rewrite_bytes else "")
+    counted = f" ({selection(report)})" if report.select or report.ignore else ""
     return (f"{report.model}: {human_bytes(report.saved_bytes)} held for backward, "
             f"{human_bytes(report.reclaimable_bytes)} reclaimable "
-            f"({human_bytes(report.reclaimable_with_bitpacking_bytes)} with bit-packing), "
-            f"{len(report.waste_findings)} waste findings")
+            f"({human_bytes(report.reclaimable_with_bitpacking_bytes)} with bit-packing{every}), "
+            f"{len(report.waste_findings)} waste findings{counted}")
 
 
 def _trim(model: Any, inputs: Any, options: ScanOptions) -> dict[str, int]:
@@ -280,16 +293,22 @@ def _trim_lines(figures: dict[str, int]) -> str:
 
 
 def _thresholds(report: Any, options: ScanOptions, limit: Optional[int]) -> int:
+    """Both thresholds count what the summary shows: the selected rules' waste findings, and the
+    bytes fixing all of them together frees (``reclaimable_with_all_fixes_bytes``, storage-aware),
+    the figure ``assert_no_waste`` compares too."""
     from .report.units import human_bytes
+    from .report.views import freed_parts
 
     code = EXIT_OK
-    if options.fail_on_waste and report.waste_findings:
-        click.echo(f"gradaudit: {len(report.waste_findings)} waste findings (--fail-on-waste)", err=True)
+    freed, count = report.reclaimable_with_all_fixes_bytes, len(report.waste_findings)
+    findings = f"{count} waste finding{'s' if count != 1 else ''}"
+    if options.fail_on_waste and count:
+        click.echo(f"gradaudit: {findings} (--fail-on-waste)", err=True)
         code = EXIT_THRESHOLD
-    if limit is not None and report.reclaimable_bytes > limit:
-        click.echo(f"gradaudit: {human_bytes(report.reclaimable_bytes)} reclaimable "
-                   f"({report.reclaimable_bytes} bytes) exceeds --max-reclaimable "
-                   f"{options.max_reclaimable} ({limit} bytes)", err=True)
+    if limit is not None and freed > limit:
+        click.echo(f"gradaudit: fixing the {findings} would free {human_bytes(freed)} ({freed} bytes), which "
+                   f"exceeds --max-reclaimable {options.max_reclaimable} ({limit} bytes): {freed_parts(report)}",
+                   err=True)
         code = EXIT_THRESHOLD
     return code
 
@@ -331,11 +350,12 @@ def cli() -> None:
 @click.option("--verify", is_flag=True, help="Prove each verdict by running backward nodes on poisoned "
               "values (real devices only).")
 @click.option("--select", multiple=True, metavar="CODES", help="Only these rule code prefixes "
-              "(comma-separated or repeated; longest prefix wins).")
+              "(comma-separated or repeated; longest prefix wins). Findings, byte figures and "
+              "thresholds count the selected rules only.")
 @click.option("--ignore", multiple=True, metavar="CODES", help="Skip these rule code prefixes.")
-@click.option("--fail-on-waste", is_flag=True, help="Exit 1 when any waste finding remains.")
-@click.option("--max-reclaimable", metavar="SIZE", help="Exit 1 when more than SIZE (e.g. 64MiB) is "
-              "reclaimable.")
+@click.option("--fail-on-waste", is_flag=True, help="Exit 1 when any (selected) waste finding remains.")
+@click.option("--max-reclaimable", metavar="SIZE", help="Exit 1 when fixing every (selected) waste "
+              "finding together would free more than SIZE (e.g. 64MiB).")
 @click.option("--trim", is_flag=True, help="Also measure held and peak memory with gradaudit.trim.")
 @click.option("-q", "--quiet", is_flag=True, help="Print one summary line.")
 @click.option("-v", "--verbose", count=True, help="List more findings (-v: 50, -vv: all).")

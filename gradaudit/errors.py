@@ -28,5 +28,15 @@ class UnknownRuleError(GradauditError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class UnknownCodeError(GradauditError, ValueError):
+    """A select/ignore/allow entry is a prefix of no rule code (``GA4O1``, ``GA9999``): taken
+    silently it would select nothing, or ignore nothing, and quietly change what a CI gate checks."""
+
+
+class NoMatchingParameterError(GradauditError, ValueError):
+    """A trainable/frozen glob matches no parameter name: the what-if would silently audit another
+    freezing pattern than the one asked for."""
+
+
 class RenderError(GradauditError):
     """Graphviz's ``dot`` failed to lay out the autograd graph."""

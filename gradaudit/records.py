@@ -260,6 +260,10 @@ class Finding:
     fix_code: str  # a snippet the user can paste
     fix_safe: bool  # True: gradients stay bit-identical
     proven: bool = False
+    # True: the fix is a code change (fused attention, a clone, a detached input) and ``bytes`` is the
+    # rule's own figure for it; False: the fix drops or bit-packs the saves in ``tensors`` and the
+    # byte figures are the Accountant's
+    rewrite: bool = False
 
     @property
     def docs(self) -> str:
@@ -310,6 +314,13 @@ class Report:
     unexplained: list[dict[str, Any]] = field(default_factory=list)  # blind spots
     notes: list[str] = field(default_factory=list)
     disagreements: list[Disagreement] = field(default_factory=list)  # verify=True refuted the op knowledge
+    # bytes the selected waste findings' code changes (``Finding.rewrite``) free on top of dropping
+    # and bit-packing, each storage counted once
+    rewrite_bytes: int = 0
+    # the rule code prefixes the audit selected and ignored: the findings and every byte figure
+    # above count the selected rules only
+    select: tuple[str, ...] = ()
+    ignore: tuple[str, ...] = ()
 
     @property
     def held_tensors(self) -> list[SavedTensor]:
@@ -319,12 +330,20 @@ class Report:
     def waste_findings(self) -> list[Finding]:
         return [f for f in self.findings if f.severity == Severity.WASTE]
 
+    @property
+    def reclaimable_with_all_fixes_bytes(self) -> int:
+        """Bytes freed when every (selected) waste finding is fixed together: dropping, bit-packing
+        and the code changes. The one figure ``--max-reclaimable`` and ``assert_no_waste`` compare."""
+        return self.reclaimable_with_bitpacking_bytes + self.rewrite_bytes
+
     def summary(self) -> dict[str, Any]:
         held = self.held_tensors
         return {
             "saved_bytes": self.saved_bytes,
             "reclaimable_bytes": self.reclaimable_bytes,
             "reclaimable_with_bitpacking_bytes": self.reclaimable_with_bitpacking_bytes,
+            "rewrite_bytes": self.rewrite_bytes,
+            "reclaimable_with_all_fixes_bytes": self.reclaimable_with_all_fixes_bytes,
             "recomputed_bytes": self.recomputed_bytes,
             "offloaded_bytes": self.offloaded_bytes,
             "saved_tensors": len(held),
@@ -346,6 +365,8 @@ class Report:
             "device": self.device,
             "training": self.training,
             "verified": self.verified,
+            "select": list(self.select),
+            "ignore": list(self.ignore),
             "summary": self.summary(),
             "findings": [f.to_dict() for f in self.findings],
             "tensors": [t.to_dict(self) for t in self.tensors],

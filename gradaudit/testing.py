@@ -1,4 +1,4 @@
-"""``assert_no_waste``: a regression test that fails when a model starts saving what backward cannot use.
+"""``assert_no_waste``: a regression test that fails when a model starts holding what backward does not need.
 
 Works in any test runner (it raises AssertionError); the pytest plugin (gradaudit.pytest_plugin)
 only hands it out as a fixture.
@@ -9,24 +9,6 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from .records import Finding, Report
-
-
-def remaining_waste(report: Report, allow: Sequence[str] = ()) -> list[Finding]:
-    """Waste findings whose code does not start with an allowed prefix."""
-    from .rules.registry import selected
-
-    prefixes = tuple(p.strip() for p in allow if p.strip())
-    return [f for f in report.waste_findings if selected(f.code, ignore=prefixes)]
-
-
-def reclaimable_by(report: Report, findings: Sequence[Finding]) -> int:
-    """Bytes freed when exactly these findings are fixed together (storage-aware)."""
-    from .accounting import Accountant
-
-    accountant = Accountant(report.tensors, report.storages)
-    freed = accountant.freed(*accountant.fixes_of(i for f in findings for i in f.tensors))
-    # a rule may state its bytes itself (e.g. what a fused kernel would save): never report less
-    return max([freed] + [f.bytes for f in findings])
 
 
 def format_findings(findings: Sequence[Finding], *, limit: int = 20) -> str:
@@ -58,32 +40,37 @@ def assert_no_waste(
     max_reclaimable_bytes: int = 0,
     trainable: Optional[Sequence[str]] = None,
 ) -> Report:
-    """Fail when autograd holds memory for ``model(inputs)`` that backward cannot use.
+    """Fail when autograd holds memory for ``model(inputs)`` that fixing the findings would free.
 
-    Raises AssertionError when waste findings remain after ``allow`` (rule code prefixes, e.g.
-    ``("GA401",)``) and fixing them together would free more than ``max_reclaimable_bytes``. The
-    message lists each finding: code, name, module path, source line, bytes and fix.
-    ``verify=True`` also runs the empirical proof, which finds waste in custom autograd Functions
-    (needs real tensors, not the meta device). ``trainable``: glob patterns over parameter names
-    that require grad during the check (as in ``gradaudit.audit``). Returns the report on success.
+    ``allow``: rule code prefixes (e.g. ``("GA401",)``) left out exactly as ``gradaudit scan
+    --ignore`` leaves them out: their findings are not in the report, and bytes that only their
+    fixes free are not counted (a storage an allowed save keeps is not freed). An entry that is a
+    prefix of no rule code raises UnknownCodeError: a typo must not pass every model.
+
+    Raises AssertionError when fixing every remaining waste finding together would free more than
+    ``max_reclaimable_bytes`` (``Report.reclaimable_with_all_fixes_bytes``: the figure
+    ``--max-reclaimable`` compares). The message says what those bytes are and lists each finding:
+    code, name, module path, source line, bytes and fix. ``verify=True`` also runs the empirical
+    proof, which finds waste in custom autograd Functions (needs real tensors, not the meta
+    device). ``trainable``: glob patterns over parameter names that require grad during the check
+    (as in ``gradaudit.audit``). Returns the report on success.
     """
     __tracebackhide__ = True  # pytest shows the caller's line and the message, not these frames
     from .auditing import audit
+    from .rules.registry import check_codes
 
-    if isinstance(allow, str):
-        allow = (allow,)
-    report = audit(model, inputs, verify=verify, trainable=trainable)
-    waste = remaining_waste(report, allow)
-    if not waste:
-        return report
-    from .report.units import human_bytes
-
-    freed = reclaimable_by(report, waste)
+    allow = check_codes(allow, "allow entry")
+    report = audit(model, inputs, verify=verify, trainable=trainable, ignore=allow)
+    freed = report.reclaimable_with_all_fixes_bytes
     if freed <= max_reclaimable_bytes:
         return report
+    from .report.units import human_bytes
+    from .report.views import freed_parts
+
+    waste = report.waste_findings
     allowed = f"; allowed: {', '.join(allow)}" if allow else ""
     limit = f" (limit {human_bytes(max_reclaimable_bytes)})" if max_reclaimable_bytes else ""
     raise AssertionError(
-        f"gradaudit: {report.model} holds {human_bytes(freed)} ({freed} bytes) for backward that "
-        f"backward cannot use{limit}: {len(waste)} waste finding{'s' if len(waste) != 1 else ''}"
+        f"gradaudit: {report.model}: {human_bytes(freed)} ({freed} bytes) held for backward could be freed"
+        f"{limit}: {freed_parts(report)}; {len(waste)} waste finding{'s' if len(waste) != 1 else ''}"
         f"{allowed}\n{format_findings(waste)}")

@@ -56,7 +56,10 @@ def test_cnn_in_eval_on_meta_differs_only_by_batch_norm_statistics():
     cpu, meta = _both(lambda: SmallCNN().eval(), lambda device: torch.randn(2, 3, 16, 16, device=device))
     # 2 BatchNorm2d(8) * 2 statistics * 8 channels * 4 bytes = 128
     assert meta.saved_bytes - cpu.saved_bytes == 128
-    assert meta.reclaimable_bytes - cpu.reclaimable_bytes == 128  # not needed in eval, both devices
+    # not needed in eval on both devices, but no finding reports them (GA201 flags the input only):
+    # no figure counts them, a note on meta says how much they hold
+    assert meta.reclaimable_bytes == cpu.reclaimable_bytes
+    assert any(n.startswith("128 bytes more would be freed") for n in meta.notes)
 
     def without_stats(report):
         return [f[:2] + f[4:] if f[1] in ("result1", "result2") else f for f in _fingerprint(report)]

@@ -154,8 +154,9 @@ def test_message_names_module_code_source_bytes_and_fix():
         gradaudit.assert_no_waste(model, images)
     message = str(caught.value)
     held = 2 * 8 * 14 * 14 * 4  # = 12544: the first conv's 2x8x14x14 float32 output, kept by the frozen conv
-    assert message.startswith(f"gradaudit: Sequential holds 12.2 KiB ({held} bytes) for backward that "
-                              f"backward cannot use: 1 waste finding")
+    assert message.startswith(f"gradaudit: Sequential: 12.2 KiB ({held} bytes) held for backward could be "
+                              f"freed: 12.2 KiB by dropping saves whose values backward never reads; "
+                              f"1 waste finding\n")
     assert "  GA101 conv-input-saved-for-frozen-weight  1 (Conv2d)  at tests/test_testing.py:" in message
     assert f"frees 12.2 KiB alone ({held} bytes)" in message
     assert "fix: Drop the saved input while the weight is frozen" in message
@@ -179,6 +180,100 @@ def test_allow_takes_code_prefixes():
         gradaudit.assert_no_waste(model, images, allow=["GA1"])
     assert "GA101" not in str(caught.value) and "allowed: GA1" in str(caught.value)
     gradaudit.assert_no_waste(model, images, allow=sorted({c[:3] for c in codes}))
+
+
+def test_bit_packable_bytes_are_not_called_unusable():
+    # The next Linear is frozen, so only the ReLU keeps its 4x16 float32 result (256 bytes), and
+    # backward reads it as a sign: 1 bit per element keeps ceil(64 / 8) = 8 bytes, frees 248.
+    model, inputs, _ = _trigger("GA401")
+    with pytest.raises(AssertionError) as caught:
+        gradaudit.assert_no_waste(model, inputs)
+    message = str(caught.value)
+    assert message.startswith("gradaudit: Sequential: 248 B (248 bytes) held for backward could be freed: "
+                              "248 B by keeping 1 bit per element of saves backward reads only as a sign "
+                              "or mask; 1 waste finding\n")
+    assert "cannot use" not in message and "never reads" not in message
+
+
+def test_code_change_findings_count_in_the_all_fixes_figure():
+    # head saves body(x)[:, -1], a 4x64 view (1024 bytes) of the 4x32x64 float32 output (32768
+    # bytes): GA601's clone frees 32768 - 1024 = 31744 bytes. No save is droppable or bit-packable,
+    # so reclaimable (with bit-packing) is 0 and the code change makes up the whole all-fixes figure.
+    from gradaudit.report import text
+
+    model, inputs, _ = _trigger("GA601")
+    report = gradaudit.audit(model, inputs)
+    (view,) = report.waste_findings
+    assert view.rewrite and view.bytes == view.bytes_together == 32768 - 1024
+    assert (report.reclaimable_bytes, report.reclaimable_with_bitpacking_bytes) == (0, 0)
+    assert report.rewrite_bytes == report.reclaimable_with_all_fixes_bytes == 31744
+    assert report.summary()["reclaimable_with_all_fixes_bytes"] == 31744
+    assert "  reclaimable with all fixes    31 KiB  96.9%" in text.render(report)
+    with pytest.raises(AssertionError, match=r"^gradaudit: LastToken: 31 KiB \(31744 bytes\) held for backward "
+                                             r"could be freed: 31 KiB by the code changes the findings name"):
+        gradaudit.assert_no_waste(model, inputs)
+    gradaudit.assert_no_waste(model, inputs, max_reclaimable_bytes=31744)
+
+
+def test_allow_works_as_ignore_for_findings_and_bytes():
+    # conv -> ReLU -> max-pool -> frozen conv on 2x3x16x16: the ReLU's 2x8x14x14 float32 result
+    # (12544 bytes) is saved by the ReLU (sign only, GA401) and the max-pool (unread, GA301); the
+    # frozen conv saves the 2x8x7x7 pooled input (3136 bytes, unread, GA101).
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.MaxPool2d(2), frozen(nn.Conv2d(8, 4, 3)))
+    images = torch.randn(2, 3, 16, 16)
+    # allow GA4: the ReLU's result stays float, so GA301's drop frees nothing; GA101's 3136 remain
+    with pytest.raises(AssertionError) as caught:
+        gradaudit.assert_no_waste(model, images, allow=["GA4"])
+    assert str(caught.value).startswith("gradaudit: Sequential: 3.06 KiB (3136 bytes) held for backward")
+    report = gradaudit.assert_no_waste(model, images, allow=["GA4"], max_reclaimable_bytes=3136)
+    assert report.ignore == ("GA4",) and report.reclaimable_with_all_fixes_bytes == 3136
+    assert [f.severity for f in report.findings if f.code == "GA301"] == ["info"]
+    # allow GA1: 12544 - ceil(3136 / 8) = 12544 - 392 = 12152 bytes, by bit-packing alone
+    with pytest.raises(AssertionError, match=r"^gradaudit: Sequential: 11.9 KiB \(12152 bytes\) held for "
+                                             r"backward could be freed: 11.9 KiB by keeping 1 bit"):
+        gradaudit.assert_no_waste(model, images, allow="GA1")  # a lone string is one entry
+    gradaudit.assert_no_waste(model, images, allow=["GA1", "GA4"])
+    # the CLI's figure for the same selection
+    assert gradaudit.audit(model, images, ignore=["GA1"]).reclaimable_with_all_fixes_bytes == 12152
+
+
+def test_an_ignored_rule_is_not_reported_as_unexplained():
+    # With verify=True the catch-all GA000 reports proven waste no rule explains. The ReLU's result
+    # is GA401's (the next Linear is frozen, so it is read only as a sign): ignoring GA401 must not
+    # turn it into GA000 "no rule explains it", and its 248 bytes (256 - ceil(64 / 8)) are not counted.
+    model, inputs, _ = _trigger("GA401")
+    report = gradaudit.audit(model, inputs, verify=True, ignore=["GA4"])
+    assert report.findings == [] and report.reclaimable_with_all_fixes_bytes == 0
+    gradaudit.assert_no_waste(model, inputs, verify=True, allow=["GA401"])
+    assert [(f.code, f.bytes) for f in gradaudit.audit(model, inputs, verify=True).findings] == [("GA401", 248)]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m, x: gradaudit.assert_no_waste(m, x, allow=["GA4O1"]),
+     "allow entry GA4O1: no rule code starts with GA4O1 (did you mean GA401?)"),
+    (lambda m, x: gradaudit.audit(m, x, select=["GA9999"]), "select entry GA9999: no rule code starts with GA9999"),
+    (lambda m, x: gradaudit.audit(m, x, ignore="GA1,XY"), "ignore entry XY: no rule code starts with XY"),
+])
+def test_unknown_codes_raise(call, message):
+    from gradaudit.errors import UnknownCodeError
+
+    model, images, _ = _trigger("GA101")
+    with pytest.raises(UnknownCodeError) as caught:
+        call(model, images)
+    assert str(caught.value).startswith(message)
+    assert isinstance(caught.value, gradaudit.GradauditError) and isinstance(caught.value, ValueError)
+
+
+def test_patterns_matching_no_parameter_raise_and_leave_the_model_alone():
+    from gradaudit.errors import NoMatchingParameterError
+
+    model, images, _ = _trigger("GA101")  # parameters 0.weight, 0.bias, 1.weight, 1.bias; 1.* frozen
+    with pytest.raises(NoMatchingParameterError, match=r"^trainable '1\.wieght' matches no parameter .*"
+                                                       r"nearest: 1\.weight, "):
+        gradaudit.audit(model, images, trainable=["0.*", "1.wieght"])
+    with pytest.raises(NoMatchingParameterError, match=r"^frozen 'conv' matches no parameter"):
+        gradaudit.audit(model, images, frozen="conv")  # a lone string is one pattern
+    assert [p.requires_grad for p in model.parameters()] == [True, True, False, False]
 
 
 def test_trainable_patterns_change_the_verdict():
@@ -216,8 +311,8 @@ def test_example_user_test_file_shows_the_failure_text():
     assert "1 failed, 2 passed" in out
     assert "FAILED check_layer.py::test_regressed_layer_is_caught" in out
     # 16 x 256 float32 = 16384 bytes: the input of the squared ReLU, never read by its backward
-    assert ("E       AssertionError: gradaudit: FeedForward holds 16 KiB (16384 bytes) for backward that "
-            "backward cannot use: 1 waste finding") in out
+    assert ("E       AssertionError: gradaudit: FeedForward: 16 KiB (16384 bytes) held for backward could be "
+            "freed: 16 KiB by dropping saves whose values backward never reads; 1 waste finding") in out
     assert "GA000 unexplained-unneeded-save" in out and "layer.py:" in out
     assert "SquaredReLUSavingInputBackward" in out
     assert "def assert_no_waste" not in out  # the traceback stops at the user's test line

@@ -45,7 +45,11 @@ def test_proof_overrides_a_wrong_static_verdict(monkeypatch):
     monkeypatch.setitem(registry._DECLARED, "TanhBackward0", [wrong])
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2).requires_grad_(False))
     static = gradaudit.audit(model, torch.randn(3, 4))
-    assert static.reclaimable_bytes == 3 * 4 * 4  # the wrong claim, 48 bytes
+    assert by_attr(static, "TanhBackward0")["result"].verdict == NOT_NEEDED  # the wrong claim
+    # GA000 reports only proven saves: no finding, so no figure counts the 3x4 float32 (48 bytes);
+    # a note says what the claim would free
+    assert static.reclaimable_bytes == 0 and not static.findings
+    assert any(n.startswith(f"{3 * 4 * 4} bytes more would be freed") and "GA000" in n for n in static.notes)
     proven = gradaudit.audit(model, torch.randn(3, 4), verify=True)
     tanh = by_attr(proven, "TanhBackward0")["result"]
     assert tanh.verdict == NEEDED and tanh.proven

@@ -22,7 +22,7 @@ from ..rules.registry import get_rule
 from . import graph
 from .jsonout import finite
 from .units import human_bytes, share
-from .views import module_bitpacking_totals, ranked_findings, timeline
+from .views import module_bitpacking_totals, ranked_findings, selection, timeline
 
 # The module picture lists at most this many rows, cutting at the deepest level that fits.
 MAX_MODULE_ROWS = 300
@@ -191,7 +191,9 @@ def render(report: Report, *, title: Optional[str] = None) -> str:
         "shares": {
             "reclaimable": share(report.reclaimable_bytes, report.saved_bytes),
             "packing": share(report.reclaimable_with_bitpacking_bytes, report.saved_bytes),
+            "every": share(report.reclaimable_with_all_fixes_bytes, report.saved_bytes),
         },
+        "selection": selection(report) if report.select or report.ignore else "",
         "modules": module_rows(report),
         "groups": finding_groups(report),
         "timeline": timeline_chart(report),

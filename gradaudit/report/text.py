@@ -6,7 +6,7 @@ from typing import Sequence
 
 from ..records import Report, Severity
 from .units import human_bytes, share
-from .views import ranked_findings
+from .views import ranked_findings, selection
 
 _RESET = "\033[0m"
 _STYLES = {"bold": "\033[1m", "dim": "\033[2m", "red": "\033[31m", "amber": "\033[33m", "green": "\033[32m"}
@@ -54,6 +54,9 @@ def render(report: Report, *, color: bool = False, top: int = 10, width: int = 1
         ("reclaimable with bit-packing", human_bytes(report.reclaimable_with_bitpacking_bytes),
          share(report.reclaimable_with_bitpacking_bytes, held), "amber"),
     ]
+    if report.rewrite_bytes:  # code changes (fused attention, a clone...) free more than trimming can
+        figures.append(("reclaimable with all fixes", human_bytes(report.reclaimable_with_all_fixes_bytes),
+                        share(report.reclaimable_with_all_fixes_bytes, held), "amber"))
     if report.recomputed_bytes:
         figures.append(("recomputed by checkpointing", human_bytes(report.recomputed_bytes), "not held", ""))
     if report.offloaded_bytes:
@@ -62,6 +65,9 @@ def render(report: Report, *, color: bool = False, top: int = 10, width: int = 1
     for (label, amount, note), (_, _, _, style) in zip(padded, figures):
         amount = paint(amount, style) if style and amount.strip() != "0 B" else amount
         lines.append(f"  {label}  {amount}  {note}".rstrip())
+    if report.select or report.ignore:
+        lines.append(paint(f"  counting the selected rules only ({selection(report)}): their findings, "
+                           f"these figures and the thresholds", "dim"))
     if summary["uncounted_tensors"]:
         lines.append(paint(f"  {summary['uncounted_tensors']} saved tensors are not in these bytes: their "
                            f"size is unknown (sparse or other non-strided layout)", "dim"))

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..accounting import Accountant, counted, roll_up
-from ..records import HELD_KINDS
-from ..records import Finding, Report
+from ..records import HELD_KINDS, Finding, Report
+from .units import human_bytes
 
 
 def finding_rank(finding: Finding) -> tuple:
@@ -23,9 +23,29 @@ def ranked_findings(report: Report) -> list[Finding]:
     return sorted(report.findings, key=finding_rank)
 
 
+def selection(report: Report) -> str:
+    """``select GA1; ignore GA101``: the rule selection a report's figures count."""
+    parts = [f"{what} {','.join(codes)}" for what, codes in (("select", report.select), ("ignore", report.ignore))
+             if codes]
+    return "; ".join(parts) or "every rule"
+
+
+def freed_parts(report: Report) -> str:
+    """What the report's all-fixes figure is made of, in words: "12 KiB by dropping saves whose
+    values backward never reads, 2 KiB by keeping 1 bit per element of ...". Bit-packed saves are
+    read by backward (as a sign or mask): they are not "unusable", only wider than needed."""
+    dropped = report.reclaimable_bytes
+    packed = report.reclaimable_with_bitpacking_bytes - dropped
+    parts = [(dropped, "by dropping saves whose values backward never reads"),
+             (packed, "by keeping 1 bit per element of saves backward reads only as a sign or mask"),
+             (report.rewrite_bytes, "by the code changes the findings name (see each fix)")]
+    return ", ".join(f"{human_bytes(n)} {how}" for n, how in parts if n) or "nothing"
+
+
 def freed_with_all_fixes(report: Report) -> dict[int, int]:
-    """Bytes each storage frees when every not-needed save is dropped and every 1-bit one packed."""
-    return Accountant(report.tensors, report.storages).freed_by_all_fixes()
+    """Bytes each storage frees when every not-needed save the report's findings name is dropped
+    and every 1-bit one packed (with select/ignore: the selected rules' findings)."""
+    return Accountant.for_report(report).freed_by_all_fixes()
 
 
 def module_bitpacking_totals(report: Report) -> dict[str, int]:

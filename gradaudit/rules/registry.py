@@ -9,13 +9,14 @@ Rules are pure functions of the recording's plain data: they never touch tensors
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 from ..accounting import Accountant
-from ..errors import RuleError, UnknownRuleError
+from ..errors import RuleError, UnknownCodeError, UnknownRuleError
 from ..records import HELD_KINDS, SEVERITIES, GraphNode, SavedTensor, Severity
 
 DOC_SECTIONS = ("What it flags", "Why it costs memory", "Example", "Fix", "Fix safety", "Known limits")
@@ -173,3 +174,32 @@ def selected(code: str, select: Sequence[str] = (), ignore: Sequence[str] = ()) 
     if not select:
         best_select = 0
     return best_select >= best_ignore if best_select >= 0 else False
+
+
+def code_prefixes(codes: Union[str, Sequence[str], None]) -> tuple[str, ...]:
+    """``"GA1,ga301"`` or ``["GA1", "ga301"]`` -> ("GA1", "GA301"): a lone string is a list of one
+    comma-separated entry, not of its characters."""
+    if codes is None:
+        return ()
+    if isinstance(codes, str):
+        codes = (codes,)
+    return tuple(part.strip().upper() for c in codes for part in str(c).split(",") if part.strip())
+
+
+def check_codes(codes: Union[str, Sequence[str], None], label: str) -> tuple[str, ...]:
+    """``code_prefixes(codes)``, each checked to be a prefix of at least one rule code.
+
+    An unknown entry (``GA4O1``, ``GA9999``) would select or ignore nothing without a word, and a CI
+    gate would silently check something else than written; ``label`` names the option in the
+    one-line error (``--ignore``, ``allow entry``).
+    """
+    entries = code_prefixes(codes)
+    known = [r.code for r in all_rules()]
+    for entry in entries:
+        if any(code.startswith(entry) for code in known):
+            continue
+        near = difflib.get_close_matches(entry, known, n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise UnknownCodeError(f"{label} {entry}: no rule code starts with {entry}{hint}; codes are "
+                               f"{known[0]}..{known[-1]}, `gradaudit rules` lists them")
+    return entries
