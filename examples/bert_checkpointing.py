@@ -12,7 +12,9 @@ What the scans show: with checkpointing, the saves inside each encoder layer (at
 probabilities, GELU inputs, layer-norm statistics, dropout masks) are no longer held - they are
 recomputed in backward and reported as managed by the checkpoint. What stays held is everything
 outside the checkpointed blocks: the embeddings (their layer norm and dropout mask), each layer's
-input hidden state (kept at model level to re-run the layer), the pooler and the classifier. Checkpointing trades compute for those bytes; it does not make a
+input hidden state (kept by the checkpoint to re-run the layer; the report shows it in the layer's
+name, on a ``CheckpointInputs`` node), the pooler and the classifier. Checkpointing trades compute
+for those bytes; it does not make a
 wasteful save cheaper - whatever a layer saves for nothing is still saved for nothing during the
 recomputation, at the peak of backward.
 """
@@ -49,17 +51,21 @@ def build_checkpointed():
     return _model(checkpointed=True)
 
 
-PLACES = ("embeddings", "encoder layers", "pooler and classifier", "model level")
+PLACES = ("embeddings", "encoder layers", "pooler and classifier", "model level", "checkpoint inputs")
+# where gradaudit shows what a checkpoint keeps to re-run its block (non-reentrant, reentrant)
+CHECKPOINT_NODES = ("CheckpointInputs", "CheckpointFunctionBackward")
 
 
-def place_of(module: str) -> str:
+def place_of(module: str, node: str = "") -> str:
+    if node in CHECKPOINT_NODES:
+        return "checkpoint inputs"
     if ".embeddings" in module:
         return "embeddings"
     if ".encoder" in module:
         return "encoder layers"
     if module:
         return "pooler and classifier"
-    return "model level"  # saves made outside every submodule, e.g. the layer inputs a checkpoint keeps
+    return "model level"  # saves made outside every submodule
 
 
 def held_by_place(report) -> dict[str, int]:
@@ -71,7 +77,7 @@ def held_by_place(report) -> dict[str, int]:
         if t.storage_id in seen or storage.kind not in ("activation", "output"):
             continue
         seen.add(t.storage_id)
-        places[place_of(t.module)] += storage.nbytes
+        places[place_of(t.module, t.node)] += storage.nbytes
     return places
 
 

@@ -13,7 +13,8 @@ from .knowledge import declaration
 from .accounting import Accountant, counted, fix_scope, module_totals
 from .recorder import Recording
 from .records import (
-    HELD_KINDS, UNKNOWN, Finding, GraphNode, Manager, Report, SavedTensor, Severity, Storage, StorageKind,
+    HELD_KINDS, UNKNOWN, CheckpointRegion, Finding, GraphNode, Manager, Report, SavedTensor, Severity, Storage,
+    StorageKind,
 )
 from .rules.registry import Flag, RuleContext, all_rules, selected
 from .tensors import dtype_name, itemsize, storage_key
@@ -83,6 +84,7 @@ def build_report(
     storages: list[Storage] = []
     storage_ids: dict[int, int] = {}
     live_tensors: list[Optional[torch.Tensor]] = []
+    preset: dict[int, tuple[str, str]] = {}  # verdicts known from what holds the save
     for k in order:
         save = recording.saves[k]
         t = save.tensor
@@ -115,6 +117,8 @@ def build_report(
             module=save.site.module, module_class=save.site.module_class, source=save.site.source,
             managed_by=save.managed_by, source_index=save.index, storage_offset=offset, stride=stride,
         )
+        if save.verdict is not None:
+            preset[saved.index] = (save.verdict, save.reason)
         if sid >= 0:
             storages[sid].tensors.append(saved.index)
         nodes[save.node_pos].saved.append(saved.index)
@@ -146,6 +150,9 @@ def build_report(
             if outcome is not None:
                 t.verdict, t.reason, t.bitpackable = outcome.verdict, outcome.reason, outcome.bitpackable
                 t.explained_by = outcome.rule
+    for i, (verdict, reason) in preset.items():
+        if tensors[i].verdict == UNKNOWN:
+            tensors[i].verdict, tensors[i].reason = verdict, reason
 
     disagreements = []
     if verify and prove is not None:
@@ -155,8 +162,10 @@ def build_report(
     # -- findings -------------------------------------------------------------------------------
     accountant = Accountant(tensors, storages)
     params = {name: p.requires_grad for name, p in model.named_parameters()}
+    classes = {path: type(m).__name__ for path, m in model.named_modules()}
     ctx = RuleContext(tensors=tensors, nodes=nodes, storages=storages, parameter_names=params,
-                      training=model.training, accountant=accountant, measured=dict(measured or {}))
+                      training=model.training, accountant=accountant, measured=dict(measured or {}),
+                      module_classes=classes, checkpoints=checkpoint_regions(model, recording))
     findings = run_rules(ctx, accountant, select, ignore)
     for finding in findings:
         for i in finding.tensors:
@@ -166,7 +175,6 @@ def build_report(
     # -- accounting: every figure counts the fixes of the (selected) findings -----------------------
     scope = fix_scope(findings)
     scoped = Accountant(tensors, storages, scope)
-    classes = {path: type(m).__name__ for path, m in model.named_modules()}
     modules = module_totals(tensors, storages, scoped, classes)
     notes = list(notes) + _unreported(accountant, scope, ctx.covered, select, ignore)
 
@@ -210,6 +218,32 @@ def _unreported(accountant: Accountant, scope: set[int], covered: set[int], sele
                     if t.explained_by and t.storage_id in wider})
     return [f"{more} bytes more would be freed by dropping or bit-packing saves no finding reports "
             f"(the op knowledge names {', '.join(named) or 'no rule'} for them): no figure counts them"]
+
+
+def checkpoint_regions(model: torch.nn.Module, recording: Recording) -> list[CheckpointRegion]:
+    """The recording's checkpoint calls as plain data; a reentrant one lists the trainable
+    parameters of the modules that ran inside it (recursively) or that its function names."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    regions = []
+    for region in recording.regions:
+        parameters: set[str] = set()
+        if region.reentrant:
+            named = [*region.run_modules, *region.closure_modules]
+            # the modules that ran inside, whole; of those its function names only their own
+            # parameters (a closure over ``self`` must not cover every module) unless none ran
+            for paths, recurse in [(region.entered, True), (named, not region.entered)]:
+                for path, _ in paths:
+                    try:
+                        module = model.get_submodule(path)
+                    except AttributeError:  # a module replaced during the forward
+                        continue
+                    parameters.update(names[id(p)] for p in module.parameters(recurse=recurse)
+                                      if id(p) in names and p.requires_grad)
+        path, cls = region.module
+        regions.append(CheckpointRegion(
+            reentrant=region.reentrant, node_id=region.node_pos if region.node_pos is not None else -1,
+            module=path, module_class=cls, source=region.source, parameters=tuple(sorted(parameters))))
+    return regions
 
 
 def _device_of(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> str:
@@ -263,9 +297,10 @@ def run_rules(ctx: RuleContext, accountant: Accountant, select: Sequence[str] = 
         findings.append(Finding(
             code=r.code, name=r.name, severity=severity, message=message,
             module=flag.module if flag.module is not None else (first.module if first else (node.module if node else "")),
-            module_class=first.module_class if first else "",
+            module_class=flag.module_class if flag.module_class is not None else (first.module_class if first else ""),
             node=node.name if node else "", attrs=tuple(t.attr for t in flag.tensors),
-            source=first.source if first else None, tensors=tuple(sorted(indices)),
+            source=flag.source if flag.source is not None else (first.source if first else None),
+            tensors=tuple(sorted(indices)),
             bytes=freed, bytes_together=shares[k],
             fix=flag.fix or r.fix, fix_code=flag.fix_code or r.fix_code,
             fix_safe=r.fix_safe, proven=bool(flag.tensors) and all(t.proven for t in flag.tensors),

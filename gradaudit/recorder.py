@@ -13,6 +13,7 @@ The recorder never decides anything about the tensors; it only observes (rules l
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 import sys
 import weakref
@@ -27,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import torchapi
 from .meta import sdpa_arguments, sdpa_backend
-from .records import AttentionCall, Leaf, Manager
+from .records import NEEDED, AttentionCall, Leaf, Manager
 from .torchapi import NO_SEQUENCE, node_scalars, raw_saved_slots
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -66,6 +67,53 @@ class LiveSave:
     site: NodeSite
     shape: Optional[tuple[int, ...]] = None  # set when tensor is None but the shape is known
     dtype: Optional[torch.dtype] = None
+    verdict: Optional[str] = None  # known from what holds it (a checkpoint's inputs), not from op knowledge
+    reason: str = ""
+
+
+CHECKPOINT_INPUTS = "CheckpointInputs"  # the node a non-reentrant checkpoint's saved inputs are shown on
+
+
+@dataclass
+class LiveRegion:
+    """One ``torch.utils.checkpoint`` call seen during the forward.
+
+    Reentrant: its block ran under no_grad inside ``CheckpointFunction.forward``; the block's inner
+    graph (and so its parameters' AccumulateGrad nodes) is built only in backward, when the
+    CheckpointFunctionBackward node ``ctx`` runs. Non-reentrant: its inputs were saved with
+    gradaudit's hooks (``packs``) and are held by the checkpoint itself, out of the graph walk's reach.
+    """
+
+    reentrant: bool
+    depth: int  # length of the module stack when it began (its top-level modules run at this depth)
+    caller: tuple[str, str]  # the module running when checkpoint was called (path, class)
+    source: Optional[str]  # the user's line that called checkpoint
+    entered: list[tuple[str, str]] = field(default_factory=list)  # modules run directly inside it
+    ctx: Optional[weakref.ref] = None  # reentrant: its CheckpointFunctionBackward node
+    hook: Optional[int] = None  # non-reentrant: id of checkpoint's pack hook while the region runs
+    packs: list[int] = field(default_factory=list)  # non-reentrant: box indices of its saved inputs
+    run_modules: list[tuple[str, str]] = field(default_factory=list)  # the module(s) its block function is
+    closure_modules: list[tuple[str, str]] = field(default_factory=list)  # modules its function's closure holds
+    node_pos: Optional[int] = None  # reentrant: its node's position in Recording.nodes, when reached
+
+    @property
+    def module(self) -> tuple[str, str]:
+        """The checkpointed module: the only module run directly inside the region, else the one
+        the block function is (or is bound to), else the module that called checkpoint."""
+        if len(self.entered) == 1:
+            return self.entered[0]
+        if len(self.run_modules) == 1:
+            return self.run_modules[0]
+        return self.caller
+
+    def site(self) -> "NodeSite":
+        path, cls = self.module
+        return NodeSite(path, cls, self.source)
+
+    def reason(self) -> str:
+        path = self.module[0]
+        return (f"held by torch.utils.checkpoint: an input of the checkpointed {path or 'model'}, which "
+                f"backward reruns from it (needed to recompute the block)")
 
 
 class AttentionCalls(TorchFunctionMode):
@@ -142,6 +190,7 @@ class Recording:
     pack_count: int  # tensors packed during the forward (reachable or not)
     node_sites: dict[int, NodeSite]
     attention_tensors: list[list[tuple[Any, int]]] = field(default_factory=list)  # AttentionCalls.tensors
+    regions: list[LiveRegion] = field(default_factory=list)  # torch.utils.checkpoint calls seen
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,9 +222,11 @@ def short_path(filename: str) -> str:
     return filename
 
 
-def user_source_line() -> Optional[str]:
-    """``file:line`` of the innermost frame outside torch and gradaudit."""
-    frame = sys._getframe(1)
+def user_source_line(frame: Any = None) -> Optional[str]:
+    """``file:line`` of the innermost frame outside torch and gradaudit (from ``frame`` outwards;
+    default: the caller's)."""
+    if frame is None:
+        frame = sys._getframe(1)
     while frame is not None:
         if not _is_internal(frame.f_code):
             return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
@@ -192,12 +243,15 @@ class ModuleTracker:
 
     ``on_boundary``: called as every submodule's forward starts and ends, before the stack changes
     (``trim`` decides the nodes created since the last boundary there).
+    ``on_enter``: called with the (path, class) of every submodule whose forward starts, before it
+    is pushed (the recorder notes which modules run inside a checkpoint).
     """
 
-    def __init__(self, model: nn.Module, on_boundary: Optional[Any] = None) -> None:
+    def __init__(self, model: nn.Module, on_boundary: Optional[Any] = None, on_enter: Optional[Any] = None) -> None:
         self.model = model
         self.stack: list[tuple[str, str]] = [("", type(model).__name__)]
         self.on_boundary = on_boundary
+        self.on_enter = on_enter
         self._handles: list[Any] = []
 
     def __enter__(self) -> "ModuleTracker":
@@ -210,9 +264,15 @@ class ModuleTracker:
         return self
 
     def _make_pre(self, entry: tuple[str, str]):
-        stack, boundary = self.stack, self.on_boundary
+        stack, boundary, enter = self.stack, self.on_boundary, self.on_enter
 
-        if boundary is None:
+        if enter is not None:
+            def pre(module: nn.Module, args: Any) -> None:
+                if boundary is not None:
+                    boundary()
+                enter(entry)
+                stack.append(entry)
+        elif boundary is None:
             def pre(module: nn.Module, args: Any) -> None:
                 stack.append(entry)
         else:
@@ -247,7 +307,7 @@ class Recorder:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.tracker = ModuleTracker(model)
+        self.tracker = ModuleTracker(model, on_enter=self._on_enter)
         self._boxes: list[weakref.ref] = []
         self.node_sites: dict[int, NodeSite] = {}
         self.pack_sites: list[NodeSite] = []
@@ -261,6 +321,13 @@ class Recorder:
         self.end_sequence = 0
         self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
         self.attention = AttentionCalls()
+        self.regions: list[LiveRegion] = []
+        self._reentrant: dict[int, LiveRegion] = {}  # id(CheckpointFunctionBackward node) -> region
+        # the last non-reentrant region whose inputs were saved: (id of the saving frame, what had
+        # happened by its last input, region); its next input follows with nothing in between
+        self._saving: Optional[tuple[int, tuple[int, int, int], LiveRegion]] = None
+        self._entered = 0  # submodule forwards started so far
+        self._module_paths: Optional[dict[int, tuple[str, str]]] = None  # id(module) -> (path, class)
 
     # -- hooks ---------------------------------------------------------------------------------
     def _site(self) -> NodeSite:
@@ -279,7 +346,52 @@ class Recorder:
         self.pack_owners.append(self._announced)
         if not self._node_hook_installed:
             self.pack_sites.append(self._site())
+        frame = sys._getframe(1)
+        if torchapi.saving_checkpoint_inputs(frame):
+            self._note_checkpoint_input(box.index, frame)
         return box
+
+    def _note_checkpoint_input(self, index: int, frame: Any) -> None:
+        """A non-reentrant checkpoint saves its region's inputs, all at once before the region runs."""
+        saving = self._saving
+        # nothing since its previous input: no pack, node or module (frame ids are reused)
+        before = (index - 1, self._announced, self._entered)
+        if saving is not None and saving[0] == id(frame) and saving[1] == before:
+            region = saving[2]
+        else:
+            stack = self.tracker.stack
+            region = LiveRegion(reentrant=False, depth=len(stack), caller=stack[-1], source=user_source_line(frame))
+            self.regions.append(region)
+        self._saving = (id(frame), (index, self._announced, self._entered), region)
+        region.packs.append(index)
+
+    def _on_enter(self, entry: tuple[str, str]) -> None:
+        """A submodule's forward starts: note it in the checkpoint region it runs in, if any."""
+        stack = self.tracker.stack
+        self._entered += 1
+        if not torch.is_grad_enabled():
+            # reentrant checkpointing runs the block under no_grad, inside CheckpointFunction.forward
+            for frame, ctx in torchapi.reentrant_checkpoint_frames(sys._getframe(1)):
+                region = self._reentrant.get(id(ctx))
+                if region is None or region.ctx() is not ctx:
+                    region = LiveRegion(reentrant=True, depth=len(stack), caller=stack[-1],
+                                        source=user_source_line(frame.f_back), ctx=weakref.ref(ctx))
+                    self._reentrant[id(ctx)] = region
+                    self.regions.append(region)
+                if len(stack) == region.depth:
+                    region.entered.append(entry)
+            return
+        region = self._saving[2] if self._saving is not None else None
+        if region is None or len(stack) != region.depth:
+            return
+        # a non-reentrant region runs its block under checkpoint's own saved-tensor hooks
+        top = torchapi.top_saved_tensors_hooks()
+        if top is None or not torchapi.packed_by_checkpoint(top[0]):
+            return
+        if region.hook is None:
+            region.hook = id(top[0])
+        if region.hook == id(top[0]):
+            region.entered.append(entry)
 
     @staticmethod
     def _unpack(box: Packed) -> torch.Tensor:
@@ -324,6 +436,7 @@ class Recorder:
         next after they were packed, as ``hidden[i]``, with verdict unknown.
         """
         found = {s.index for s in saves if s.index >= 0}
+        self._collect_checkpoint_inputs(nodes, saves, found)
         by_sequence = {}
         for pos, live in enumerate(nodes):
             if live.name == "CopySlices" and live.node is not None:
@@ -347,6 +460,41 @@ class Recorder:
             live = nodes[pos]
             saves.append(LiveSave(index, pos, f"hidden[{len(live.saves)}]", box.tensor, Manager.AUTOGRAD, live.site))
             live.saves.append(len(saves) - 1)
+
+    def _collect_checkpoint_inputs(self, nodes: list[LiveNode], saves: list[LiveSave], found: set[int]) -> None:
+        """The inputs non-reentrant checkpoints hold: on one node per region, attributed to the
+        checkpointed module, needed (backward recomputes the block from them)."""
+        for region in self.regions:
+            live = None
+            for index in region.packs:
+                box = self._boxes[index]()
+                if box is None or index in found:
+                    continue  # freed with the region (its output unused)
+                if live is None:
+                    live = LiveNode(node=None, name=CHECKPOINT_INPUTS, site=region.site())
+                    region.node_pos = len(nodes)
+                    nodes.append(live)
+                saves.append(LiveSave(index, region.node_pos, f"inputs[{len(live.saves)}]", box.tensor,
+                                      Manager.AUTOGRAD, live.site, verdict=NEEDED, reason=region.reason()))
+                live.saves.append(len(saves) - 1)
+                found.add(index)
+
+    def _reentrant_region(self, node: Any, site: NodeSite) -> LiveRegion:
+        """The region of a reentrant checkpoint node reached by the walk (made here when no module
+        ran inside it), with the modules its block function names."""
+        region = self._reentrant.get(id(node))
+        if region is None or region.ctx() is not node:
+            region = LiveRegion(reentrant=True, depth=-1, caller=(site.module, site.module_class),
+                                source=site.source, ctx=weakref.ref(node))
+            self._reentrant[id(node)] = region
+            self.regions.append(region)
+        if self._module_paths is None:
+            self._module_paths = {id(m): (path, type(m).__name__) for path, m in self.model.named_modules()}
+        paths = self._module_paths
+        direct, closure = _modules_named_by(torchapi.checkpoint_run_function(node))
+        region.run_modules = [paths[id(m)] for m in direct if id(m) in paths]
+        region.closure_modules = [paths[id(m)] for m in closure if id(m) in paths]
+        return region
 
     # -- the walk ------------------------------------------------------------------------------
     def _owned(self, packed: Any) -> bool:
@@ -400,6 +548,11 @@ class Recorder:
                 live.edge_mask = [fn is not None for fn, _ in node.next_functions]
                 continue
             live.scalars = node_scalars(node)
+            region = None
+            if live.name == torchapi.REENTRANT_CHECKPOINT_NODE:
+                region = self._reentrant_region(node, live.site)
+                region.node_pos = cursor - 1
+                live.site = site = region.site()
             for fn, _ in node.next_functions:
                 live.next_positions.append(None if fn is None else visit(fn))
                 live.edge_mask.append(fn is not None)
@@ -426,6 +579,8 @@ class Recorder:
                         live.saves.append(len(saves) - 1)
                         continue
                 saves.append(LiveSave(index, cursor - 1, attr, tensor, managed, live.site))
+                if region is not None:  # CheckpointFunction saves exactly the block's tensor inputs
+                    saves[-1].verdict, saves[-1].reason = NEEDED, region.reason()
                 live.saves.append(len(saves) - 1)
         for live in nodes:
             live.next_positions = [
@@ -433,4 +588,40 @@ class Recorder:
             ]
         self._collect_hidden(nodes, saves)
         return Recording(nodes=nodes, saves=saves, outputs=outputs, pack_count=len(self._boxes),
-                         node_sites=self.node_sites, attention_tensors=self.attention.tensors)
+                         node_sites=self.node_sites, attention_tensors=self.attention.tensors,
+                         regions=list(self.regions))
+
+
+def _modules_named_by(function: Any) -> tuple[list[nn.Module], list[nn.Module]]:
+    """Modules a checkpointed block function names: (the module it is, is bound to or is a
+    ``functools.partial`` of, as Hugging Face's layers pass ``partial(forward, self)``; modules
+    its closure cells hold, as ``create_custom_forward(module)`` wrappers and lambdas do)."""
+    direct: list[nn.Module] = []
+    closure: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(obj: Any, found: list[nn.Module], depth: int) -> None:
+        if obj is None or id(obj) in seen or depth < 0:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, nn.Module):
+            found.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                visit(item, found, depth - 1)
+        elif isinstance(obj, functools.partial):
+            for item in (obj.func, *obj.args, *obj.keywords.values()):
+                visit(item, found, depth - 1)
+        else:
+            visit(getattr(obj, "__self__", None), found, depth - 1)
+            visit(getattr(obj, "__func__", None), found, depth - 1)
+            for cell in getattr(obj, "__closure__", None) or ():
+                try:
+                    contents = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                visit(contents, closure, depth - 1)
+
+    visit(function, direct, 3)
+    return direct, closure
+

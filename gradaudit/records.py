@@ -163,6 +163,20 @@ class SavedTensor:
 
 
 @dataclass(frozen=True)
+class CheckpointRegion:
+    """One ``torch.utils.checkpoint`` call of the audited forward, as the rules see it."""
+
+    reentrant: bool
+    node_id: int  # its node in Report.nodes (CheckpointFunctionBackward, or the inputs it holds); -1: none
+    module: str  # the checkpointed module
+    module_class: str
+    source: Optional[str]  # the line that called checkpoint
+    # reentrant: trainable parameters of the modules that ran in it (or that its function names);
+    # its backward builds their part of the graph and gives them gradients, if its node is reached
+    parameters: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Disagreement:
     """A save where the proof (verify=True) refuted the op knowledge: a bug in gradaudit's
     knowledge, reported so it can be fixed; the proof's verdict is the one used."""

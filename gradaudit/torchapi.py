@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
+import torch.utils.checkpoint  # noqa: F401  (its internals are recognised below)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (the storage trackers' base)
 from torch.utils._pytree import tree_flatten  # noqa: F401
 
@@ -255,6 +256,63 @@ def force_eager(who: str) -> Any:
     """A context in which torch.compile'd modules and functions run eagerly."""
     require("compiler stance", who)
     return torch.compiler.set_stance("force_eager")
+
+
+# -- torch.utils.checkpoint's internals -------------------------------------------------------------
+# A non-reentrant checkpoint saves its region's inputs with whatever saved-tensor hooks are in force
+# before it installs its own: torch 2.14 in ``_CheckpointFrame.save_inputs`` (a list comprehension,
+# its own frame before Python 3.12), torch 2.13 through ``_NoopSaveInputs.apply`` called from the
+# generator. Neither holder is reachable from the outputs. Recognised by code object.
+def _codes_of(owner: Any, *names: str) -> set[Any]:
+    codes = set()
+    for name in names:
+        function = getattr(owner, name, None)
+        code = getattr(function, "__code__", None)
+        if code is not None:
+            codes.add(code)
+            codes |= _nested_codes(function)
+    return codes
+
+
+_CHECKPOINT = torch.utils.checkpoint
+_INPUT_SAVER_CODES = (_codes_of(getattr(_CHECKPOINT, "_CheckpointFrame", None), "save_inputs")
+                      | _codes_of(_CHECKPOINT, "_checkpoint_without_reentrant_generator",
+                                  "_checkpoint_without_reentrant_generator_impl"))
+_FUNCTION_APPLY_CODE = getattr(getattr(torch.autograd.Function.apply, "__func__", None), "__code__", None)
+# reentrant checkpointing: ``CheckpointFunction.forward(ctx, run_function, ...)`` runs the block
+# under no_grad; ``ctx`` is the CheckpointFunctionBackward node the output gets (when an input
+# requires grad), and ``ctx.run_function`` the block
+_REENTRANT_FORWARD_CODE = getattr(getattr(getattr(_CHECKPOINT, "CheckpointFunction", None), "forward", None),
+                                  "__code__", None)
+REENTRANT_CHECKPOINT_NODE = "CheckpointFunctionBackward"
+FEATURES["checkpoint internals"] = bool(_INPUT_SAVER_CODES) and _REENTRANT_FORWARD_CODE is not None
+
+
+def saving_checkpoint_inputs(frame: Any) -> bool:
+    """Whether a pack called from Python frame ``frame`` is a non-reentrant checkpoint saving its
+    region's inputs (held until backward, to recompute the region)."""
+    code = frame.f_code
+    if code is _FUNCTION_APPLY_CODE and frame.f_back is not None:  # torch 2.13: _NoopSaveInputs.apply
+        code = frame.f_back.f_code
+    return code in _INPUT_SAVER_CODES
+
+
+def reentrant_checkpoint_frames(frame: Any) -> Iterator[tuple[Any, Any]]:
+    """(frame, ctx) of every reentrant ``CheckpointFunction.forward`` running at ``frame`` or
+    below it, innermost first (``ctx``: the node being built)."""
+    if _REENTRANT_FORWARD_CODE is None:
+        return
+    while frame is not None:
+        if frame.f_code is _REENTRANT_FORWARD_CODE:
+            ctx = frame.f_locals.get("ctx")
+            if ctx is not None:
+                yield frame, ctx
+        frame = frame.f_back
+
+
+def checkpoint_run_function(node: Any) -> Any:
+    """The block a reentrant checkpoint node recomputes in backward (None when not readable)."""
+    return getattr(node, "run_function", None)
 
 
 # -- kernels ----------------------------------------------------------------------------------------

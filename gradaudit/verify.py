@@ -10,7 +10,8 @@ random``, only its sign is read.
 Safety (autograd-facts.md):
 - only saves gradaudit packed itself are swapped; a node that also holds saves managed by
   ``torch.utils.checkpoint``, offloading or the user's hooks is never called, because calling it
-  would run their unpack (a checkpoint recomputes its whole block);
+  would run their unpack (a checkpoint recomputes its whole block); nor is a reentrant
+  checkpoint's node (CheckpointFunctionBackward), whose backward reruns the block;
 - integer and bool tensors are usually indices or masks: they are only replaced by values they
   already contain (their own minimum / maximum), never by out-of-range values that would make
   native kernels write out of bounds;
@@ -36,7 +37,7 @@ from torch.autograd.graph import GradientEdge
 
 from . import torchapi
 from .errors import GradauditError
-from .recorder import Packed, Recording
+from .recorder import CHECKPOINT_INPUTS, Packed, Recording
 from .tensors import storage_span
 from .knowledge import declaration
 from .records import FREE_KINDS, NEEDED, NOT_NEEDED, SIGN_ONLY, UNKNOWN, Disagreement, GraphNode, SavedTensor
@@ -430,8 +431,15 @@ class Prover:
     # ------------------------------------------------------------------------------------------
     def prove_node(self, node_id: int, indices: list[int]) -> None:
         live = self.recording.nodes[node_id]
+        if live.name == CHECKPOINT_INPUTS:
+            return self._unproven(indices, "torch.utils.checkpoint holds it to recompute its block; no node reads it "
+                                           "that could be called on its own")
         if live.node is None or not live.created_here:
             return self._unproven(indices, "its node cannot be called on its own")
+        if live.name == torchapi.REENTRANT_CHECKPOINT_NODE:
+            # calling it reruns the checkpointed block (its modules, their hooks, batch norm's
+            # running statistics): its inputs keep the verdict of what holds them
+            return self._unproven(indices, "calling its node would recompute the checkpointed block")
         boxes = _boxes_of(live.node)
         if boxes is None:
             return self._unproven(indices, "its node also holds saves managed by checkpoint or hooks")

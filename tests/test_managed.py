@@ -4,12 +4,17 @@ Their saves are reported as recomputed / offloaded / hook-managed, never as held
 triggers a recomputation, and their machinery keeps working afterwards.
 """
 
+import inspect
+
 import pytest
 import torch
 import torch.utils.checkpoint as ckpt
 from torch import nn
 
 import gradaudit
+from gradaudit.measure import held_bytes_after_forward
+from gradaudit.recorder import short_path
+from gradaudit.report.text import render as render_text
 
 
 class Block(nn.Module):
@@ -33,8 +38,16 @@ class Checkpointed(nn.Module):
 
     def forward(self, x):
         h = torch.sigmoid(self.pre(x))
-        h = ckpt.checkpoint(self.block, h, use_reentrant=self.reentrant)
+        h = ckpt.checkpoint(self.block, h, use_reentrant=self.reentrant)  # CHECKPOINT_LINE
         return self.post(h)
+
+
+def _line_of(function, marker):
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, text in enumerate(lines) if marker in text)
+
+
+CHECKPOINT_LINE = _line_of(Checkpointed.forward, "# CHECKPOINT_LINE")
 
 
 def _held_in(report, prefix):
@@ -48,8 +61,16 @@ def test_checkpointed_block_runs_once_and_is_not_held(reentrant):
     x = torch.randn(4, 8)
     report = gradaudit.audit(model, x)
     assert model.block.calls == 1  # the audit never recomputes
-    # nothing inside the block is held by autograd
-    assert _held_in(report, "block") == []
+    # nothing inside the block is held by autograd; what is held in its name is the input the
+    # checkpoint keeps to recompute it (non-reentrant: saved by the checkpoint itself, out of the
+    # graph's reach; reentrant: CheckpointFunctionBackward's saved_tensors), needed, never "unknown"
+    kept, = _held_in(report, "block")
+    assert (kept.node, kept.attr) == (("CheckpointFunctionBackward", "saved_tensors[0]") if reentrant
+                                      else ("CheckpointInputs", "inputs[0]"))
+    assert (kept.module, kept.module_class, kept.shape) == ("block", "Block", (4, 8))
+    assert kept.verdict == "needed" and "checkpoint" in kept.reason and kept.held
+    assert kept.source == f"{short_path(__file__)}:{CHECKPOINT_LINE}"  # the checkpoint call
+    assert report.summary()["unknown_tensors"] == 0
     if not reentrant:
         inner = [t for t in report.tensors if t.managed_by == "checkpoint"]
         # Block saves: addmm's mat1 (the block input) and mat2 (weight), tanh's result
@@ -58,7 +79,8 @@ def test_checkpointed_block_runs_once_and_is_not_held(reentrant):
         assert any("checkpoint" in note for note in report.notes)
     # held: sigmoid's result (4*8*4 = 128, also what the checkpoint keeps as the block input) and
     # post's mat1, the block output (128)
-    assert report.saved_bytes == 256
+    assert report.saved_bytes == 256 == held_bytes_after_forward(model, x)
+    model.block.calls = 1
 
     # backward still works afterwards, recomputing once, with the user's hooks firing
     seen = []
@@ -149,7 +171,9 @@ def test_hf_gradient_checkpointing(family, tiny_hf_model):
     report = gradaudit.audit(model, {"input_ids": ids})
     assert counts["n"] == len(layers)  # each layer ran once
     prefix = "model.layers" if family == "llama" else "encoder.layer"
-    assert not [t for t in _held_in(report, prefix) if t.managed_by == "autograd"]
+    # all a layer holds is the hidden states (2x16x32) its checkpoint keeps to recompute it
+    assert {(t.node, t.module, t.shape, t.verdict) for t in _held_in(report, prefix) if t.managed_by == "autograd"} \
+        == {("CheckpointInputs", f"{prefix}.{i}", (2, 16, 32), "needed") for i in range(len(layers))}
     assert any(t.managed_by == "checkpoint" for t in report.tensors)
     assert report.saved_bytes < plain.saved_bytes
     out = model(input_ids=ids)
@@ -159,3 +183,153 @@ def test_hf_gradient_checkpointing(family, tiny_hf_model):
         h.remove()
     assert counts["n"] == 2 * len(layers) + len(layers)  # audit + forward + one recomputation each
     assert all(p.grad is not None for p in layers[0].parameters())
+
+
+# -- what checkpointing holds, and which parameters a reentrant checkpoint reaches -------------------
+
+
+class CheckpointedResNet(nn.Module):
+    """torchvision's resnet18 with every BasicBlock run through torch.utils.checkpoint."""
+
+    def __init__(self, net, reentrant):
+        super().__init__()
+        self.net = net
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        n = self.net
+        h = n.maxpool(n.relu(n.bn1(n.conv1(x))))
+        for layer in (n.layer1, n.layer2, n.layer3, n.layer4):
+            for block in layer:
+                h = ckpt.checkpoint(block, h, use_reentrant=self.reentrant)  # RESNET_CHECKPOINT
+        return n.fc(torch.flatten(n.avgpool(h), 1))
+
+
+# the block inputs resnet18 keeps for a 2x3x32x32 batch: the stem halves 32 twice (conv1 stride 2,
+# max-pool) to 8x8; layer2..4 halve it again. Each block's input, float32:
+#   layer1.0, layer1.1, layer2.0: 2x64x8x8   = 2*64*64*4  = 32768 bytes each
+#   layer2.1, layer3.0:           2x128x4x4  = 2*128*16*4 = 16384 each
+#   layer3.1, layer4.0:           2x256x2x2  = 2*256*4*4  = 8192 each
+#   layer4.1:                     2x512x1x1  = 2*512*4    = 4096
+RESNET_BLOCK_INPUTS = {
+    "net.layer1.0": ((2, 64, 8, 8), 32768), "net.layer1.1": ((2, 64, 8, 8), 32768),
+    "net.layer2.0": ((2, 64, 8, 8), 32768), "net.layer2.1": ((2, 128, 4, 4), 16384),
+    "net.layer3.0": ((2, 128, 4, 4), 16384), "net.layer3.1": ((2, 256, 2, 2), 8192),
+    "net.layer4.0": ((2, 256, 2, 2), 8192), "net.layer4.1": ((2, 512, 1, 1), 4096),
+}
+assert sum(nbytes for _, nbytes in RESNET_BLOCK_INPUTS.values()) == 3 * 32768 + 2 * 16384 + 2 * 8192 + 4096 == 151552
+
+
+def _checkpointed_resnet(torchvision, reentrant):
+    torch.manual_seed(0)
+    return CheckpointedResNet(torchvision.models.resnet18(num_classes=10), reentrant).train(), torch.randn(2, 3, 32, 32)
+
+
+def _without_gradient(model):
+    """Modules with a trainable parameter that a real backward leaves without a (non-zero) gradient."""
+    return {name.rpartition(".")[0] for name, p in model.named_parameters()
+            if p.requires_grad and (p.grad is None or not p.grad.abs().sum())}
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_blocks_hold_their_inputs_in_their_own_name(torchvision, reentrant):
+    """The inputs a checkpoint keeps are held memory, attributed to the checkpointed block, with a
+    verdict: never an anonymous "CopySlices hidden[i]" of no module and no verdict."""
+    model, x = _checkpointed_resnet(torchvision, reentrant)
+    report = gradaudit.audit(model, x)
+    line = f"{short_path(__file__)}:{_line_of(CheckpointedResNet.forward, '# RESNET_CHECKPOINT')}"
+    node = "CheckpointFunctionBackward" if reentrant else "CheckpointInputs"
+    kept = [t for t in report.tensors if t.node == node]
+    assert {t.module: (t.shape, t.view_nbytes) for t in kept} == RESNET_BLOCK_INPUTS
+    assert all(t.held and t.verdict == "needed" and "recompute" in t.reason and t.module_class == "BasicBlock"
+               and t.source == line for t in kept)
+    assert sum(t.view_nbytes for t in kept) == 151552
+    assert not [t for t in report.tensors if t.node == "CopySlices" or t.attr.startswith("hidden")]
+    assert report.summary()["unknown_tensors"] == 0 and report.unexplained == []
+    # held memory: the independent measurement agrees to the byte
+    assert report.saved_bytes == held_bytes_after_forward(model, x)
+    assert "--verify proves" not in render_text(report)
+
+
+def test_reentrant_checkpoint_after_a_trainable_stem_gives_no_ga901(torchvision):
+    """The stem trains, so every block's input requires grad: backward reruns each block and
+    gives every conv and batch norm inside a gradient. GA901 must not say otherwise."""
+    model, x = _checkpointed_resnet(torchvision, reentrant=True)
+    report = gradaudit.audit(model, x)
+    assert [f for f in report.findings if f.code == "GA901"] == []
+    model(x).sum().backward()
+    assert _without_gradient(model) == set()
+
+
+def test_reentrant_checkpoint_after_a_frozen_stem_gets_ga901_exactly_where_true(torchvision):
+    """Frozen stem: no block input requires grad, the checkpoints' outputs do not either, and no
+    parameter inside a block gets a gradient. GA901 names exactly those modules, at the call."""
+    model, x = _checkpointed_resnet(torchvision, reentrant=True)
+    model.net.conv1.requires_grad_(False)
+    model.net.bn1.requires_grad_(False)
+    report = gradaudit.audit(model, x)
+    flagged = [f for f in report.findings if f.code == "GA901"]
+    line = f"{short_path(__file__)}:{_line_of(CheckpointedResNet.forward, '# RESNET_CHECKPOINT')}"
+    assert {f.source for f in flagged} == {line}
+    assert all("use_reentrant=True" in f.message and f.module_class in ("Conv2d", "BatchNorm2d") for f in flagged)
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad"):
+        model(x).sum().backward()
+    # 8 blocks x (conv1, bn1, conv2, bn2) + 3 downsample (conv, bn) pairs = 38 modules
+    assert {f.module for f in flagged} == _without_gradient(model) and len(flagged) == 38
+
+
+def test_reentrant_checkpoint_over_a_closure_reaches_the_modules_it_runs():
+    """``checkpoint(custom_forward, h)`` with the modules reached through a closure: the modules
+    that ran inside and the closure's parameters get gradients; a module that never ran does not."""
+
+    class Closure(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Linear(4, 4)
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+            self.scale = nn.Parameter(torch.ones(4))
+            self.unused = nn.Linear(4, 4)
+
+        def forward(self, x):
+            def custom_forward(t):
+                return self.b(self.a(t)) * self.scale
+            return ckpt.checkpoint(custom_forward, self.stem(x), use_reentrant=True)
+
+    torch.manual_seed(0)
+    model, x = Closure(), torch.randn(2, 4)
+    report = gradaudit.audit(model, x)
+    assert {f.module for f in report.findings if f.code == "GA901"} == {"unused"}
+    unused, = [f for f in report.findings if f.code == "GA901"]
+    assert unused.module_class == "Linear" and unused.source is None  # no checkpoint to blame
+    model(x).sum().backward()
+    assert _without_gradient(model) == {"unused"}
+
+
+def test_verify_never_reruns_a_reentrant_block():
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant=True)
+    report = gradaudit.audit(model, torch.randn(4, 8), verify=True)
+    assert model.block.calls == 1
+    kept, = _held_in(report, "block")
+    assert kept.verdict == "needed" and not kept.proven and "recompute" in kept.unproven
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_hf_reentrant_checkpointing_gives_no_false_ga901(family, tiny_hf_model):
+    """transformers' reentrant checkpointing (it makes the embeddings' output require grad): every
+    layer's parameters get gradients, GA901 stays silent, and each layer's checkpoint input is
+    held in the layer's name."""
+    model = tiny_hf_model(family)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    ids = torch.randint(0, 100, (2, 16))
+    report = gradaudit.audit(model, {"input_ids": ids})
+    assert [f for f in report.findings if f.code == "GA901"] == []
+    prefix, layers = ("model.layers", model.model.layers) if family == "llama" else ("encoder.layer", model.encoder.layer)
+    kept = {(t.module, t.shape, t.verdict) for t in report.held_tensors if t.node == "CheckpointFunctionBackward"}
+    assert kept == {(f"{prefix}.{i}", (2, 16, 32), "needed") for i in range(len(layers))}
+    out = model(input_ids=ids)
+    (out.logits if family == "llama" else out.last_hidden_state).float().pow(2).mean().backward()
+    assert all(p.grad is not None for layer in layers for p in layer.parameters())

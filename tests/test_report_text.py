@@ -85,3 +85,24 @@ def test_no_findings_message(report):
     import dataclasses
     clean = dataclasses.replace(report, findings=[])
     assert "No findings" in text.render(clean)
+
+
+def test_a_finding_without_a_source_line_says_unknown():
+    """GA901 about a module that never ran has no line to point at: the column says so."""
+    import torch
+    from torch import nn
+
+    import gradaudit
+
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(4, 4)
+            self.spare = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x)
+
+    out = text.render(gradaudit.audit(Unused(), torch.randn(2, 4)), width=200)
+    row, = [line for line in out.splitlines() if line.lstrip().startswith("GA901")]
+    assert row.split()[-1] == "unknown" and "spare (Linear)" in row

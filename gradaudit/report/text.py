@@ -86,7 +86,7 @@ def render(report: Report, *, color: bool = False, top: int = 10, width: int = 1
             module = f.module or "(root)"
             if f.module_class:
                 module += f" ({f.module_class})"
-            rows.append([f.code, human_bytes(f.bytes), human_bytes(f.bytes_together), module, f.source or "?"])
+            rows.append([f.code, human_bytes(f.bytes), human_bytes(f.bytes_together), module, f.source or "unknown"])
         table = _columns(rows, (False, True, True, False, False))
         for i, row in enumerate(table):
             text = _clip("  " + "  ".join(row).rstrip(), width)
@@ -105,7 +105,7 @@ def render(report: Report, *, color: bool = False, top: int = 10, width: int = 1
         unknown = sum(1 for t in report.held_tensors if t.verdict == "unknown")
         if unknown:
             lines.append(paint("No findings among the saves the rules understand (see the tensors "
-                               "without a verdict above; --verify proves them).", "amber"))
+                               "without a verdict above; --verify tries to settle them).", "amber"))
         else:
             lines.append(paint("No findings: backward needs everything autograd holds here.", "green"))
     lines.append("")

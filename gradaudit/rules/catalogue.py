@@ -571,19 +571,34 @@ def trainable_parameters_get_no_gradient(ctx: RuleContext):
         Changes training: those parameters start receiving gradients.
     Known limits:
         Parameters used only outside the audited forward (a loss module, tied weights used
-        elsewhere) are reported too; ignore with ``ignore=["GA901"]`` when intended.
+        elsewhere) are reported too; ignore with ``ignore=["GA901"]`` when intended. A reentrant
+        checkpoint whose inputs need a gradient builds its block's graph only in backward: every
+        parameter of the modules that ran inside it (or that its function names) counts as reached,
+        so one it never uses is not reported.
     """
     reached = {n.variable.parameter for n in ctx.nodes if n.variable is not None and n.variable.parameter}
     if not any(n.name == "AccumulateGrad" or n.saved for n in ctx.nodes):
         return
+    # a reentrant checkpoint reached from the outputs gives its block's parameters their gradients
+    # when backward recomputes the block (its inner graph does not exist before then)
+    for region in ctx.checkpoints:
+        if region.reentrant and region.node_id >= 0:
+            reached.update(region.parameters)
     missing = sorted(name for name, trains in ctx.parameter_names.items() if trains and name not in reached)
     by_module: dict[str, list[str]] = {}
     for name in missing:
         by_module.setdefault(name.rpartition(".")[0], []).append(name)
+    cut_off = [r for r in ctx.checkpoints if r.reentrant and r.node_id < 0]
     for module, names in by_module.items():
-        yield Flag(None, [], f"{module or 'model'}: {len(names)} trainable parameter(s) get no gradient "
-                             f"from this forward ({', '.join(n.rpartition('.')[2] for n in names)})",
-                   module=module, bytes=0)
+        message = (f"{module or 'model'}: {len(names)} trainable parameter(s) get no gradient "
+                   f"from this forward ({', '.join(n.rpartition('.')[2] for n in names)})")
+        cause = next((r for r in cut_off if set(names) & set(r.parameters)), None)
+        if cause is not None:
+            message += (f": it runs inside checkpoint(..., use_reentrant=True) around {cause.module or 'the model'} "
+                        f"({cause.module_class}), whose inputs need no gradient, so the checkpoint's output "
+                        f"does not require grad")
+        yield Flag(None, [], message, module=module, module_class=ctx.module_classes.get(module, ""),
+                   source=cause.source if cause is not None else None, bytes=0)
 
 
 @rule("GA902", "batchnorm-train-in-checkpoint", severity=Severity.WARNING,

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 from ..accounting import Accountant
 from ..errors import RuleError, UnknownCodeError, UnknownRuleError
-from ..records import HELD_KINDS, SEVERITIES, GraphNode, SavedTensor, Severity
+from ..records import HELD_KINDS, SEVERITIES, CheckpointRegion, GraphNode, SavedTensor, Severity
 
 DOC_SECTIONS = ("What it flags", "Why it costs memory", "Example", "Fix", "Fix safety", "Known limits")
 CODE_PATTERN = re.compile(r"^GA\d{3}$")
@@ -34,6 +34,8 @@ class Flag:
     fix: Optional[str] = None  # default: the rule's fix title
     fix_code: Optional[str] = None  # default: the rule's fix snippet
     module: Optional[str] = None  # default: the node's module
+    module_class: Optional[str] = None  # default: the first tensor's module class
+    source: Optional[str] = None  # default: the first tensor's source line
     severity: Optional[str] = None  # default: the rule's severity
     bytes: Optional[int] = None  # override storage-derived bytes (e.g. what SDPA would save)
 
@@ -48,6 +50,8 @@ class RuleContext:
     covered: set[int] = field(default_factory=set)  # tensor indices already in a finding
     parameter_names: dict[str, bool] = field(default_factory=dict)  # name -> requires_grad
     training: bool = False
+    module_classes: dict[str, str] = field(default_factory=dict)  # module path -> class name
+    checkpoints: list[CheckpointRegion] = field(default_factory=list)  # torch.utils.checkpoint calls
     accountant: Optional[Accountant] = field(default=None, repr=False)  # built from the above if None
     # what-if measurements made by the audit (bytes held by a forward run otherwise), by name:
     #   "held_without_attention_dropout": every scaled_dot_product_attention call with dropout_p=0
