@@ -110,6 +110,7 @@ class ScanOptions:
     svg: Optional[str] = None
     dot: Optional[str] = None
     verify: bool = False
+    eager: bool = False
     select: tuple[str, ...] = ()
     ignore: tuple[str, ...] = ()
     fail_on_waste: bool = False
@@ -189,7 +190,7 @@ def run_scan(options: ScanOptions) -> int:
     check_patterns(model, options.trainable, "--trainable")
     check_patterns(model, options.freeze, "--freeze")
 
-    report = audit(model, inputs, verify=options.verify,
+    report = audit(model, inputs, verify=options.verify, eager=options.eager,
                    trainable=list(options.trainable) if options.trainable else None,
                    frozen=list(options.freeze), select=options.select, ignore=options.ignore,
                    progress=options.progress)
@@ -356,6 +357,8 @@ def cli() -> None:
 @click.option("--fail-on-waste", is_flag=True, help="Exit 1 when any (selected) waste finding remains.")
 @click.option("--max-reclaimable", metavar="SIZE", help="Exit 1 when fixing every (selected) waste "
               "finding together would free more than SIZE (e.g. 64MiB).")
+@click.option("--eager", is_flag=True, help="Run torch.compile'd parts of the model eagerly, so that what "
+              "eager autograd keeps is audited op by op (a compiled region is otherwise one opaque node).")
 @click.option("--trim", is_flag=True, help="Also measure held and peak memory with gradaudit.trim.")
 @click.option("-q", "--quiet", is_flag=True, help="Print one summary line.")
 @click.option("-v", "--verbose", count=True, help="List more findings (-v: 50, -vv: all).")
@@ -364,7 +367,8 @@ def scan(spec: str, inputs: Optional[str], input_shape: Optional[str], dtype: st
          trainable: tuple[str, ...], freeze: tuple[str, ...], mode: Optional[bool], device: str, html: str,
          no_html: bool, json_path: Optional[str], svg: Optional[str], dot: Optional[str], verify: bool,
          select: tuple[str, ...], ignore: tuple[str, ...], fail_on_waste: bool,
-         max_reclaimable: Optional[str], trim: bool, quiet: bool, verbose: int, debug: bool) -> None:
+         max_reclaimable: Optional[str], eager: bool, trim: bool, quiet: bool, verbose: int,
+         debug: bool) -> None:
     """Audit the model built by SPEC (path/to/file.py:factory or package.module:factory).
 
     The factory takes no arguments and returns a torch.nn.Module, or (module, inputs). Without
@@ -381,7 +385,7 @@ def scan(spec: str, inputs: Optional[str], input_shape: Optional[str], dtype: st
     options = ScanOptions(
         spec=spec, inputs=inputs, input_shape=input_shape, dtype=dtype,
         input_requires_grad=input_requires_grad, trainable=trainable, freeze=freeze, mode=mode,
-        device=device, html=None if no_html else html, json=json_path, svg=svg, dot=dot, verify=verify,
+        device=device, html=None if no_html else html, json=json_path, svg=svg, dot=dot, verify=verify, eager=eager,
         select=_split_codes(select), ignore=_split_codes(ignore), fail_on_waste=fail_on_waste,
         max_reclaimable=max_reclaimable, top={0: 10, 1: 50}.get(verbose, 1_000_000), quiet=quiet, trim=trim,
         progress=progress,
@@ -394,8 +398,10 @@ def scan(spec: str, inputs: Optional[str], input_shape: Optional[str], dtype: st
         if isinstance(error, ForwardError):
             from .loading import first_line
 
-            message = (first_line(error) + "\ncheck that the inputs (factory, --inputs or --input-shape) "
-                       "match what the model's forward expects")
+            message = first_line(error)
+            if "meta device" not in message:  # (on meta, the message already says what to do)
+                message += ("\ncheck that the inputs (factory, --inputs or --input-shape) match what the "
+                            "model's forward expects")
         _fail(message, debug)
     except KeyboardInterrupt:
         progress.done()

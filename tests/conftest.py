@@ -105,3 +105,4 @@ def vision_model(torchvision):
                                                         hidden_dim=64, mlp_dim=128, num_classes=10)
         return getattr(torchvision.models, name)(num_classes=10)
     return build
+

@@ -65,3 +65,60 @@ def test_a_value_read_on_meta_says_what_to_do():
         x = torch.randn(2, 4)
     with pytest.raises(ForwardError, match=r"meta device tensors have no values.*audit on CPU with small inputs"):
         gradaudit.audit(model, x)
+
+
+MODEL_FILE = '''
+import torch
+from torch import nn
+
+
+def build():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model[2].requires_grad_(False)
+    return torch.compile(model, backend="aot_eager"), torch.randn(8, 16)
+
+
+class ReadsAValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) if x.sum().item() > 0 else self.fc(-x)
+
+
+def reads_a_value():
+    return ReadsAValue(), torch.randn(2, 4)
+'''
+
+
+def _scan(tmp_path, *args):
+    from click.testing import CliRunner
+
+    from gradaudit.cli import cli
+
+    (tmp_path / "models.py").write_text(MODEL_FILE)
+    return CliRunner().invoke(cli, ["scan", *args, "--no-html"], catch_exceptions=False)
+
+
+def test_scan_eager_audits_a_compiled_factory_op_by_op(tmp_path, monkeypatch):
+    if not torchapi.has("compiler stance"):
+        pytest.skip("torch.compiler.set_stance is missing")
+    monkeypatch.chdir(tmp_path)
+    try:
+        compiled = _scan(tmp_path, "models.py:build")
+        eager = _scan(tmp_path, "models.py:build", "--eager")
+    finally:
+        torch._dynamo.reset()
+    assert compiled.exit_code == 0 and eager.exit_code == 0, compiled.output + eager.output
+    assert "torch.compile'd region" in compiled.output and "GA401" not in compiled.output
+    assert "GA401" in eager.output and "torch.compile'd region" not in eager.output
+
+
+def test_scan_on_meta_says_values_cannot_be_read_there(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = _scan(tmp_path, "models.py:reads_a_value", "--device", "meta")
+    assert result.exit_code == 2
+    assert "meta device" in result.output and "audit on CPU" in result.output
+    assert "check that the inputs" not in result.output  # the inputs are not the problem
