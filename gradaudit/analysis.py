@@ -312,19 +312,26 @@ def run_rules(ctx: RuleContext, accountant: Accountant, select: Sequence[str] = 
 def _shares(ctx: RuleContext, flagged: list[tuple[Any, Flag]], together: dict[int, int]) -> list[int]:
     """Each flag's share of the bytes every selected fix frees together; the shares add up to it.
 
-    A storage freed by dropping or bit-packing goes to the first flag (in rule order) that names
-    one of its saves. A code change (a flag with its own ``bytes``) adds what it states minus what
+    A storage freed by dropping or bit-packing is shared equally by the flags that name one of its
+    saves (the first, in rule order, takes the remainder of the division): freeing it takes all of
+    their fixes (a max-pool's unneeded input is the ReLU's result, freed only when the ReLU's save
+    is bit-packed too), so none of them shows 0 bytes of a storage it helps free. A code change (a flag with its own ``bytes``) adds what it states minus what
     the storages it names already count, biggest first, so no storage is counted twice.
     """
     shares = [0] * len(flagged)
     counted_bytes: dict[int, int] = {}
+    naming: dict[int, list[int]] = {}  # storage id -> the flags that name one of its saves, in order
     for k, (_, flag) in enumerate(flagged):
         if flag.bytes is not None:
             continue
-        for sid in {t.storage_id for t in flag.tensors}:
-            if sid in together and sid not in counted_bytes:
-                counted_bytes[sid] = together[sid]
-                shares[k] += together[sid]
+        for sid in sorted({t.storage_id for t in flag.tensors}):
+            if sid in together:
+                naming.setdefault(sid, []).append(k)
+    for sid, ks in naming.items():
+        counted_bytes[sid] = together[sid]
+        part, remainder = divmod(together[sid], len(ks))
+        for position, k in enumerate(ks):
+            shares[k] += part + (remainder if position == 0 else 0)
     rewrites = [k for k, (r, flag) in enumerate(flagged)
                 if flag.bytes is not None and (flag.severity or r.severity) == Severity.WASTE]
     for k in sorted(rewrites, key=lambda k: -flagged[k][1].bytes):

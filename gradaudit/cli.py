@@ -238,7 +238,8 @@ def run_scan(options: ScanOptions) -> int:
         from .report import text
 
         stream = sys.stderr if to_stderr else sys.stdout
-        width = max(60, min(shutil.get_terminal_size((100, 20)).columns, 120))
+        # as wide as the terminal (COLUMNS when set): clipping is for narrow terminals only
+        width = max(60, shutil.get_terminal_size((100, 20)).columns)
         color = stream.isatty() and "NO_COLOR" not in os.environ
         out(text.render(report, color=color, top=options.top, width=width).rstrip("\n"))
     if trim_figures is not None:

@@ -81,13 +81,14 @@ def render(report: Report, *, color: bool = False, top: int = 10, width: int = 1
         shown = findings[:top]
         heading = f"Top findings by bytes ({len(shown)} of {len(findings)})"
         lines.append(paint(heading, "bold"))
-        rows = [["CODE", "ALONE", "ALL FIXES", "MODULE", "SOURCE"]]
+        rows = [["CODE", "SEVERITY", "ALONE", "ALL FIXES", "MODULE", "SOURCE"]]
         for f in shown:
             module = f.module or "(root)"
             if f.module_class:
                 module += f" ({f.module_class})"
-            rows.append([f.code, human_bytes(f.bytes), human_bytes(f.bytes_together), module, f.source or "unknown"])
-        table = _columns(rows, (False, True, True, False, False))
+            rows.append([f.code, str(f.severity), human_bytes(f.bytes), human_bytes(f.bytes_together), module,
+                         f.source or "unknown"])
+        table = _columns(rows, (False, False, True, True, False, False))
         for i, row in enumerate(table):
             text = _clip("  " + "  ".join(row).rstrip(), width)
             if i == 0:
