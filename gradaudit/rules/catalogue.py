@@ -249,14 +249,12 @@ def sign_only_save_kept_as_float(ctx: RuleContext):
 
 
 @rule("GA402", "dropout-mask-saved-as-float",
-      fix="Keep dropout's mask as bool (1 byte) or bit-packed instead of float",
+      fix="Keep dropout's mask as bits (gradaudit.trim(bitpack=True)): gradients stay bit-identical",
       fix_code="""
-        def dropout_bool(x, p, training=True):
-            if not training or p == 0:
-                return x
-            keep = torch.rand_like(x) >= p              # bool mask: 1 byte per element
-            return torch.where(keep, x / (1 - p), 0.0)  # WhereBackward0 saves only the bool mask
-      """, fix_safe=False)
+        import gradaudit
+        with gradaudit.trim(model, bitpack=True):   # the 0 / 1/(1-p) mask kept as 1 bit per element
+            model(x).sum().backward()
+      """)
 def dropout_mask_saved_as_float(ctx: RuleContext):
     """Dropout keeps its keep-mask as a float tensor although it holds only two values.
 
@@ -270,8 +268,9 @@ def dropout_mask_saved_as_float(ctx: RuleContext):
     Example:
         nn.Sequential(nn.Linear(512, 512), nn.Dropout(0.1), nn.Linear(512, 10)).train()
     Fix:
-        Bit-pack the saved mask (``gradaudit.trim(model, bitpack=True)``), or use a dropout that
-        saves a bool mask (the snippet: ``torch.where`` saves only its bool condition).
+        Bit-pack the saved mask (``gradaudit.trim(model, bitpack=True)``, the snippet). Or, in your
+        own code, a dropout that saves a bool mask: ``keep = torch.rand_like(x) >= p`` then
+        ``torch.where(keep, x / (1 - p), 0.0)`` (``torch.where`` saves only its bool condition).
     Fix safety:
         Bit-packing is bit-identical. The ``torch.where`` rewrite draws its random numbers
         differently and rounds ``x / (1 - p)`` once instead of ``x * mask``: not bit-identical.
