@@ -45,8 +45,10 @@ def conv_input_saved_for_frozen_weight(ctx: RuleContext):
         input whenever any gradient is required. The input is read only by the weight gradient
         (pytorch/pytorch#133566).
     Example:
-        backbone.requires_grad_(False); backbone.layer4.requires_grad_(True)
-        # every frozen conv between the input and layer4 saves its input
+        model = torchvision.models.resnet18(num_classes=10)
+        model.requires_grad_(False); model.layer1.requires_grad_(True)   # fine-tune an early layer only
+        # every frozen conv in layer2 to layer4 saves its input for a weight gradient nobody asked for
+        report = gradaudit.audit(model, torch.randn(1, 3, 64, 64))
     Fix:
         Run the step under ``gradaudit.trim(model)``: the saved input is replaced by an empty
         placeholder as the forward proceeds. Or give the layer a custom autograd.Function that
@@ -78,8 +80,9 @@ def conv_weight_saved_for_frozen_input(ctx: RuleContext):
         The weight is read only by the input gradient; a computed weight lives only because
         autograd saved it.
     Example:
-        conv = torch.nn.utils.parametrizations.weight_norm(nn.Conv2d(3, 64, 3))
-        conv(images)  # images.requires_grad is False: the normalised weight is held for nothing
+        conv = torch.nn.utils.parametrizations.weight_norm(nn.Conv2d(3, 8, 3))
+        images = torch.randn(2, 3, 16, 16)   # needs no gradient: the normalised weight is held for nothing
+        report = gradaudit.audit(conv, images)
     Fix:
         ``gradaudit.trim(model)``, or compute the weight once outside the step if it is frozen.
     Fix safety:
@@ -112,7 +115,10 @@ def batchnorm_eval_saves_input(ctx: RuleContext):
         In eval mode the input gradient is grad * weight / sqrt(running_var + eps): it never
         reads the input. PyTorch's single multi-output formula saves it anyway.
     Example:
-        model.eval(); model.requires_grad_(False); x.requires_grad_(True)   # adversarial attack
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 10, 1))
+        model.eval(); model.requires_grad_(False)
+        x = torch.randn(2, 3, 16, 16, requires_grad=True)   # adversarial attack: only x.grad is wanted
+        report = gradaudit.audit(model, x)
     Fix:
         ``gradaudit.trim(model)``; or fold the frozen batch norm into the preceding convolution.
     Fix safety:
@@ -139,16 +145,19 @@ def norm_saves_input_for_bias_only(ctx: RuleContext):
 
     What it flags:
         Batch norm in training mode, layer norm and group norm whose input and weight need no
-        gradient while the bias does (bias-only tuning such as BitFit, or a frozen network with
-        trainable norm biases): the saved input, mean and inverse standard deviation (and layer
-        norm's saved bias, which no formula reads).
+        gradient while the bias does: the saved input, mean and inverse standard deviation (and
+        layer norm's saved bias, which no formula reads). In bias-only tuning (BitFit) that is the
+        first norm whose input needs no gradient, e.g. right after a frozen embedding; later norms
+        get inputs that need a gradient (upstream biases train) and must keep them.
     Why it costs memory:
         The bias gradient is the sum of the incoming gradient: it reads nothing saved. PyTorch's
         multi-output formula saves the input whenever any gradient is wanted.
     Example:
-        model.requires_grad_(False)
+        model = nn.Sequential(nn.Embedding(100, 16), nn.LayerNorm(16), nn.Linear(16, 4))
         for name, p in model.named_parameters():
-            p.requires_grad_(name.endswith("bias"))   # every LayerNorm keeps its input anyway
+            p.requires_grad_(name.endswith("bias"))   # bias-only tuning (BitFit)
+        ids = torch.randint(0, 100, (4, 8))
+        report = gradaudit.audit(model, ids)   # the LayerNorm keeps its input, mean and 1/std anyway
     Fix:
         ``gradaudit.trim(model)`` drops those saves as the forward proceeds.
     Fix safety:
@@ -177,7 +186,8 @@ def maxpool_saves_input(ctx: RuleContext):
         The backward scatters the gradient to the saved argmax indices; it reads the input only
         for its shape.
     Example:
-        nn.Sequential(nn.Conv2d(3, 64, 7), nn.ReLU(), nn.MaxPool2d(3, 2))   # torchvision stems
+        model = nn.Sequential(nn.Conv2d(3, 8, 7), nn.ReLU(), nn.MaxPool2d(3, 2))   # torchvision stems
+        report = gradaudit.audit(model, torch.randn(2, 3, 32, 32))
     Fix:
         ``gradaudit.trim(model)`` replaces the saved input by a zero-stride placeholder.
     Fix safety:
@@ -203,12 +213,15 @@ def avgpool_saves_input(ctx: RuleContext):
         The backward spreads each output gradient evenly over its window; the window sizes follow
         from the input's shape, never from its values.
     Example:
-        nn.Sequential(backbone, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2048, 10))
+        # (AdaptiveAvgPool2d(1) would run as a mean, which keeps nothing)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, 10))
+        report = gradaudit.audit(model, torch.randn(2, 3, 16, 16))
     Fix:
         ``gradaudit.trim(model)`` replaces the saved input by a placeholder of its shape.
     Fix safety:
         Gradients are bit-identical: the values are never read.
     Known limits:
+        ``AdaptiveAvgPool2d(1)`` (global pooling) runs as a mean, which keeps nothing: not flagged.
         After a ReLU the input is the ReLU's result, which the ReLU also saves: dropping it frees
         memory only together with bit-packing the ReLU's result (see ``bytes_together``).
     """
@@ -233,7 +246,8 @@ def sign_only_save_kept_as_float(ctx: RuleContext):
         The gradient is grad * (t > 0) (or a slope where t <= 0): one bit per element would do,
         a float32 tensor takes 32.
     Example:
-        nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10))
+        report = gradaudit.audit(model, torch.randn(8, 16))
     Fix:
         ``gradaudit.trim(model, bitpack=True)`` stores the sign pattern packed 8 per byte.
     Fix safety:
@@ -266,7 +280,8 @@ def dropout_mask_saved_as_float(ctx: RuleContext):
         The mask has the input's size and dtype (32 bits per element in float32); its information
         is one bit per element.
     Example:
-        nn.Sequential(nn.Linear(512, 512), nn.Dropout(0.1), nn.Linear(512, 10)).train()
+        model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.Linear(32, 10)).train()
+        report = gradaudit.audit(model, torch.randn(8, 16))   # on CPU dropout runs as input * mask
     Fix:
         Bit-pack the saved mask (``gradaudit.trim(model, bitpack=True)``, the snippet). Or, in your
         own code, a dropout that saves a bool mask: ``keep = torch.rand_like(x) >= p`` then
@@ -324,8 +339,10 @@ def saved_only_for_input_gradient(ctx: RuleContext):
         Each such node exists only because the leaf requires grad; without it autograd would not
         record the frozen part at all and keep none of its activations.
     Example:
-        model.requires_grad_(False); model.head.requires_grad_(True)
-        model(images.requires_grad_())       # every frozen layer below head keeps activations
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.Linear(32, 4))
+        model.requires_grad_(False); model[-1].requires_grad_(True)   # only the head trains
+        images = torch.randn(8, 16).requires_grad_()
+        report = gradaudit.audit(model, images)   # every frozen layer below the head keeps activations
     Fix:
         Detach the input (or call ``model.disable_input_require_grads()`` in Hugging Face) unless
         you need ``x.grad``.
@@ -375,8 +392,15 @@ def saved_view_keeps_large_base(ctx: RuleContext):
     Why it costs memory:
         Autograd saves the view, and a view keeps its whole base storage alive until backward.
     Example:
-        h = encoder(x)                 # B x L x H
-        logits = head(h[:, -1])        # head saves h[:, -1], keeping all B x L x H
+        class LastToken(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.encoder, self.head = nn.Linear(16, 64), nn.Linear(64, 4)
+
+            def forward(self, x):
+                h = self.encoder(x)            # B x L x H
+                return self.head(h[:, -1])     # head saves h[:, -1], keeping all B x L x H
+        report = gradaudit.audit(LastToken(), torch.randn(2, 32, 16))
     Fix:
         ``.clone()`` (or ``.contiguous()`` for non-contiguous slices) the slice before the op.
     Fix safety:
@@ -418,9 +442,10 @@ def frozen_weight_cast_copy_saved(ctx: RuleContext):
         weight, so autograd keeps the copy until backward: one extra copy of every frozen weight
         per micro-batch in flight.
     Example:
-        model.base.requires_grad_(False)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            model(x)                   # every frozen Linear saves a bf16 copy of its weight
+        model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
+        model[1].requires_grad_(False)
+        with torch.autocast("cpu", dtype=torch.bfloat16):          # or "cuda"
+            report = gradaudit.audit(model, torch.randn(4, 16))   # model[1] saves a bf16 copy of its weight
     Fix:
         Store frozen parameters in the compute dtype (``frozen.to(torch.bfloat16)``) so autocast
         does not cast them; or keep them in float32 and accept the copy.
@@ -477,8 +502,12 @@ def eager_attention_saves_probabilities(ctx: RuleContext):  # noqa: C901 (two ca
         (``scaled_dot_product_attention``) saves only the output and one logsumexp value per
         query, and recomputes the probabilities in backward.
     Example:
-        attn = (q @ k.transpose(-2, -1) / d ** 0.5).softmax(-1)
-        out = attn @ v
+        class Attention(nn.Module):
+            def forward(self, q, k, v):
+                attn = (q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5).softmax(-1)
+                return attn @ v
+        q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+        report = gradaudit.audit(Attention(), (q, k, v))
     Fix:
         Call ``F.scaled_dot_product_attention``; in Hugging Face build the model with
         ``attn_implementation="sdpa"``. Where SDPA already runs but falls back to its math kernel
@@ -562,8 +591,17 @@ def trainable_parameters_get_no_gradient(ctx: RuleContext):
         It is a correctness hazard, not memory: those parameters' optimizer states cost memory
         for nothing and the layers do not train.
     Example:
-        x = embed(ids).detach()                              # or a frozen embedding
-        y = checkpoint(block, x, use_reentrant=True)         # block's weights get no .grad
+        from torch.utils.checkpoint import checkpoint
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed, self.block, self.head = nn.Embedding(100, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+            def forward(self, ids):
+                x = self.embed(ids).detach()                        # or a frozen embedding
+                y = checkpoint(self.block, x, use_reentrant=True)   # block's weights get no .grad
+                return self.head(y)
+        report = gradaudit.audit(Net(), torch.randint(0, 100, (4, 8)))
     Fix:
         ``use_reentrant=False``; or freeze the parameters you do not mean to train.
     Fix safety:
@@ -617,7 +655,15 @@ def batchnorm_train_in_checkpoint(ctx: RuleContext):
         Not memory but correctness: backward recomputes the block's forward, so the running
         mean/variance are updated twice per step (momentum applied twice).
     Example:
-        y = checkpoint(nn.Sequential(conv, nn.BatchNorm2d(64), nn.ReLU()), x, use_reentrant=False)
+        from torch.utils.checkpoint import checkpoint
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.block = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+
+            def forward(self, x):
+                return checkpoint(self.block, x, use_reentrant=False)
+        report = gradaudit.audit(Net().train(), torch.randn(2, 3, 12, 12))
     Fix:
         Checkpoint only the layers around batch norm, or put batch norm in eval mode.
     Fix safety:
@@ -660,8 +706,21 @@ def unexplained_unneeded_save(ctx: RuleContext):
         Autograd holds the tensor until backward, which never reads it (or reads one bit of each
         element).
     Example:
-        A custom ``autograd.Function`` that calls ``ctx.save_for_backward(x, y)`` but whose
-        backward uses only ``y``.
+        class Exp(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                y = x.exp()
+                ctx.save_for_backward(x, y)   # saves x and y ...
+                return y
+
+            @staticmethod
+            def backward(ctx, grad):
+                x, y = ctx.saved_tensors
+                return grad * y               # ... but reads only y
+        class Net(nn.Linear):
+            def forward(self, x):
+                return Exp.apply(super().forward(x))
+        report = gradaudit.audit(Net(8, 8), torch.randn(4, 8), verify=True)
     Fix:
         Stop saving it (custom Functions). Or describe the op with ``gradaudit.declare_function``
         (``gradaudit.declare`` for any node type): the static audit then knows it, and
@@ -704,7 +763,12 @@ def saved_for_unwanted_gradient(ctx: RuleContext):
         Ops whose gradients share one formula save everything any gradient could read; autograd
         keeps the tensor until backward although no wanted gradient reads it.
     Example:
-        y = torch.pow(base, exponent)    # exponent frozen: the result is kept for its gradient
+        class Power(nn.Module):
+            def forward(self, base, exponent):
+                return torch.pow(base.sigmoid() + 0.5, exponent)
+        base = torch.randn(4, 8, requires_grad=True)
+        exponent = torch.full((4, 8), 2.0)   # frozen: the result is kept for its gradient anyway
+        report = gradaudit.audit(Power(), (base, exponent))
     Fix:
         ``gradaudit.trim(model)`` drops such saves as the forward proceeds.
     Fix safety:
@@ -730,7 +794,11 @@ def saved_for_shape_only(ctx: RuleContext):
         Autograd saves the tensor itself because the backward formula names it; the formula only
         asks it for its sizes.
     Example:
-        loss = F.nll_loss(F.log_softmax(logits, -1), target)   # the log-probabilities are kept twice
+        class Loss(nn.Module):
+            def forward(self, logits, target):
+                return F.nll_loss(F.log_softmax(logits, -1), target)   # the log-probabilities are kept twice
+        logits = torch.randn(4, 10, requires_grad=True)
+        report = gradaudit.audit(Loss(), (logits, torch.randint(0, 10, (4,))))
     Fix:
         ``gradaudit.trim(model)`` replaces the save by a placeholder of its shape.
     Fix safety:

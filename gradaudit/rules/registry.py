@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
@@ -154,7 +155,8 @@ def get_rule(code: str) -> Rule:
 
 
 def parse_sections(doc: str) -> dict[str, str]:
-    """Split a rule docstring into its named sections ("What it flags:" ... )."""
+    """Split a rule docstring into its named sections ("What it flags:" ... ), each dedented: the
+    Example section is then a runnable snippet (tests/test_rule_examples.py runs every one)."""
     sections: dict[str, str] = {}
     current: Optional[str] = None
     lines: list[str] = []
@@ -162,12 +164,12 @@ def parse_sections(doc: str) -> dict[str, str]:
         header = line.rstrip().rstrip(":")
         if line.rstrip().endswith(":") and header in DOC_SECTIONS:
             if current:
-                sections[current] = "\n".join(lines).strip()
+                sections[current] = textwrap.dedent("\n".join(lines)).strip()
             current, lines = header, []
         elif current:
             lines.append(line)
     if current:
-        sections[current] = "\n".join(lines).strip()
+        sections[current] = textwrap.dedent("\n".join(lines)).strip()
     return sections
 
 
