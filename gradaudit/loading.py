@@ -131,11 +131,19 @@ def call(factory: Callable[[], Any], what: str, device: Optional[str] = None) ->
 
 
 def build_model(text: str, device: Optional[str] = None) -> tuple[Any, Any]:
-    """Load and call the model factory: returns ``(module, inputs or None)``."""
+    """Load and call the model factory: returns ``(module, inputs or None)``.
+
+    Every module constructed meanwhile (by the factory, or at import time for a SPEC naming a
+    module object) has its construction line noted: the source of ops that run only torch code
+    inside the forward (``nn.Sequential`` and its layers) is the line that built their layer.
+    """
     from torch import nn
 
-    factory = load_object(text)
-    result = factory if isinstance(factory, nn.Module) else call(factory, f"the factory {text}", device)
+    from .recorder import noting_construction
+
+    with noting_construction():
+        factory = load_object(text)
+        result = factory if isinstance(factory, nn.Module) else call(factory, f"the factory {text}", device)
     inputs = None
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
         result, inputs = result

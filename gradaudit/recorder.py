@@ -13,6 +13,7 @@ The recorder never decides anything about the tensors; it only observes (rules l
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import os
 import sys
@@ -197,15 +198,37 @@ class Recording:
 # Where in the user's code
 
 
-_internal_cache: dict[Any, bool] = {}
+_internal_cache: dict[str, bool] = {}
+_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+_LIBRARY_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+# Installed packages that run other people's code: a frame of theirs never explains a tensor. Model
+# libraries (transformers, torchvision, timm, ...) are not here: their frames are where the op is written.
+DRIVER_PACKAGES = frozenset({
+    "click", "typer", "pluggy", "_pytest", "pytest", "py", "IPython", "ipykernel", "debugpy",
+    "_pydevd_bundle", "_pydev_bundle", "pydevd", "coverage", "hypothesis", "tornado", "zmq", "traitlets",
+    "nbclient", "jupyter_client", "jupyter_core", "anyio", "runpy", "importlib_metadata",
+})
+
+
+def _library_of(filename: str) -> Optional[str]:
+    """The top-level package (or module) an installed file belongs to, else None."""
+    for marker in _LIBRARY_DIRS:
+        if marker in filename:
+            first = filename.split(marker, 1)[1].split(os.sep, 1)[0]
+            return first[:-3] if first.endswith(".py") else first
+    return None
 
 
 def _is_internal(code: Any) -> bool:
-    hit = _internal_cache.get(code)
+    """A frame that never explains a tensor: torch, gradaudit, the standard library (runpy, importlib,
+    contextlib, ...) and installed packages that drive code (click, pytest, IPython, ...)."""
+    name = code.co_filename  # by file: equal code objects of two files compare equal
+    hit = _internal_cache.get(name)
     if hit is None:
-        name = code.co_filename
-        hit = name.startswith(_TORCH_DIR) or name.startswith(_PACKAGE_DIR) or name.startswith("<frozen")
-        _internal_cache[code] = hit
+        library = _library_of(name)
+        hit = (name.startswith(_TORCH_DIR) or name.startswith(_PACKAGE_DIR) or name.startswith("<frozen")
+               or (library is None and name.startswith(_STDLIB_DIR)) or library in DRIVER_PACKAGES)
+        _internal_cache[name] = hit
     return hit
 
 
@@ -222,16 +245,96 @@ def short_path(filename: str) -> str:
     return filename
 
 
-def user_source_line(frame: Any = None) -> Optional[str]:
-    """``file:line`` of the innermost frame outside torch and gradaudit (from ``frame`` outwards;
-    default: the caller's)."""
+def user_source_line(frame: Any = None, stop: Any = None) -> Optional[str]:
+    """``file:line`` of the innermost frame outside torch, gradaudit and driver code (from ``frame``
+    outwards; default: the caller's), or None.
+
+    ``stop``: the frame that called the model's forward (``audit()``'s). The walk ends there: a line
+    at or outside it is where the forward was *called* (the ``audit(...)`` line, a test, click), which
+    says nothing about the tensor; the model's own code is only what runs inside the call.
+    """
     if frame is None:
         frame = sys._getframe(1)
-    while frame is not None:
+    while frame is not None and frame is not stop:
         if not _is_internal(frame.f_code):
             return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return None
+
+
+# Where modules were constructed: id(module) -> (weak reference, "file:line" or None). Noted only
+# while ``noting_construction()`` runs (the command line builds its model inside it); a model built
+# before ``audit()`` has none, and its modules' sites are unknown.
+_constructed: dict[int, tuple[weakref.ref, Optional[str]]] = {}
+_CONSTRUCTORS = ("__init__", "__post_init__")
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _constructed.get(key)
+    if entry is not None and entry[0] is ref:
+        del _constructed[key]
+
+
+def _constructing(frame: Any, module: nn.Module) -> bool:
+    """Is ``frame`` a constructor of ``module`` itself (a subclass's ``__init__`` calling super)?"""
+    code = frame.f_code
+    if code.co_name not in _CONSTRUCTORS or not code.co_argcount:
+        return False
+    return frame.f_locals.get(code.co_varnames[0]) is module
+
+
+def construction_line(module: nn.Module, frame: Any) -> Optional[str]:
+    """The innermost line, from ``frame`` outwards, outside torch, gradaudit, driver code and
+    ``module``'s own constructors: the line that constructed it (``nn.Linear(4, 8),`` inside the
+    user's ``nn.Sequential(...)``; ``self.fc = nn.Linear(...)`` inside a parent's ``__init__``)."""
+    while frame is not None:
+        if not _is_internal(frame.f_code) and not _constructing(frame, module):
+            return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def construction_site(module: nn.Module) -> Optional[str]:
+    """Where ``module`` was constructed, when noted by ``noting_construction()``; else None."""
+    entry = _constructed.get(id(module))
+    if entry is not None and entry[0]() is module:
+        return entry[1]
+    return None
+
+
+@contextlib.contextmanager
+def noting_construction() -> Iterator[None]:
+    """Note the construction line of every ``nn.Module`` constructed inside (see ``construction_site``).
+
+    torch has no hook for a module's construction (its global registration hooks fire when a module
+    is assigned to a parent, inside ``nn.Sequential.__init__`` for its children, where the user's
+    line is the container's), so ``nn.Module.__init__`` is wrapped while the block runs and put back
+    after it, also when it raises.
+    """
+    original = nn.Module.__init__
+    if getattr(original, "_gradaudit_noting", False):  # nested: the outer one notes
+        yield
+        return
+
+    @functools.wraps(original)
+    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        key = id(self)
+        entry = _constructed.get(key)
+        if entry is not None and entry[0]() is self:
+            return  # Module.__init__ run again on a built module: it was constructed where first seen
+        try:
+            ref = weakref.ref(self, lambda ref, key=key: _forget(key, ref))
+        except TypeError:  # a subclass with __slots__ and no __weakref__: cannot be followed
+            return
+        _constructed[key] = (ref, construction_line(self, sys._getframe(1)))
+
+    __init__._gradaudit_noting = True  # type: ignore[attr-defined]
+    nn.Module.__init__ = __init__  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.__init__ = original  # type: ignore[method-assign]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,11 +431,29 @@ class Recorder:
         self._saving: Optional[tuple[int, tuple[int, int, int], LiveRegion]] = None
         self._entered = 0  # submodule forwards started so far
         self._module_paths: Optional[dict[int, tuple[str, str]]] = None  # id(module) -> (path, class)
+        # the frame that calls the forward (audit()'s): lines at or outside it explain nothing
+        self._caller: Any = None
+        # module path -> its construction line, for ops whose every frame inside the forward is
+        # torch's (nn.Sequential and the layers in it): known when the model was built under
+        # noting_construction() (the command line), else those ops' source is unknown
+        self._built: dict[str, str] = {}
+        if _constructed:
+            for path, module in model.named_modules():
+                site = construction_site(module)
+                if site is not None:
+                    self._built[path] = site
 
     # -- hooks ---------------------------------------------------------------------------------
     def _site(self) -> NodeSite:
+        """The running module and the line explaining the op: the innermost line of the model's own
+        code (a forward written by the user or a model library), else, when only torch ran inside
+        the forward call (``nn.Sequential``, an ``nn.Linear`` called by it), the line that
+        constructed the running module if known, else None (never the line that called the forward)."""
         path, cls = self.tracker.stack[-1]
-        return NodeSite(path, cls, user_source_line())
+        source = user_source_line(sys._getframe(1), self._caller)
+        if source is None:
+            source = self._built.get(path)
+        return NodeSite(path, cls, source)
 
     def _pack(self, tensor: torch.Tensor) -> Packed:
         # The box keeps a detached alias (same storage, strides, version counter; no grad_fn), never
@@ -360,7 +481,8 @@ class Recorder:
             region = saving[2]
         else:
             stack = self.tracker.stack
-            region = LiveRegion(reentrant=False, depth=len(stack), caller=stack[-1], source=user_source_line(frame))
+            region = LiveRegion(reentrant=False, depth=len(stack), caller=stack[-1],
+                                source=user_source_line(frame, self._caller))
             self.regions.append(region)
         self._saving = (id(frame), (index, self._announced, self._entered), region)
         region.packs.append(index)
@@ -375,7 +497,8 @@ class Recorder:
                 region = self._reentrant.get(id(ctx))
                 if region is None or region.ctx() is not ctx:
                     region = LiveRegion(reentrant=True, depth=len(stack), caller=stack[-1],
-                                        source=user_source_line(frame.f_back), ctx=weakref.ref(ctx))
+                                        source=user_source_line(frame.f_back, self._caller),
+                                        ctx=weakref.ref(ctx))
                     self._reentrant[id(ctx)] = region
                     self.regions.append(region)
                 if len(stack) == region.depth:
@@ -406,6 +529,8 @@ class Recorder:
         self._announced += 1
 
     def __enter__(self) -> "Recorder":
+        """Enter in the frame that then calls the model's forward (see ``user_source_line``)."""
+        self._caller = sys._getframe(1)
         self.tracker.__enter__()
         self.attention.__enter__()
         if torchapi.has("node creation hook"):
@@ -418,6 +543,7 @@ class Recorder:
 
     def __exit__(self, *exc: Any) -> None:
         self.end_sequence = torchapi.sequence_number()
+        self._caller = None  # the caller's frame holds this recorder: no cycle left behind
         try:
             if self._hooks is not None:
                 self._hooks.__exit__(*exc)

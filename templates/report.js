@@ -25,7 +25,7 @@
 
   function haystack(r) {
     return [r[col.module], r[col.module_class], r[col.node], r[col.attr], r[col.rule] || "",
-            r[col.source] || "", r[col.storage_kind], r[col.reason]].join(" ").toLowerCase();
+            r[col.source] || "unknown", r[col.storage_kind], r[col.reason]].join(" ").toLowerCase();
   }
 
   function apply() {
@@ -75,7 +75,7 @@
       cell(tr, r[col.storage_kind] + (r[col.managed_by] !== "autograd" ? " / " + r[col.managed_by] : ""));
       cell(tr, r[col.verdict] + packed, "v-" + r[col.verdict], r[col.reason]);
       cell(tr, r[col.rule] || "");
-      cell(tr, r[col.source] || "");
+      cell(tr, r[col.source] || "unknown");
       frag.appendChild(tr);
     });
     tbody.textContent = "";
