@@ -17,42 +17,39 @@ from .records import (
     StorageKind,
 )
 from .rules.registry import Flag, RuleContext, all_rules, selected
-from .tensors import dtype_name, itemsize, storage_key
+from .tensors import dtype_name, itemsize, storage_key, tensor_attributes
 
 
 class KnownStorages:
     """Storages that are alive anyway: parameters, buffers, the caller's inputs; plus outputs."""
 
     def __init__(self, model: torch.nn.Module, inputs: Sequence[torch.Tensor],
-                 outputs: Sequence[torch.Tensor]) -> None:
+                 outputs: Sequence[torch.Tensor], attributes_before: set[int] = frozenset()) -> None:
         self.kind: dict[int, str] = {}
+        # an unregistered tensor kept on a module lives with the module: one that was there before
+        # the forward (``self.mask = ...`` in __init__) is like a buffer; one the forward stored
+        # (``self.cache = h``) is an activation the module keeps (StorageKind.MODULE)
+        self.module_attributes: dict[int, tuple[str, torch.Tensor]] = {}
+        for path, t in tensor_attributes(model):
+            if t.layout == torch.strided and storage_key(t) not in attributes_before:
+                self.module_attributes.setdefault(storage_key(t), (path, t))
         # (sparse and other non-strided tensors have no single storage: not classified)
         for kind, tensors in [(StorageKind.OUTPUT, outputs), (StorageKind.INPUT, inputs),
                               (StorageKind.BUFFER, model.buffers()),
-                              # an unregistered tensor kept on a module (``self.mask = ...``) lives
-                              # with the module like a buffer: saving it costs autograd nothing
-                              (StorageKind.BUFFER, _tensor_attributes(model)),
+                              (StorageKind.BUFFER, [t for _, t in tensor_attributes(model)]),
+                              (StorageKind.MODULE, [t for _, t in self.module_attributes.values()]),
                               (StorageKind.PARAMETER, model.parameters())]:
             for t in tensors:
                 if t.layout == torch.strided:
                     self.kind[storage_key(t)] = kind
 
+    def kept_on_modules(self) -> tuple[int, list[str]]:
+        """Bytes of the storages the forward stored on modules, and where (module.attribute)."""
+        return (sum(t.untyped_storage().nbytes() for _, t in self.module_attributes.values()),
+                sorted({path for path, _ in self.module_attributes.values()}))
+
     def classify(self, key: int) -> str:
         return self.kind.get(key, StorageKind.ACTIVATION)
-
-
-def _tensor_attributes(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Plain tensor attributes of the model's modules (also inside a list, tuple or dict)."""
-    found = []
-    for module in model.modules():
-        for name, value in vars(module).items():
-            if name in ("_parameters", "_buffers"):
-                continue
-            if isinstance(value, dict):
-                value = list(value.values())
-            items = value if isinstance(value, (list, tuple)) else (value,)
-            found.extend(v for v in items if isinstance(v, torch.Tensor))
-    return found
 
 
 def build_report(
@@ -67,7 +64,7 @@ def build_report(
     notes: Sequence[str] = (),
     measured: Optional[dict[str, int]] = None,
 ) -> Report:
-    known = KnownStorages(model, inputs, recording.outputs)
+    alive = KnownStorages(model, inputs, recording.outputs, recording.attributes_before)
 
     # -- plain-data nodes ---------------------------------------------------------------------
     nodes = [
@@ -98,7 +95,7 @@ def build_report(
             if sid is None:
                 sid = storage_ids[key] = len(storages)
                 storages.append(Storage(id=sid, nbytes=t.untyped_storage().nbytes(),
-                                        kind=known.classify(key), module=save.site.module))
+                                        kind=alive.classify(key), module=save.site.module))
             shape, dtype = tuple(t.shape), t.dtype
             offset, stride, device = t.storage_offset(), tuple(t.stride()), str(t.device)
         else:
@@ -182,6 +179,14 @@ def build_report(
     offloaded = sum(t.view_nbytes for t in tensors if t.managed_by == Manager.OFFLOAD and t.node_id >= 0)
     recomputed = sum(t.view_nbytes for t in tensors if t.managed_by == Manager.CHECKPOINT and t.node_id >= 0)
     notes += [d.message() for d in disagreements]
+    kept_bytes, kept_where = alive.kept_on_modules()
+    if kept_bytes:
+        from .report.units import human_bytes
+
+        notes.append(f"{human_bytes(kept_bytes)} ({kept_bytes} bytes) of activations this forward made are kept "
+                     f"on modules as attributes ({', '.join(kept_where[:4])}{', ...' if len(kept_where) > 4 else ''}): "
+                     f"the modules hold them, after backward too, so they are not in the held figure "
+                     f"(kept_on_modules_bytes) and no fix of autograd's saves frees them")
     if any(t.managed_by == Manager.CHECKPOINT for t in tensors):
         notes.append("some saves are managed by torch.utils.checkpoint: they are recomputed in backward, "
                      "not held, and their sizes are not known without recomputing (gradaudit does not)")
@@ -193,7 +198,7 @@ def build_report(
         reclaimable_with_bitpacking_bytes=scoped.reclaimable_with_bitpacking_bytes(),
         rewrite_bytes=sum(f.bytes_together for f in findings if f.rewrite and f.severity == Severity.WASTE),
         select=tuple(select), ignore=tuple(ignore),
-        recomputed_bytes=recomputed, offloaded_bytes=offloaded,
+        recomputed_bytes=recomputed, offloaded_bytes=offloaded, kept_on_modules_bytes=kept_bytes,
         parameters_requiring_grad=sum(1 for v in params.values() if v),
         inputs_requiring_grad=sum(1 for t in inputs if t.requires_grad),
         unexplained=unexplained, notes=notes, disagreements=disagreements,

@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from . import torchapi
 from .meta import sdpa_arguments, sdpa_backend
 from .records import NEEDED, AttentionCall, Leaf, Manager
+from .tensors import storage_key, tensor_attributes
 from .torchapi import NO_SEQUENCE, node_scalars, raw_saved_slots
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -192,6 +193,8 @@ class Recording:
     node_sites: dict[int, NodeSite]
     attention_tensors: list[list[tuple[Any, int]]] = field(default_factory=list)  # AttentionCalls.tensors
     regions: list[LiveRegion] = field(default_factory=list)  # torch.utils.checkpoint calls seen
+    # storages of the modules' plain tensor attributes before the forward (module state, not activations)
+    attributes_before: set[int] = field(default_factory=set)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -531,6 +534,8 @@ class Recorder:
     def __enter__(self) -> "Recorder":
         """Enter in the frame that then calls the model's forward (see ``user_source_line``)."""
         self._caller = sys._getframe(1)
+        self.attributes_before = {storage_key(t) for _, t in tensor_attributes(self.model)
+                                  if t.layout == torch.strided}
         self.tracker.__enter__()
         self.attention.__enter__()
         if torchapi.has("node creation hook"):
@@ -715,7 +720,7 @@ class Recorder:
         self._collect_hidden(nodes, saves)
         return Recording(nodes=nodes, saves=saves, outputs=outputs, pack_count=len(self._boxes),
                          node_sites=self.node_sites, attention_tensors=self.attention.tensors,
-                         regions=list(self.regions))
+                         regions=list(self.regions), attributes_before=self.attributes_before)
 
 
 def _modules_named_by(function: Any) -> tuple[list[nn.Module], list[nn.Module]]:

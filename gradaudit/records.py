@@ -33,6 +33,9 @@ class StorageKind(Name):
     PARAMETER = "parameter"
     BUFFER = "buffer"
     INPUT = "input"
+    # an activation the audited forward stored as a module attribute (``self.cache = h``): the
+    # module keeps it, after backward too, so it is not memory autograd holds (nor frees)
+    MODULE = "module"
 
 
 class Manager(Name):
@@ -61,7 +64,7 @@ class Severity(Name):
 
 STORAGE_KINDS = tuple(StorageKind)
 HELD_KINDS = (StorageKind.ACTIVATION, StorageKind.OUTPUT)  # kinds whose bytes autograd holds
-FREE_KINDS = (StorageKind.PARAMETER, StorageKind.BUFFER, StorageKind.INPUT)  # alive anyway
+FREE_KINDS = (StorageKind.PARAMETER, StorageKind.BUFFER, StorageKind.INPUT, StorageKind.MODULE)  # alive anyway
 MANAGERS = tuple(Manager)
 NEEDED, NOT_NEEDED, SIGN_ONLY, UNKNOWN = Verdict.NEEDED, Verdict.NOT_NEEDED, Verdict.SIGN_ONLY, Verdict.UNKNOWN
 VERDICTS = tuple(Verdict)
@@ -328,6 +331,8 @@ class Report:
     unexplained: list[dict[str, Any]] = field(default_factory=list)  # blind spots
     notes: list[str] = field(default_factory=list)
     disagreements: list[Disagreement] = field(default_factory=list)  # verify=True refuted the op knowledge
+    # activations the forward stored on modules as attributes (StorageKind.MODULE), in bytes
+    kept_on_modules_bytes: int = 0
     # bytes the selected waste findings' code changes (``Finding.rewrite``) free on top of dropping
     # and bit-packing, each storage counted once
     rewrite_bytes: int = 0
@@ -360,6 +365,7 @@ class Report:
             "reclaimable_with_all_fixes_bytes": self.reclaimable_with_all_fixes_bytes,
             "recomputed_bytes": self.recomputed_bytes,
             "offloaded_bytes": self.offloaded_bytes,
+            "kept_on_modules_bytes": self.kept_on_modules_bytes,
             "saved_tensors": len(held),
             "unknown_tensors": sum(1 for t in held if t.verdict == UNKNOWN),
             # held saves without one storage (sparse layouts): not in any byte figure

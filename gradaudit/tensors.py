@@ -15,7 +15,7 @@ import torch
 from .torchapi import sparse_coo_parts, storage_key
 
 __all__ = ["split_inputs", "iter_tensors", "unique", "storage_key", "storage_span", "strided_parts",
-           "dtype_name", "itemsize"]
+           "dtype_name", "itemsize", "tensor_attributes"]
 
 
 def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -88,3 +88,19 @@ def dtype_name(dtype: Optional[torch.dtype]) -> str:
 
 def itemsize(dtype: Optional[torch.dtype]) -> int:
     return dtype.itemsize if dtype is not None else 0
+
+
+def tensor_attributes(model: "torch.nn.Module") -> list[tuple[str, torch.Tensor]]:
+    """(``module.attribute``, tensor) for the plain tensor attributes of the model's modules (also
+    inside a list, tuple or dict)."""
+    found = []
+    for path, module in model.named_modules():
+        for name, value in vars(module).items():
+            if name in ("_parameters", "_buffers"):
+                continue
+            if isinstance(value, dict):
+                value = list(value.values())
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            where = f"{path}.{name}" if path else name
+            found.extend((where, v) for v in items if isinstance(v, torch.Tensor))
+    return found

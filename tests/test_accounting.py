@@ -168,3 +168,25 @@ def test_a_sign_only_save_the_proof_found_three_signed_is_not_bit_packed():
     two_signs = _tensor(0, 0, 100, verdict="sign-only", bitpackable=True)
     # 400 - ceil(100 / 8) = 400 - 13 = 387
     assert Accountant([two_signs], storages).reclaimable_with_bitpacking_bytes() == 387
+
+
+def test_activations_a_forward_stores_on_a_module_are_named_not_dropped():
+    """A module that stores an activation as an attribute (torchvision's RAFT keeps its correlation
+    pyramid so): the module holds it, after backward too. It is not autograd's memory, so it is not
+    in saved_bytes, but it is reported, and the two add up to what is alive after the forward."""
+    class KeepsItsCache(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+            self.scale = torch.randn(64)  # module state from __init__: like a buffer
+
+        def forward(self, x):
+            self.cache = self.lin(x) * 2  # 32x64 float32 = 8192 bytes, made by this forward
+            return (self.cache * self.scale).tanh()
+
+    model, x = KeepsItsCache(), torch.randn(32, 64)
+    report = gradaudit.audit(model, x)
+    assert report.kept_on_modules_bytes == 32 * 64 * 4
+    assert any("cache" in note and "kept on modules" in note for note in report.notes)
+    assert report.saved_bytes + report.kept_on_modules_bytes == held_bytes_after_forward(model, x)
+    assert report.to_dict()["summary"]["kept_on_modules_bytes"] == 8192

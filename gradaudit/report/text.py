@@ -61,6 +61,9 @@ def render(report: Report, *, color: bool = False, top: int = 10, width: int = 1
         figures.append(("recomputed by checkpointing", human_bytes(report.recomputed_bytes), "not held", ""))
     if report.offloaded_bytes:
         figures.append(("offloaded", human_bytes(report.offloaded_bytes), "not held", ""))
+    if report.kept_on_modules_bytes:
+        figures.append(("kept on modules (attributes)", human_bytes(report.kept_on_modules_bytes),
+                        "not autograd's", ""))
     padded = _columns([f[:3] for f in figures], (False, True, False))
     for (label, amount, note), (_, _, _, style) in zip(padded, figures):
         amount = paint(amount, style) if style and amount.strip() != "0 B" else amount
