@@ -121,6 +121,19 @@ declare("ScaledDotProductFlashAttentionForCpuBackward0", edges=("query", "key", 
             "value": Read(by=("query", "key"), rule="GA001"),
             "output": Read(by=("query", "key"), rule="GA001"),
         })
+declare("AddcmulBackward0", edges=("self", "tensor1", "tensor2"), source="derivatives.yaml addcmul",
+        saves={"tensor1": Read(by=("tensor2",), rule="GA001"), "tensor2": Read(by=("tensor1",), rule="GA001")})
+# the target gradient is -grad * self (or reads only self and pos_weight): it never reads the target
+declare("BinaryCrossEntropyWithLogitsBackward0", edges=("self", "target", "weight", "pos_weight"),
+        source="derivatives.yaml binary_cross_entropy_with_logits", saves={
+            "self": Read(why="read by the self and target gradients"),
+            "target": Read(by=("self",), rule="GA001"),
+            "weight": Read(why="scales both gradients"),
+            "pos_weight": Read(why="scales both gradients"),
+        })
+declare("GridSampler2DBackward0", edges=("input", "grid"), source="derivatives.yaml grid_sampler_2d_backward",
+        saves={"grid": Read(why="read by the input and grid gradients"),
+               "input": Read(by=("grid",), rule="GA001")})
 declare("RreluWithNoiseBackward0", edges=("self",), when={"training": True},
         source="derivatives.yaml rrelu_with_noise: in training grad * noise", saves={
             "noise": Read(why="the sampled slopes scale the gradient"),
@@ -140,6 +153,11 @@ declare("ReluBackward0", edges=("self",), source="derivatives.yaml relu: thresho
 declare("LeakyReluBackward0", edges=("self",), source="derivatives.yaml leaky_relu_backward",
         saves={"self": Read(reads=Reads.SIGN, bit=Bit.GT_ZERO, rule="GA401",
                             why="the backward reads only self > 0")})
+# in-place leaky_relu_ saves its result; torch refuses a negative slope there, so result > 0
+# exactly where the input was > 0: leaky_relu_backward(grad, result, slope, self_is_result=True)
+declare("LeakyReluBackward1", edges=("self",), source="derivatives.yaml leaky_relu_",
+        saves={"result": Read(reads=Reads.SIGN, bit=Bit.GT_ZERO, rule="GA401",
+                              why="the backward reads only result > 0")})
 declare("ThresholdBackward0", edges=("self",), when={"threshold": 0}, source="derivatives.yaml threshold_backward",
         saves={"self": Read(reads=Reads.SIGN, bit=Bit.NOT_LE_ZERO, rule="GA401",
                             why="the backward reads only self > 0")})
@@ -178,7 +196,7 @@ declare(
     "MseLossBackward0", "LinalgVectorNormBackward0", "ReciprocalBackward0", "NegBackward0",
     "AbsBackward0", "ClampBackward1", "ClampMinBackward0", "ClampMaxBackward0", "WhereBackward0",
     "MaxBackward0", "MinBackward0", "MaxBackward1", "MinBackward1",
-    "UpsampleNearest2DBackward0", "MaskedFillBackward0",
+    "UpsampleNearest2DBackward0", "MaskedFillBackward0", "ErfBackward0",
     "ProdBackward0", "ProdBackward1", "CumsumBackward0", "VarMeanBackward0", "StdMeanBackward0",
     "SliceBackward0", "SelectBackward0", "ViewBackward0", "UnsafeViewBackward0",
     "SoftmaxBackwardDataBackward0",
