@@ -14,7 +14,7 @@ from . import torchapi
 from .analysis import build_report
 from .errors import ForwardError, GradauditError, NoMatchingParameterError, NothingRequiresGradError
 from .measure import held_bytes_after_forward
-from .meta import CpuKernelChoices, WithoutAttentionDropout
+from .meta import AutocastOnMeta, CpuKernelChoices, WithoutAttentionDropout
 from .recorder import Recorder
 from .records import Leaf, Manager, Report
 from .rules.registry import check_codes
@@ -181,10 +181,12 @@ def audit(
         if progress:
             progress("running the forward")
         recorder = Recorder(model)
-        # on meta, attention must take the kernel CPU would take, or it saves different tensors
+        # on meta, attention must take the kernel CPU would take, or it saves different tensors; and
+        # autocast, which meta tensors do not reach, is emulated (entered last: its casts come first)
         kernels = CpuKernelChoices() if on_meta else contextlib.nullcontext()
+        autocast = AutocastOnMeta() if on_meta else None
         stance = torchapi.force_eager("audit(eager=True)") if eager else contextlib.nullcontext()
-        with recorder, kernels, stance:
+        with recorder, kernels, autocast or contextlib.nullcontext(), stance:
             try:
                 output = model(*args, **kwargs)
             except GradauditError:
@@ -218,6 +220,8 @@ def audit(
                 if on_meta:
                     stack.enter_context(CpuKernelChoices())
                 stack.enter_context(WithoutAttentionDropout())
+                if on_meta:
+                    stack.enter_context(AutocastOnMeta())
                 measured["held_without_attention_dropout"] = held_bytes_after_forward(model, inputs)
         if progress:
             progress("analysing saved tensors")
@@ -227,6 +231,8 @@ def audit(
     finally:
         notes = state.restore()
     report.notes.extend(notes)
+    if autocast is not None:
+        report.notes.extend(autocast.notes)
     report.notes.extend(_compiled_notes(model, report))
     return report
 

@@ -9,6 +9,8 @@ same shapes, dtypes and flags, and calls that kernel's meta implementation direc
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -77,3 +79,299 @@ class CpuKernelChoices(TorchFunctionMode):
                     return torchapi.cpu_flash_attention(query, a["key"], a["value"], a["dropout_p"],
                                                         a["is_causal"], attn_mask=a["attn_mask"], scale=a["scale"])
         return func(*args, **kwargs)
+
+
+# -- autocast on meta -------------------------------------------------------------------------------
+#
+# torch.autocast works through the AutocastCPU / AutocastCUDA dispatch keys, which only tensors of
+# that device carry: under ``torch.autocast("cpu", dtype=torch.bfloat16)`` a meta forward keeps
+# float32 and saves float32, without the ToCopyBackward0 nodes and the bf16 copies a CPU forward
+# holds. AutocastOnMeta applies the autocast cast policies at the Python function level instead.
+# The op lists are PyTorch's (aten/src/ATen/autocast_mode.cpp for CPU, AT_FORALL_* in
+# ATen/autocast_mode.h for CUDA), mapped to the Python functions that reach a TorchFunctionMode.
+
+LOWER, FP32, SET_OPT_DTYPE, PROMOTE, BANNED = "lower_precision_fp", "fp32", "fp32_set_opt_dtype", "promote", "banned"
+LOWER_INSIDE = "lower_precision_fp inside"
+
+_CPU_OPS = {
+    LOWER: """conv1d conv2d conv3d bmm mm linalg_vecdot baddbmm addmm _addmm_activation addbmm linear
+        _convolution matmul conv_tbc mkldnn_rnn_layer conv_transpose1d conv_transpose2d conv_transpose3d prelu
+        scaled_dot_product_attention _native_multi_head_attention""",
+    FP32: """avg_pool3d binary_cross_entropy grid_sampler polar prod quantile nanquantile stft cdist trace
+        view_as_complex cholesky cholesky_inverse cholesky_solve inverse lu_solve orgqr ormqr pinverse
+        max_pool3d max_unpool2d max_unpool3d adaptive_avg_pool3d reflection_pad1d reflection_pad2d
+        replication_pad1d replication_pad2d replication_pad3d mse_loss cosine_embedding_loss nll_loss
+        nll_loss2d hinge_embedding_loss poisson_nll_loss smooth_l1_loss cross_entropy_loss l1_loss huber_loss
+        margin_ranking_loss soft_margin_loss triplet_margin_loss multi_margin_loss ctc_loss kl_div
+        multilabel_margin_loss binary_cross_entropy_with_logits fft_fft fft_ifft fft_fft2 fft_ifft2 fft_fftn
+        fft_ifftn fft_rfft fft_irfft fft_rfft2 fft_irfft2 fft_rfftn fft_irfftn fft_hfft fft_ihfft linalg_cond
+        linalg_matrix_rank linalg_solve linalg_cholesky linalg_svdvals linalg_eigvals linalg_eigvalsh
+        linalg_inv linalg_householder_product linalg_tensorinv linalg_tensorsolve
+        fake_quantize_per_tensor_affine geqrf qr svd triangular_solve fractional_max_pool2d
+        fractional_max_pool3d adaptive_max_pool3d linalg_qr linalg_cholesky_ex linalg_svd linalg_eig
+        linalg_eigh linalg_lstsq linalg_inv_ex""",
+    PROMOTE: "stack cat index_copy",
+    # not listed, but they reach bmm / mm inside (CompositeImplicit), which autocast casts: the
+    # operands are cast here, before their views (einsum needs two operands to reach bmm)
+    LOWER_INSIDE: "einsum tensordot chain_matmul linalg_multi_dot",
+}
+# F.pad reaches reflection_pad1d/2d and replication_pad1d/2d/3d (fp32 on CPU) inside aten::pad
+_CPU_OPS[FP32] += " pad"
+
+_CUDA_OPS = {
+    LOWER: """_convolution conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d conv_transpose3d
+        convolution prelu addmm addmv addr matmul einsum mm mv linalg_vecdot linear addbmm baddbmm bmm
+        chain_matmul linalg_multi_dot _thnn_fused_lstm_cell _thnn_fused_gru_cell lstm_cell gru_cell
+        rnn_tanh_cell rnn_relu_cell scaled_dot_product_attention cudnn_convolution cudnn_convolution_transpose""",
+    # cross_entropy_loss is not listed, but decomposes into log_softmax (float32 result) and nll_loss
+    # (fp32): the same ToCopyBackward0 of the input; upsample_*: F.interpolate (except mode "area")
+    FP32: """acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow softplus
+        layer_norm native_layer_norm rms_norm group_norm frobenius_norm nuclear_norm cosine_similarity
+        poisson_nll_loss cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss kl_div l1_loss
+        smooth_l1_loss huber_loss mse_loss margin_ranking_loss multilabel_margin_loss soft_margin_loss
+        triplet_margin_loss multi_margin_loss binary_cross_entropy_with_logits dist pdist cdist renorm
+        logsumexp upsample cross_entropy_loss""",
+    SET_OPT_DTYPE: "prod softmax log_softmax cumprod cumsum linalg_vector_norm linalg_matrix_norm sum norm",
+    PROMOTE: "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add",
+    BANNED: "binary_cross_entropy",
+}
+
+# Python composites whose inner calls autocast reaches (it works per aten op): a TorchFunctionMode
+# is off while it handles a call, so these run with the mode pushed again (their own
+# has_torch_function check skipped once) and their inner calls are cast
+_REENTER = {
+    "cpu": "multi_head_attention_forward",
+    "cuda": "multi_head_attention_forward normalize softmin gumbel_softmax local_response_norm",
+}
+# composites in C++ that autocast reaches inside but a Python-level emulation cannot: the inner
+# casts are missing on meta, and the report says so
+_OPAQUE = {
+    "cpu": "lstm gru rnn_tanh rnn_relu",
+    "cuda": "lstm gru rnn_tanh rnn_relu",
+}
+
+# device types whose autocast this emulation knows
+EMULATED_AUTOCAST = ("cpu", "cuda")
+# autocast device types torch knows besides those (their contexts are noted, not emulated)
+_OTHER_AUTOCAST = ("xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia")
+
+
+def _python_functions(name: str) -> list[Any]:
+    """The Python-visible functions a TorchFunctionMode receives for the aten op ``name``."""
+    import torch.fft
+    import torch.linalg
+
+    extra = {
+        "cross_entropy_loss": [F.cross_entropy],
+        "grid_sampler": [F.grid_sample],
+        # boolean dispatchers (return_indices): both reach the mode as the public function
+        "adaptive_max_pool3d": [F.adaptive_max_pool3d_with_indices],
+        "fractional_max_pool2d": [F.fractional_max_pool2d_with_indices],
+        "fractional_max_pool3d": [F.fractional_max_pool3d_with_indices],
+        "cat": [torch.concat, torch.concatenate, torch.hstack, torch.vstack, torch.dstack],
+        "matmul": [torch.Tensor.__matmul__, torch.Tensor.__rmatmul__],
+        "pow": [torch.Tensor.__pow__, torch.Tensor.__rpow__],
+        "upsample": [F.interpolate, F.upsample],
+        "multi_head_attention_forward": [F.multi_head_attention_forward],
+        "softmin": [F.softmin], "gumbel_softmax": [F.gumbel_softmax],
+        "local_response_norm": [F.local_response_norm], "normalize": [F.normalize],
+        "pad": [F.pad],
+    }.get(name, [])
+    found = list(extra)
+    spaces = [(torch, ""), (torch.Tensor, ""), (F, "")] + [(space, "") for space in torchapi.op_namespaces()]
+    for space, prefix in spaces + [(torch.linalg, "linalg_"), (torch.fft, "fft_")]:
+        if prefix and not name.startswith(prefix):
+            continue
+        found.append(getattr(space, name[len(prefix):], None))
+    return [f for f in found if f is not None and callable(f)]
+
+
+def _policies(ops: dict[str, str]) -> dict[Any, tuple[str, str]]:
+    table: dict[Any, tuple[str, str]] = {}
+    for policy, names in ops.items():
+        for name in names.split():
+            for function in _python_functions(name):
+                table.setdefault(function, (policy, name))
+    return table
+
+
+_TABLES: dict[str, dict[Any, tuple[str, str]]] = {}
+
+
+def autocast_policies(device_type: str) -> dict[Any, tuple[str, str]]:
+    """Python function -> (cast policy, aten op name) under ``device_type``'s autocast."""
+    if device_type not in _TABLES:
+        ops = {"cpu": _CPU_OPS, "cuda": _CUDA_OPS}[device_type]
+        table = _policies(ops)
+        for name in _OPAQUE[device_type].split():
+            for function in _python_functions(name):
+                table.setdefault(function, ("opaque", name))
+        for name in _REENTER[device_type].split():
+            for function in _python_functions(name):
+                if inspect.isfunction(function):
+                    table.setdefault(function, ("reenter", name))
+        _TABLES[device_type] = table
+    return _TABLES[device_type]
+
+
+def _eligible(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for t in value if isinstance(t, torch.Tensor)]
+    return []
+
+
+class AutocastOnMeta(TorchFunctionMode):
+    """Emulates ``torch.autocast`` for a forward on the meta device, as ``device_type`` would run it.
+
+    For each call of a function autocast puts in a cast policy for an enabled autocast context,
+    the floating-point tensor arguments are cast as autocast casts them (``.to(dtype)``: the same
+    ToCopyBackward0 nodes and copies; fp32 leaves that require grad cast to the lower precision
+    once per autocast region, as autocast's cast cache does), then the function runs. The context
+    followed is ``device_type``'s when enabled, else the first enabled of ``EMULATED_AUTOCAST``
+    (a forward written for another device). ``notes``: what could not be emulated.
+    """
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        super().__init__()
+        if device_type not in EMULATED_AUTOCAST:
+            raise ValueError(f"autocast on meta emulates {', '.join(EMULATED_AUTOCAST)}, not {device_type!r}")
+        self.device_type = device_type
+        self.order = (device_type,) + tuple(d for d in EMULATED_AUTOCAST if d != device_type)
+        self.notes: list[str] = []
+        self._cache: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._seen_other: set[str] = set()
+        self._seen_opaque: set[tuple[str, str]] = set()
+        self._others = _KNOWN_OTHERS
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not _any_autocast_enabled():
+            self._cache.clear()  # outside every autocast region (autocast clears its cache on exit)
+            return func(*args, **kwargs)
+        device = next((d for d in self.order if torch.is_autocast_enabled(d)), None)
+        self._note_other_devices()
+        if device is None:
+            return func(*args, **kwargs)
+        entry = autocast_policies(device).get(func)
+        if entry is None:
+            return func(*args, **kwargs)
+        policy, name = entry
+        lower = torch.get_autocast_dtype(device)
+        if policy == "opaque":
+            if (device, name) not in self._seen_opaque:
+                self._seen_opaque.add((device, name))
+                self.notes.append(
+                    f"autocast ({device}) on meta: {name} runs its inner ops without autocast's casts (autocast "
+                    f"casts inside it, per aten op; gradaudit emulates autocast per Python function): figures "
+                    f"for it follow float32, audit on {device} for its exact saves")
+            return func(*args, **kwargs)
+        if policy == "reenter":
+            return self._reenter(func, args, kwargs)
+        if policy == BANNED:
+            raise RuntimeError("torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.")
+        if name == "upsample" and _argument(args, kwargs, 3, "mode", "nearest") == "area":
+            return func(*args, **kwargs)  # area interpolation is adaptive_avg_pool, not listed
+        if name == "pad" and not _pad_in_fp32(args, kwargs):
+            return func(*args, **kwargs)
+        if name == "max_pool3d" and _argument(args, kwargs, 6, "return_indices", False):
+            return func(*args, **kwargs)  # max_pool3d_with_indices is not listed
+        if policy == LOWER_INSIDE:
+            operands = [t for v in list(args) + list(kwargs.values()) for t in _tensors(v)]
+            if len(operands) < 2 or (name != "einsum" and len({t.dtype for t in operands}) > 1):
+                return func(*args, **kwargs)  # one operand: no bmm; mixed dtypes: its own check raises
+            policy = LOWER
+        if policy == SET_OPT_DTYPE:
+            first = next((t for v in list(args) + list(kwargs.values()) for t in _tensors(v)), None)
+            # Python wrappers (F.softmax, torch.norm) hand on dtype=None: no dtype asked for
+            if _eligible(first) and kwargs.get("dtype") is None and not any(isinstance(a, torch.dtype) for a in args):
+                kwargs = {**kwargs, "dtype": torch.float32}
+            return func(*args, **kwargs)
+        if policy == LOWER:
+            target = lower
+        elif policy == FP32:
+            target = torch.float32
+        else:  # PROMOTE: float32 if any eligible argument is float32, else the lower precision
+            floats = [t.dtype for v in list(args) + list(kwargs.values()) for t in _tensors(v) if _eligible(t)]
+            target = torch.float32 if torch.float32 in floats else lower
+        # einsum and tensordot hand bmm / mm views of their operands, which autocast's cache skips
+        cache = name not in ("einsum", "tensordot")
+        cast = lambda v: self._cast(v, target, lower, cache)  # noqa: E731
+        return func(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
+
+    def _reenter(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run a Python composite with this mode on, so that autocast reaches its inner calls."""
+        names = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+        scope = func.__globals__
+        saved = {n: scope[n] for n in names if n in scope}
+
+        def restore() -> None:
+            scope.update(saved)
+
+        def once(*_: Any) -> bool:  # the function's own check, once: it is being handled now
+            restore()
+            return False
+
+        scope.update({n: once for n in saved})
+        try:
+            with self:
+                return func(*args, **kwargs)
+        finally:
+            restore()
+
+    def _cast(self, value: Any, target: torch.dtype, lower: torch.dtype, cache: bool = True) -> Any:
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(self._cast(v, target, lower, cache) for v in value)
+        if not _eligible(value) or value.dtype == target:
+            return value
+        # autocast's cache: fp32 leaves that require grad, cast to the lower precision, once per region
+        if (cache and target == lower and value.dtype == torch.float32 and value.requires_grad and value.is_leaf
+                and not value._is_view() and torch.is_autocast_cache_enabled()):
+            hit = self._cache.get(id(value))
+            if hit is not None and hit[0]() is value:
+                return hit[1]
+            casted = value.to(target)
+            self._cache[id(value)] = (weakref.ref(value), casted)
+            return casted
+        return value.to(target)
+
+    def _note_other_devices(self) -> None:
+        for device in self._others:
+            if device not in self._seen_other and torch.is_autocast_enabled(device):
+                self._seen_other.add(device)
+                self.notes.append(
+                    f"the forward enabled torch.autocast({device!r}), which the meta device cannot emulate "
+                    f"(gradaudit emulates {' and '.join(EMULATED_AUTOCAST)} autocast): its casts are missing "
+                    f"from these figures; audit on {device} for them")
+
+
+def _any_autocast_enabled() -> bool:
+    return torchapi.any_autocast_enabled(EMULATED_AUTOCAST + _KNOWN_OTHERS)
+
+
+def _autocast_known(device_type: str) -> bool:
+    try:
+        torch.is_autocast_enabled(device_type)
+        return True
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _pad_in_fp32(args: tuple, kwargs: dict) -> bool:
+    mode = _argument(args, kwargs, 2, "mode", "constant")
+    dims = len(_argument(args, kwargs, 1, "pad", ())) // 2
+    return (mode == "reflect" and dims in (1, 2)) or (mode == "replicate" and dims in (1, 2, 3))
+
+
+def _argument(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else default
+
+
+_KNOWN_OTHERS = tuple(d for d in _OTHER_AUTOCAST if _autocast_known(d))

@@ -346,3 +346,17 @@ BATCH_NORM_BASE = torch.nn.modules.batchnorm._NormBase
 def fused_sdp_choice(*args: Any, **kwargs: Any) -> int:
     """The attention backend the dispatcher would choose for these (CPU) arguments."""
     return int(torch._fused_sdp_choice(*args, **kwargs))
+
+
+def op_namespaces() -> tuple[Any, ...]:
+    """torch's C namespaces of functions (F's builtins, the _VF ops) as a TorchFunctionMode gets them."""
+    return tuple(space for space in (getattr(torch._C, "_nn", None), getattr(torch._C, "_VariableFunctions", None))
+                 if space is not None)
+
+
+def any_autocast_enabled(device_types: Iterable[str]) -> bool:
+    """Whether some autocast context is on (torch's one check where it has it, else per device type)."""
+    check = getattr(torch._C, "_is_any_autocast_enabled", None)
+    if check is not None:
+        return bool(check())
+    return any(torch.is_autocast_enabled(d) for d in device_types)

@@ -125,3 +125,215 @@ def test_a_huge_model_on_meta_allocates_nothing():
     # (the block input of block k+1 is block k's GELU output, distinct from the tensors above)
     assert report.saved_bytes == 23 * 4096 * 16384 * 4 + 8 * 2 * 16384 * 4
     assert report.device == "meta"
+
+
+# -- autocast: meta tensors carry no Autocast dispatch key; gradaudit.meta.AutocastOnMeta emulates it
+
+
+class _Autocast(nn.Module):
+    """Runs the wrapped module under torch.autocast(device_type, dtype)."""
+
+    def __init__(self, inner, device_type="cpu", dtype=torch.bfloat16):
+        super().__init__()
+        self.inner, self.device_type, self.dtype = inner, device_type, dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.inner(*args, **kwargs)
+
+
+def _dtypes(report):
+    return [(t.node, t.attr, t.dtype, t.shape) for t in report.tensors]
+
+
+def _frozen_middle_mlp():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 10))
+    mlp[2].requires_grad_(False)
+    return _Autocast(mlp)
+
+
+def test_autocast_mlp_on_meta_matches_cpu():
+    cpu, meta = _both(_frozen_middle_mlp, lambda device: torch.randn(32, 64, device=device))
+    # all in bf16 (2 bytes): first addmm's mat1 (the input cast) 32*64*2 = 4096, ReLU result
+    # 32*128*2 = 8192, the frozen weight's bf16 copy saved by the middle addmm 128*128*2 = 32768
+    # (GA701), GELU input 8192, last addmm's mat1 8192 and its weight copy 128*10*2 = 2560: 64000
+    assert cpu.saved_bytes == meta.saved_bytes == 64000
+    assert _dtypes(meta) == _dtypes(cpu)
+    assert {t.dtype for t in meta.tensors} == {"bfloat16"}
+    assert [(f.code, f.module, f.bytes) for f in meta.findings] == [(f.code, f.module, f.bytes) for f in cpu.findings]
+    assert "GA701" in {f.code for f in meta.findings}
+    assert not meta.notes
+
+
+class _AutocastCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 16, 3, padding=1, padding_mode="reflect")
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.c2(torch.relu(self.bn(self.c1(x))))  # BN takes bf16 (not in a list)
+            h = torch.cat([h, h * 2], 1)[:, :16]  # cat: promote
+            return self.head(h.mean((2, 3))).softmax(-1)
+
+
+def test_autocast_cnn_on_meta_matches_cpu():
+    cpu, meta = _both(lambda: _AutocastCNN().train(), lambda device: torch.randn(2, 3, 16, 16, device=device))
+    assert cpu.saved_bytes == meta.saved_bytes > 0
+    assert _dtypes(meta) == _dtypes(cpu)
+    assert "bfloat16" in {t.dtype for t in meta.tensors}
+    assert [f.code for f in meta.findings] == [f.code for f in cpu.findings]
+
+
+class _AutocastComposites(nn.Module):
+    """Functions autocast reaches only inside: einsum, tensordot and multi_dot reach bmm / mm;
+    nn.MultiheadAttention's forward is Python calling linear, bmm and softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 16))
+        self.v = nn.Parameter(torch.randn(16, 8))
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.mha.requires_grad_(False)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.einsum("bsd,de->bse", x, self.w)
+            h = h + torch.tensordot(x, self.w, dims=1).to(h.dtype)
+            g = torch.linalg.multi_dot([x.flatten(0, 1), self.w, self.v]).view(2, 5, 8)
+            return self.mha(g, h[..., :8], h[..., 8:])[0]
+
+
+def test_autocast_composites_on_meta_match_cpu():
+    cpu, meta = _both(_AutocastComposites, lambda device: torch.randn(2, 5, 8, device=device, requires_grad=True))
+    assert cpu.saved_bytes == meta.saved_bytes > 0
+    assert _dtypes(meta) == _dtypes(cpu)
+    assert ("BmmBackward0", "self", "bfloat16", (4, 5, 5)) in _dtypes(meta)  # inside the attention
+    assert [f.code for f in meta.findings] == [f.code for f in cpu.findings]
+    assert not meta.notes
+
+
+def test_autocast_inside_an_lstm_is_noted_on_meta():
+    # CPU autocast casts inside aten::lstm (mkldnn_rnn_layer), out of reach of a Python-level mode
+    class Recurrent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(4, 4, batch_first=True)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.lstm(x)[0]
+
+    with torch.device("meta"):
+        model = Recurrent()
+    report = gradaudit.audit(model, torch.randn(2, 3, 4, device="meta"))
+    assert any(n.startswith("autocast (cpu) on meta: lstm") for n in report.notes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "bert"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_autocast_hf_on_meta_matches_cpu(family, attention, transformers, tiny_hf_config):
+    from conftest import TINY_HF
+
+    model_class = getattr(transformers, TINY_HF[family][1])
+    config = tiny_hf_config(family, attn_implementation=attention)
+    layer = {"llama": "inner.model.layers.1.*", "bert": "inner.encoder.layer.1.*"}[family]
+
+    def inputs_of(device):
+        return {"input_ids": torch.arange(32).reshape(2, 16).to(device)}
+
+    cpu, meta = _both(lambda: _Autocast(model_class(config)), inputs_of, trainable=[layer])
+    assert (meta.saved_bytes, meta.reclaimable_bytes) == (cpu.saved_bytes, cpu.reclaimable_bytes)
+    assert _dtypes(meta) == _dtypes(cpu)
+    assert [(f.code, f.bytes) for f in meta.findings] == [(f.code, f.bytes) for f in cpu.findings]
+    assert "GA701" in {f.code for f in meta.findings}
+
+
+def test_autocast_cuda_on_meta_casts_as_cuda():
+    # a forward written for CUDA; without CUDA torch.autocast("cuda") turns itself off, so the
+    # context is set directly. CUDA casts linear to fp16 and runs layer_norm and softmax in fp32.
+    x = torch.randn(4, 8, device="meta", requires_grad=True)
+    with torch.device("meta"):
+        lin, norm = nn.Linear(8, 8), nn.LayerNorm(8)
+    from gradaudit.meta import AutocastOnMeta
+
+    previous = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", torch.float16)
+    try:
+        with AutocastOnMeta("cpu"):
+            h = lin(x)
+            n = norm(h)
+            s = torch.nn.functional.softmax(h, -1)  # passes dtype=None on: float32 accumulation
+            nrm = torch.norm(h)
+            cpu_style = torch.mm(h, h.t())
+    finally:
+        torch.set_autocast_enabled("cuda", previous[0])
+        torch.set_autocast_dtype("cuda", previous[1])
+    assert (h.dtype, n.dtype, s.dtype, nrm.dtype, cpu_style.dtype) == (
+        torch.float16, torch.float32, torch.float32, torch.float32, torch.float16)
+    assert h.grad_fn.next_functions[0][0].name() == "ToCopyBackward0"  # the bias cast
+
+
+def test_autocast_on_an_unemulated_device_is_noted():
+    class XpuAutocast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            with torch.autocast("xpu", dtype=torch.bfloat16):
+                return self.lin(x)
+
+    with torch.device("meta"):
+        model = XpuAutocast()
+    report = gradaudit.audit(model, torch.randn(2, 4, device="meta"))
+    assert any("torch.autocast('xpu')" in n and "cannot emulate" in n for n in report.notes)
+
+
+_F = torch.nn.functional
+# CPU autocast per op: lower precision, float32, promote, and ops it leaves alone
+_AUTOCAST_CALLS = {
+    "linear": lambda t: _F.linear(t(4, 8), t(6, 8), t(6)),
+    "conv2d": lambda t: _F.conv2d(t(1, 2, 8, 8), t(3, 2, 3, 3)),
+    "conv_transpose1d": lambda t: _F.conv_transpose1d(t(1, 2, 8), t(2, 3, 3)),
+    "matmul @": lambda t: t(3, 4) @ t(4, 5),
+    "Tensor.mm": lambda t: t(3, 4).mm(t(4, 5)),
+    "baddbmm": lambda t: torch.baddbmm(t(2, 3, 5), t(2, 3, 4), t(2, 4, 5)),
+    "vecdot": lambda t: torch.linalg.vecdot(t(3, 4), t(3, 4)),
+    "sdpa": lambda t: _F.scaled_dot_product_attention(t(1, 2, 4, 8), t(1, 2, 4, 8), t(1, 2, 4, 8)),
+    "einsum": lambda t: torch.einsum("bij,bjk->bik", t(2, 3, 4), t(2, 4, 5)),
+    "einsum one operand": lambda t: torch.einsum("ii->i", t(3, 3)),
+    "float64 linear": lambda t: _F.linear(t(3, 4, dtype=torch.float64), t(5, 4, dtype=torch.float64)),
+    "cat promotes": lambda t: torch.cat([t(2, 2, dtype=torch.bfloat16), t(2, 2)]),
+    "cat low": lambda t: torch.cat([t(2, 2, dtype=torch.bfloat16), t(2, 2, dtype=torch.bfloat16)]),
+    "mse_loss fp32": lambda t: _F.mse_loss(t(3, 4, dtype=torch.bfloat16), t(3, 4, dtype=torch.bfloat16)),
+    "cross_entropy fp32": lambda t: _F.cross_entropy(t(3, 4, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.long,
+                                                                                   device=t(1).device)),
+    "reflect pad fp32": lambda t: _F.pad(t(1, 2, 5, 5, dtype=torch.bfloat16), (1, 1, 1, 1), mode="reflect"),
+    "constant pad": lambda t: _F.pad(t(1, 2, 5, 5, dtype=torch.bfloat16), (1, 1, 1, 1)),
+    "max_pool3d fp32": lambda t: _F.max_pool3d(t(1, 1, 4, 4, 4, dtype=torch.bfloat16), 2),
+    "layer_norm untouched": lambda t: _F.layer_norm(t(3, 4, dtype=torch.bfloat16), (4,)),
+    "softmax untouched": lambda t: _F.softmax(t(3, 4, dtype=torch.bfloat16), -1),
+}
+
+
+@pytest.mark.parametrize("name", list(_AUTOCAST_CALLS))
+def test_autocast_on_meta_gives_each_op_the_cpu_dtype(name):
+    from gradaudit.meta import AutocastOnMeta, CpuKernelChoices
+
+    def tensor_on(device):
+        return lambda *shape, dtype=torch.float32: torch.randn(*shape, dtype=dtype, device=device).requires_grad_()
+
+    call = _AUTOCAST_CALLS[name]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cpu = call(tensor_on("cpu"))
+        with CpuKernelChoices(), AutocastOnMeta():  # as audit() enters them on meta
+            meta = call(tensor_on("meta"))
+    assert meta.device.type == "meta" and meta.dtype == cpu.dtype
+    assert meta.grad_fn.name() == cpu.grad_fn.name()
