@@ -75,7 +75,7 @@
       cell(tr, r[col.storage_kind] + (r[col.managed_by] !== "autograd" ? " / " + r[col.managed_by] : ""));
       cell(tr, r[col.verdict] + packed, "v-" + r[col.verdict], r[col.reason]);
       cell(tr, r[col.rule] || "");
-      cell(tr, r[col.source] || "unknown");
+      cell(tr, r[col.source] || "unknown", "src");
       frag.appendChild(tr);
     });
     tbody.textContent = "";
@@ -120,6 +120,19 @@
         selectIt();
       }
     });
+  });
+
+  // A wide graph opens scrolled to its first op (the top of the forward), not to an empty corner.
+  Array.prototype.forEach.call(document.querySelectorAll(".graph"), function (panel) {
+    var top = null;
+    Array.prototype.forEach.call(panel.querySelectorAll("svg g.node"), function (node) {
+      var r = node.getBoundingClientRect();
+      if (r.width > 0 && (top === null || r.top < top.top - 1)) { top = r; }
+    });
+    if (top === null) { return; }
+    var box = panel.getBoundingClientRect();
+    panel.scrollLeft = Math.max(0, top.left - box.left + panel.scrollLeft - (panel.clientWidth - top.width) / 2);
+    panel.scrollTop = 0;
   });
 
   apply();

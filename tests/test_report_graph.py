@@ -128,3 +128,35 @@ def test_80_layer_llama_on_meta_stays_readable(transformers, tiny_hf_config):
     assert {f"model.layers.{i}" for i in range(40, 80)} <= set(boxes)
     assert len(boxes) < 60
     assert "<svg" in graph.to_svg(report)
+
+
+def _sequential_report(layers: int = 10):
+    torch = pytest.importorskip("torch")
+    import gradaudit
+
+    torch.manual_seed(0)
+    stack = []
+    for _ in range(layers // 2):
+        stack += [torch.nn.Linear(16, 16), torch.nn.ReLU()]
+    return gradaudit.audit(torch.nn.Sequential(*stack), torch.randn(4, 16))
+
+
+def test_module_chain_stacks_vertically_in_dot():
+    report = _sequential_report()
+    dot = graph.to_dot(report, collapse=False)
+    # the op entering module "2" ranks that module's parameters and saved-tensor notes below it
+    relu = next(n for n in report.nodes if n.module == "1")
+    addmm = next(n for n in report.nodes if n.module == "2" and not n.variable)
+    leaves = [n for n in report.nodes if n.variable and graph.node_module(n) == "2"]
+    assert leaves
+    for leaf in leaves:
+        assert f"n{relu.id} -> n{leaf.id} [style=invis];" in dot
+    for index in addmm.saved:
+        assert f"n{relu.id} -> t{index} [style=invis];" in dot
+
+
+@needs_dot
+def test_10_layer_sequential_svg_is_taller_than_wide():
+    svg = graph.to_svg(_sequential_report(), collapse=False)
+    width, height = (float(v) for v in re.search(r'<svg width="([\d.]+)pt" height="([\d.]+)pt"', svg).groups())
+    assert height > 1.2 * width, (width, height)  # was 3348 x 932 pt: a diagonal staircase

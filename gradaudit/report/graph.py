@@ -165,6 +165,9 @@ def _cluster_tree(paths: Iterable[str]) -> dict[str, list[str]]:
 
 
 def _full(report: Report, writer: _Writer, nodes: list[GraphNode]) -> None:
+    ids = {n.id for n in nodes}
+    edges = [(nxt, node.id) for node in nodes
+             for nxt in dict.fromkeys(i for i in node.next_ids if i is not None and i in ids)]
     by_module: dict[str, list[GraphNode]] = defaultdict(list)
     for node in nodes:
         by_module[node_module(node)].append(node)
@@ -172,20 +175,93 @@ def _full(report: Report, writer: _Writer, nodes: list[GraphNode]) -> None:
     counter = iter(range(1 << 30))
 
     def emit_module(path: str, depth: int) -> None:
-        for node in by_module.get(path, []):
-            writer.op_node(node, depth)
         for child in children.get(path, []):
-            writer.emit(f"subgraph cluster_{next(counter)} {{", depth)
-            label = child + (f" ({writer.classes[child]})" if writer.classes.get(child) else "")
-            writer.emit(f"label={quote(label)}; fontsize=9; style=\"rounded\"; color=\"#bbbbbb\";", depth + 1)
-            emit_module(child, depth + 1)
-            writer.emit("}", depth)
+            # a module without submodules called twice (one ReLU reused in a block) draws one box per
+            # call, so the box does not span everything between the calls
+            calls = [by_module.get(child, [])] if children.get(child) else _calls(by_module[child], edges)
+            for members in calls:
+                writer.emit(f"subgraph cluster_{next(counter)} {{", depth)
+                label = child + (f" ({writer.classes[child]})" if writer.classes.get(child) else "")
+                writer.emit(f"label={quote(label)}; fontsize=9; style=\"rounded\"; color=\"#bbbbbb\";", depth + 1)
+                for node in members:
+                    writer.op_node(node, depth + 1)
+                emit_module(child, depth + 1)
+                writer.emit("}", depth)
 
+    for node in by_module.get("", []):
+        writer.op_node(node, 1)
     emit_module("", 1)
-    ids = {n.id for n in nodes}
+    for a, b in edges:
+        writer.emit(f"n{a} -> n{b};")
+    _stack_clusters(writer, nodes, edges)
+
+
+def _calls(members: list[GraphNode], edges: list[tuple[int, int]]) -> list[list[GraphNode]]:
+    """A module's nodes split into the parts joined by edges among them (one part per call)."""
+    parent = {n.id: n.id for n in members}
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for a, b in edges:
+        if a in parent and b in parent:
+            parent[root(a)] = root(b)
+    parts: dict[int, list[GraphNode]] = {}
+    for node in members:
+        parts.setdefault(root(node.id), []).append(node)
+    return list(parts.values())
+
+
+def _stack_clusters(writer: _Writer, nodes: list[GraphNode], edges: list[tuple[int, int]]) -> None:
+    """Invisible edges that rank each module's cluster below the op feeding it.
+
+    A module's parameters and saved-tensor notes have no incoming edge, so dot ranks them just above
+    the op they feed, i.e. level with the previous module's ops; two clusters sharing ranks cannot
+    overlap, so dot puts them side by side and a chain of modules becomes a diagonal staircase. An
+    invisible edge from the op that enters a module to each of these sources puts the cluster below
+    that op, and the chain stacks top to bottom. No such edge closes a cycle: a source is skipped
+    when what it feeds is upstream of the op.
+    """
+    module_of = {n.id: node_module(n) for n in nodes}
+    preds: dict[int, list[int]] = defaultdict(list)
+    succs: dict[int, list[int]] = defaultdict(list)
+    for a, b in edges:
+        preds[b].append(a)
+        succs[a].append(b)
+    # ancestors of each node as a bitmask over a topological order (Kahn's algorithm)
+    bit = {n.id: 1 << k for k, n in enumerate(nodes)}
+    waiting = {n.id: len(preds[n.id]) for n in nodes}
+    ready = [n.id for n in nodes if not waiting[n.id]]
+    upstream: dict[int, int] = {}
+    while ready:
+        i = ready.pop()
+        upstream[i] = 0
+        for p in preds[i]:
+            upstream[i] |= upstream[p] | bit[p]
+        for j in succs[i]:
+            waiting[j] -= 1
+            if not waiting[j]:
+                ready.append(j)
+    # sources of each module: (DOT name, the node it feeds, or the nodes for a leaf)
+    sources: dict[str, list[tuple[str, list[int]]]] = defaultdict(list)
     for node in nodes:
-        for nxt in dict.fromkeys(i for i in node.next_ids if i is not None and i in ids):
-            writer.emit(f"n{nxt} -> n{node.id};")
+        if not preds[node.id]:
+            sources[module_of[node.id]].append((f"n{node.id}", succs[node.id]))
+        if not node.variable:
+            sources[module_of[node.id]].extend((f"t{i}", [node.id]) for i in node.saved)
+    invisible: dict[tuple[int, str], None] = {}
+    for a, b in edges:
+        if module_of[a] == module_of[b] or a not in upstream:
+            continue
+        below = upstream[a] | bit[a]
+        for name, fed in sources.get(module_of[b], []):
+            if name != f"n{a}" and not any(below & bit[f] for f in fed):
+                invisible[(a, name)] = None
+    for a, name in invisible:
+        writer.emit(f"n{a} -> {name} [style=invis];")
 
 
 def _expanded_nodes(report: Report) -> set[int]:
