@@ -3,12 +3,18 @@
     python benchmarks/bench_audit.py            # both benchmarks
     python benchmarks/bench_audit.py resnet     # (a) only
     python benchmarks/bench_audit.py llama      # (b) only
+    python benchmarks/bench_audit.py small      # (c) only (not part of the default run)
 
 (a) audit time / plain forward time, CPU ResNet-50 in train mode (goal <= 1.5x). Runs alternate
     (forward, audit, forward, audit, ...) so machine noise hits both; medians are compared.
 (b) the 80-layer, 69B-parameter Llama config built on the meta device, input_ids (1, 2048) on meta,
     only model.layers.40.* trainable, audited end to end (model construction included) in a child
     process (goals: <= 15 s, <= 2 GiB peak RSS of that process).
+(c) the fixed cost at small sizes (what unit tests calling assert_no_waste pay): audit time / plain
+    forward time for a 2-layer MLP at batch 4, a small conv block, ResNet-18 at 1x3x32x32 and a
+    tiny BERT from config, one thread, runs interleaved (forward, forward, audit); the forward
+    median pools both plain forwards, the "noise" column is the median ratio of the second plain
+    forward to the first (how far apart two identical measurements land in this run).
 """
 
 from __future__ import annotations
@@ -92,21 +98,85 @@ def bench_llama() -> bool:
     return wall <= LLAMA_SECONDS_GOAL and peak_gib <= LLAMA_RSS_GOAL_GIB
 
 
+def _small_models():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    yield "mlp 2-layer, batch 4", mlp, torch.randn(4, 16)
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
+    yield "conv block, 2x3x16x16", conv.train(), torch.randn(2, 3, 16, 16)
+    try:
+        import torchvision
+        yield "resnet18 eval, 1x3x32x32", torchvision.models.resnet18().eval(), torch.randn(1, 3, 32, 32)
+    except ImportError:
+        pass
+    try:
+        import transformers
+        config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=64, vocab_size=100, max_position_embeddings=64)
+        bert = transformers.BertModel(config).train()
+        yield "tiny bert train, ids 2x16", bert, {"input_ids": torch.randint(0, 100, (2, 16))}
+    except ImportError:
+        pass
+
+
+def bench_small(runs: int) -> bool:
+    import torch
+
+    import gradaudit
+    from gradaudit.tensors import split_inputs
+
+    torch.set_num_threads(1)
+    print(f"(c) small sizes, {runs} interleaved runs each, 1 thread: median audit / plain forward")
+    print(f"    {'model':<28} {'forward ms':>10} {'audit ms':>9} {'ratio':>7} {'noise':>7}")
+    ratios = []
+    for name, model, inputs in _small_models():
+        args, kwargs = split_inputs(inputs)
+        model(*args, **kwargs)
+        gradaudit.audit(model, inputs)
+        forward_s, audit_s, noise = [], [], []
+        for _ in range(runs):
+            start = time.perf_counter()
+            out = model(*args, **kwargs)
+            del out
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            out = model(*args, **kwargs)
+            del out
+            second = time.perf_counter() - start
+            start = time.perf_counter()
+            gradaudit.audit(model, inputs)
+            audit_s.append(time.perf_counter() - start)
+            forward_s += [first, second]
+            noise.append(second / first)
+        forward, audit = statistics.median(forward_s), statistics.median(audit_s)
+        ratios.append(audit / forward)
+        print(f"    {name:<28} {forward * 1e3:10.2f} {audit * 1e3:9.2f} {audit / forward:6.2f}x "
+              f"{statistics.median(noise):6.2f}x")
+    print(f"    median ratio over models {statistics.median(ratios):.2f}x")
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", nargs="*", help="resnet and/or llama (default: both)")
+    parser.add_argument("which", nargs="*", help="resnet, llama and/or small (default: resnet and llama)")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--size", type=int, default=224)
     args = parser.parse_args()
     which = args.which or ["resnet", "llama"]
-    if set(which) - {"resnet", "llama"}:
-        parser.error("choose from: resnet, llama")
+    if set(which) - {"resnet", "llama", "small"}:
+        parser.error("choose from: resnet, llama, small")
     ok = True
     if "llama" in which:  # first: a child forked from a big parent may count its pages before exec
         ok &= bench_llama()
     if "resnet" in which:
         ok &= bench_resnet(args.runs, args.batch, args.size)
+    if "small" in which:
+        ok &= bench_small(max(args.runs, 5) if args.runs != 5 else 30)
     print("all goals met" if ok else "GOAL MISSED")
     sys.exit(0 if ok else 1)
 

@@ -30,13 +30,14 @@ class KnownStorages:
         # the forward (``self.mask = ...`` in __init__) is like a buffer; one the forward stored
         # (``self.cache = h``) is an activation the module keeps (StorageKind.MODULE)
         self.module_attributes: dict[int, tuple[str, torch.Tensor]] = {}
-        for path, t in tensor_attributes(model):
+        attributes = tensor_attributes(model)
+        for path, t in attributes:
             if t.layout == torch.strided and storage_key(t) not in attributes_before:
                 self.module_attributes.setdefault(storage_key(t), (path, t))
         # (sparse and other non-strided tensors have no single storage: not classified)
         for kind, tensors in [(StorageKind.OUTPUT, outputs), (StorageKind.INPUT, inputs),
                               (StorageKind.BUFFER, model.buffers()),
-                              (StorageKind.BUFFER, [t for _, t in tensor_attributes(model)]),
+                              (StorageKind.BUFFER, [t for _, t in attributes]),
                               (StorageKind.MODULE, [t for _, t in self.module_attributes.values()]),
                               (StorageKind.PARAMETER, model.parameters())]:
             for t in tensors:
@@ -228,6 +229,8 @@ def _unreported(accountant: Accountant, scope: set[int], covered: set[int], sele
 def checkpoint_regions(model: torch.nn.Module, recording: Recording) -> list[CheckpointRegion]:
     """The recording's checkpoint calls as plain data; a reentrant one lists the trainable
     parameters of the modules that ran inside it (recursively) or that its function names."""
+    if not recording.regions:
+        return []
     names = {id(p): name for name, p in model.named_parameters()}
     regions = []
     for region in recording.regions:
@@ -252,9 +255,10 @@ def checkpoint_regions(model: torch.nn.Module, recording: Recording) -> list[Che
 
 
 def _device_of(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> str:
-    for t in list(model.parameters())[:1] + list(inputs)[:1]:
-        return str(t.device)
-    return "cpu"
+    first = next(iter(model.parameters()), None)  # not a list of them all: only the first counts
+    if first is None:
+        first = next(iter(inputs), None)
+    return str(first.device) if first is not None else "cpu"
 
 
 def run_rules(ctx: RuleContext, accountant: Accountant, select: Sequence[str] = (),

@@ -171,7 +171,9 @@ def audit(
         model = torchapi.compiled_original(model)  # its module paths, without "_orig_mod."
     args, kwargs = split_inputs(inputs)
     input_tensors = unique(list(iter_tensors((args, kwargs))))
-    on_meta = any(t.device.type == "meta" for t in input_tensors + list(model.parameters())[:1])
+    first_parameter = next(iter(model.parameters()), None)  # only the first is looked at
+    on_meta = any(t.device.type == "meta"
+                  for t in input_tensors + ([first_parameter] if first_parameter is not None else []))
     if verify and on_meta:
         raise GradauditError("verify=True needs real values; it cannot run on the meta device "
                              "(audit on CPU or GPU, or drop verify)")
@@ -222,7 +224,8 @@ def audit(
                 stack.enter_context(WithoutAttentionDropout())
                 if on_meta:
                     stack.enter_context(AutocastOnMeta())
-                measured["held_without_attention_dropout"] = held_bytes_after_forward(model, inputs)
+                measured["held_without_attention_dropout"] = held_bytes_after_forward(model, inputs,
+                                                                                    young_only=True)
         if progress:
             progress("analysing saved tensors")
         report = build_report(model, recording, inputs=input_tensors, verify=verify, select=select,

@@ -90,17 +90,24 @@ def itemsize(dtype: Optional[torch.dtype]) -> int:
     return dtype.itemsize if dtype is not None else 0
 
 
+_NOT_ATTRIBUTES = frozenset({"_parameters", "_buffers", "_modules"})  # registered state and submodules
+
+
 def tensor_attributes(model: "torch.nn.Module") -> list[tuple[str, torch.Tensor]]:
     """(``module.attribute``, tensor) for the plain tensor attributes of the model's modules (also
     inside a list, tuple or dict)."""
     found = []
+    tensor, containers = torch.Tensor, (list, tuple, dict)
     for path, module in model.named_modules():
         for name, value in vars(module).items():
-            if name in ("_parameters", "_buffers"):
-                continue
-            if isinstance(value, dict):
-                value = list(value.values())
-            items = value if isinstance(value, (list, tuple)) else (value,)
-            where = f"{path}.{name}" if path else name
-            found.extend((where, v) for v in items if isinstance(v, torch.Tensor))
+            # cheap type tests first: most attributes are neither tensors nor containers, and most
+            # containers (the hook dicts) are empty
+            if isinstance(value, tensor):
+                found.append((f"{path}.{name}" if path else name, value))
+            elif isinstance(value, containers) and value and name not in _NOT_ATTRIBUTES:
+                items = value.values() if isinstance(value, dict) else value
+                held = [v for v in items if isinstance(v, tensor)]
+                if held:
+                    where = f"{path}.{name}" if path else name
+                    found.extend((where, v) for v in held)
     return found

@@ -191,3 +191,32 @@ def test_sparse_save_is_uncounted_not_zero():
     assert "size is unknown" in render(report)
     # 2x3 dense values, all nonzero: indices 2 x 6 int64 (96 B) + values 6 float32 (24 B)
     assert held_bytes_after_forward(model, x) == 2 * 6 * 8 + 6 * 4
+
+
+def test_young_only_measurement_matches_a_full_collection(tiny_hf_model):
+    """audit() measures the forward without attention dropout collecting only the objects made
+    since that forward began (a full collection costs more than a small forward): same bytes,
+    also when the output sits in a reference cycle, and nothing left frozen."""
+    import gc
+
+    from gradaudit.measure import held_bytes_after_forward
+    from gradaudit.meta import WithoutAttentionDropout
+
+    class Cyclic(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            box = {"y": self.fc(x).relu()}
+            box["self"] = box  # the output is freed only by the cycle collector
+            return box["y"]
+
+    cases = [(tiny_hf_model("bert").train(), {"input_ids": torch.randint(0, 100, (2, 16))}),
+             (Cyclic(), torch.randn(4, 8))]
+    for model, inputs in cases:
+        with WithoutAttentionDropout():
+            full = held_bytes_after_forward(model, inputs)
+            young = held_bytes_after_forward(model, inputs, young_only=True)
+        assert young == full > 0
+        assert gc.get_freeze_count() == 0

@@ -356,10 +356,12 @@ def saved_only_for_input_gradient(ctx: RuleContext):
     if not any(ctx.parameter_names.values()):
         return
     nodes = ctx.nodes
-    to_param = _reaches(nodes, lambda n: (n.variable is not None and n.variable.parameter is not None)
-                        or not n.created_here)
     to_leaf = _reaches(nodes, lambda n: n.name == "AccumulateGrad"
                        and (n.variable is None or n.variable.parameter is None))
+    if not any(to_leaf):  # the usual case: no leaf but parameters requires grad
+        return
+    to_param = _reaches(nodes, lambda n: (n.variable is not None and n.variable.parameter is not None)
+                        or not n.created_here)
     only_leaf = {n.id for n in nodes if to_leaf[n.id] and not to_param[n.id]}
     chosen = [t for t in ctx.held() if t.node_id in only_leaf and t.storage_kind in HELD_KINDS]
     if not chosen:
