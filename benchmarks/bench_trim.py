@@ -2,7 +2,7 @@
 
 For each model and scenario, measured side by side in one run:
 - bytes autograd holds after the forward and peak bytes through forward+backward, plain vs trimmed
-  (CPU: an independent storage tracker, gradaudit.trimming.PeakTracker; CUDA:
+  (CPU: an independent storage tracker, gradaudit.measure.PeakTracker; CUDA:
   torch.cuda.max_memory_allocated). Parameters, buffers and the input are not counted;
 - freed bytes (held plain - held trimmed) as a share of the audit's reclaimable_with_bitpacking_bytes
   (goal >= 95%);
