@@ -192,3 +192,34 @@ def test_report_in_headless_chromium(browser, tmp_path, hostile_report, golden):
               or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] in ("error", "assert"))
               or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")]
     assert errors == []
+
+
+def test_graph_panel_opens_on_the_first_op_of_a_long_sequential(browser, tmp_path):
+    """A 10-layer nn.Sequential: the graph panel shows graph nodes when it opens (it used to open on an
+    empty corner of a diagonal 3348 x 932 pt layout) and the graph runs top to bottom."""
+    import torch
+    from torch import nn
+
+    import gradaudit
+
+    if shutil.which("dot") is None:
+        pytest.skip("the graph needs Graphviz's dot")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(10) for layer in (nn.Linear(32, 32), nn.ReLU())])
+    report = gradaudit.audit(model, torch.randn(8, 32))
+    path = tmp_path / "report.html"
+    path.write_text(html.render(report), encoding="utf-8")
+    browser.send("Page.enable")
+    browser.send("Page.navigate", url=path.as_uri())
+    browser.wait_for("Page.loadEventFired")
+    browser.evaluate("new Promise(r => setTimeout(r, 300))")  # the panel scrolls after load
+    seen = browser.evaluate("""(() => {
+        const panel = document.querySelector('#graph .graph');
+        const box = panel.getBoundingClientRect();
+        const nodes = Array.from(panel.querySelectorAll('svg g.node')).map(n => n.getBoundingClientRect());
+        const inside = nodes.filter(r => r.right > box.left && r.left < box.right
+                                         && r.bottom > box.top && r.top < box.top + panel.clientHeight);
+        const svg = panel.querySelector('svg').getBBox();
+        return {nodes: nodes.length, inside: inside.length, tall: svg.height > svg.width};
+    })()""")
+    assert seen["nodes"] > 20 and seen["inside"] >= 2 and seen["tall"], seen
