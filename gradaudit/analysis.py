@@ -9,11 +9,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import rules as _rules  # noqa: F401  (registers the catalogue)
-from .knowledge import declaration
+from .knowledge import declaration, hidden_by
 from .accounting import Accountant, counted, fix_scope, module_totals
 from .recorder import Recording
 from .records import (
-    HELD_KINDS, UNKNOWN, CheckpointRegion, Finding, GraphNode, Manager, Report, SavedTensor, Severity, Storage,
+    HELD_KINDS, NOT_NEEDED, UNKNOWN, CheckpointRegion, Finding, GraphNode, Manager, Report, SavedTensor, Severity, Storage,
     StorageKind,
 )
 from .rules.registry import Flag, RuleContext, all_rules, selected
@@ -117,6 +117,17 @@ def build_report(
         )
         if save.verdict is not None:
             preset[saved.index] = (save.verdict, save.reason)
+        elif save.function is not None and (inner := hidden_by(save.function)) is not None:
+            # hidden inside CopySlices by an in-place op on a view: the op knowledge of the node that
+            # op creates says what its backward reads. trim cannot reach such saves (no node lists
+            # them), so they get the verdict but are neither dropped nor bit-packed in any figure
+            known_inner, inner_attr = inner
+            outcome = known_inner.outcome(inner_attr, [True] * max(1, len(known_inner.edges)),
+                                          saved.module_class, saved.dtype)
+            if outcome is not None and outcome.verdict != NOT_NEEDED:
+                preset[saved.index] = (outcome.verdict, f"in-place {save.function} on a view, hidden inside "
+                                                        f"CopySlices as {known_inner.name}.{inner_attr}: "
+                                                        f"{outcome.reason} (trim cannot reach it)")
         if sid >= 0:
             storages[sid].tensors.append(saved.index)
         nodes[save.node_pos].saved.append(saved.index)

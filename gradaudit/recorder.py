@@ -71,6 +71,7 @@ class LiveSave:
     dtype: Optional[torch.dtype] = None
     verdict: Optional[str] = None  # known from what holds it (a checkpoint's inputs), not from op knowledge
     reason: str = ""
+    function: Optional[str] = None  # the Python-level torch function running when it was packed (hidden saves)
 
 
 CHECKPOINT_INPUTS = "CheckpointInputs"  # the node a non-reentrant checkpoint's saved inputs are shown on
@@ -121,7 +122,9 @@ class LiveRegion:
 class AttentionCalls(TorchFunctionMode):
     """Notes every ``F.scaled_dot_product_attention`` call: the kernel it picks (and would pick
     without dropout) and the sequence numbers of the nodes it creates, so a rule can tell the
-    math fallback of a fused-attention call from attention written out by hand."""
+    math fallback of a fused-attention call from attention written out by hand. Also names the
+    torch function running at each moment (``current``): a save hidden inside CopySlices (an
+    in-place op on a view) is known by the function that made it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -130,10 +133,18 @@ class AttentionCalls(TorchFunctionMode):
         # AttentionCall.fused_keeps); weak, so that an address reused after a free is not mistaken
         self.tensors: list[list[tuple[StorageWeakRef, int]]] = []
 
+    current: Optional[str] = None  # the outermost torch function running now (its __name__)
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
+            # the name of the function running, for saves hidden inside CopySlices (their node
+            # is never exposed); the mode is off inside func, so this is the outermost call
+            self.current = getattr(func, "__name__", None)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.current = None
         bound = sdpa_arguments(args, kwargs)
         query = bound["query"]
         call = None
@@ -420,6 +431,7 @@ class Recorder:
         # Nodes announce themselves only after their saves are packed, so a pack belongs to a node
         # announced later. For each pack: how many nodes had been announced when it happened.
         self.pack_owners: list[int] = []
+        self.pack_functions: list[Optional[str]] = []  # per pack: the torch function running (AttentionCalls)
         self._announced = 0
         self._copy_slices: list[tuple[int, int]] = []  # (announce position, sequence nr) of CopySlices
         self._node_hook_installed = False
@@ -468,6 +480,7 @@ class Recorder:
         box = Packed(tensor.detach(), len(self._boxes))
         self._boxes.append(weakref.ref(box))
         self.pack_owners.append(self._announced)
+        self.pack_functions.append(self.attention.current)
         if not self._node_hook_installed:
             self.pack_sites.append(self._site())
         frame = sys._getframe(1)
@@ -589,7 +602,8 @@ class Recorder:
                 pos = by_sequence[seq] = len(nodes)
                 nodes.append(LiveNode(node=None, name="CopySlices", site=site))
             live = nodes[pos]
-            saves.append(LiveSave(index, pos, f"hidden[{len(live.saves)}]", box.tensor, Manager.AUTOGRAD, live.site))
+            saves.append(LiveSave(index, pos, f"hidden[{len(live.saves)}]", box.tensor, Manager.AUTOGRAD, live.site,
+                                  function=self.pack_functions[index] if index < len(self.pack_functions) else None))
             live.saves.append(len(saves) - 1)
 
     def _collect_checkpoint_inputs(self, nodes: list[LiveNode], saves: list[LiveSave], found: set[int]) -> None:

@@ -341,3 +341,29 @@ def test_declarations_validate_what_they_say():
     with pytest.raises(ValueError, match="twice"):
         gradaudit.declare("ReluBackward0", edges=("self",),
                           saves={"result": Read(reads=Reads.SIGN, bit=Bit.GT_ZERO, rule="GA401")})
+
+
+def test_an_in_place_op_on_a_view_gets_the_verdict_of_the_node_it_hides():
+    """In-place ReLU on a view (torchvision swin_v2's position MLP: Linear on a 4-D input, then
+    ReLU(inplace=True)) hides its ReluBackward0 inside CopySlices, which exposes no saves. The
+    audit knows it by the function that packed it, and says what backward reads; trim cannot
+    reach it, so it is in no reclaimable figure."""
+    from gradaudit.measure import held_bytes_after_forward
+
+    model = nn.Sequential(nn.Linear(2, 16), nn.ReLU(inplace=True), nn.Linear(16, 4))
+    x = torch.randn(3, 5, 5, 2)  # 4-D: the Linear's output is a view, the in-place ReLU writes through it
+    report = gradaudit.audit(model, x)
+    (hidden,) = [t for t in report.tensors if t.attr.startswith("hidden")]
+    assert (hidden.node, hidden.module_class, hidden.verdict) == ("CopySlices", "ReLU", SIGN_ONLY)
+    assert "ReluBackward0.result" in hidden.reason and not hidden.bitpackable and hidden.rule is None
+    assert report.summary()["unknown_tensors"] == 0
+    # 3*5*5*16 float32 = 4800 bytes for the ReLU's result, counted as held like any other save
+    assert report.saved_bytes == held_bytes_after_forward(model, x)
+    assert report.reclaimable_with_bitpacking_bytes == report.reclaimable_bytes  # nothing trim cannot do
+
+
+def test_in_place_declarations_name_a_declared_save():
+    with pytest.raises(ValueError, match="not a declared save"):
+        gradaudit.declare("NoSuchBackward1", edges=("self",), saves={"result": Read(reads=Reads.SIGN, bit=Bit.GT_ZERO,
+                                                                                   rule="GA401")},
+                          in_place={"no_such_": "self"})

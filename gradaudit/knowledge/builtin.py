@@ -148,6 +148,7 @@ declare("RreluWithNoiseBackward0", edges=("self",), when={"training": False},
 
 # -- activations whose backward reads one bit per element
 declare("ReluBackward0", edges=("self",), source="derivatives.yaml relu: threshold_backward(grad, result, 0)",
+        in_place={"relu": "result", "relu_": "result"},  # F.relu(inplace=True), Tensor.relu_
         saves={"result": Read(reads=Reads.SIGN, bit=Bit.NOT_LE_ZERO, rule="GA401",
                               why="the backward reads only result > 0")})
 declare("LeakyReluBackward0", edges=("self",), source="derivatives.yaml leaky_relu_backward",
@@ -156,6 +157,7 @@ declare("LeakyReluBackward0", edges=("self",), source="derivatives.yaml leaky_re
 # in-place leaky_relu_ saves its result; torch refuses a negative slope there, so result > 0
 # exactly where the input was > 0: leaky_relu_backward(grad, result, slope, self_is_result=True)
 declare("LeakyReluBackward1", edges=("self",), source="derivatives.yaml leaky_relu_",
+        in_place={"leaky_relu": "result", "leaky_relu_": "result"},
         saves={"result": Read(reads=Reads.SIGN, bit=Bit.GT_ZERO, rule="GA401",
                               why="the backward reads only result > 0")})
 declare("ThresholdBackward0", edges=("self",), when={"threshold": 0}, source="derivatives.yaml threshold_backward",

@@ -113,6 +113,9 @@ class Declaration:
     when: Mapping[str, Any] = field(default_factory=dict)
     weight: Optional[str] = None  # the saved attribute that holds a layer's weight
     source: str = ""  # where the claims come from (derivatives.yaml, a kernel, an issue)
+    # Python-level functions whose in-place call on a view creates this node hidden inside a
+    # CopySlices node (which exposes none of its saves): function name -> the attribute it saves
+    in_place: Mapping[str, str] = field(default_factory=dict)
 
     def read(self, attr: str) -> Optional[Read]:
         found = self.saves.get(attr)
@@ -182,14 +185,16 @@ _DECLARED: dict[str, list[Declaration]] = {}
 
 def declare(*names: str, edges: Sequence[str], saves: Optional[Mapping[str, Read]] = None,
             default: Optional[Read] = None, when: Optional[Mapping[str, Any]] = None,
-            weight: Optional[str] = None, source: str = "") -> list[Declaration]:
+            weight: Optional[str] = None, source: str = "",
+            in_place: Optional[Mapping[str, str]] = None) -> list[Declaration]:
     """Declare what backward reads for the autograd node types ``names`` (one variant each).
 
     ``edges``: the names of the op's gradient edges in ``next_functions`` order; ``saves``:
     saved attribute -> Read; ``default``: the Read of saved attributes not listed; ``when``: the
     non-tensor saved values this variant applies to; ``weight``: the saved attribute holding a
-    layer's weight. Raises ValueError on a second declaration of a name with the same ``when``,
-    or a Read naming an edge not in ``edges``.
+    layer's weight; ``in_place``: function name -> saved attribute, for the functions whose
+    in-place call on a view hides this node inside CopySlices. Raises ValueError on a second
+    declaration of a name with the same ``when``, or a Read naming an edge not in ``edges``.
     """
     saves = dict(saves or {})
     when = dict(when or {})
@@ -204,7 +209,10 @@ def declare(*names: str, edges: Sequence[str], saves: Optional[Mapping[str, Read
         variants = _DECLARED.setdefault(name, [])
         if any(v.when == when for v in variants):
             raise DeclarationError(f"op knowledge for {name} (when={when}) declared twice")
-        declaration = Declaration(name, tuple(edges), saves, default, when, weight, source)
+        for function, attr in (in_place or {}).items():
+            if attr not in saves:
+                raise DeclarationError(f"{name}: in-place {function} saves {attr!r}, which is not a declared save")
+        declaration = Declaration(name, tuple(edges), saves, default, when, weight, source, dict(in_place or {}))
         variants.append(declaration)
         # the most specific variant first; among equals, the first declared
         variants.sort(key=lambda v: -len(v.when))
@@ -225,6 +233,18 @@ def declaration(name: str, scalars: Mapping[str, Any] = {}) -> Optional[Declarat
     for variant in _DECLARED.get(name, ()):
         if variant.matches(scalars):
             return variant
+    return None
+
+
+def hidden_by(function: Optional[str]) -> Optional[tuple[Declaration, str]]:
+    """The declaration (and saved attribute) of the node an in-place call of ``function`` on a view
+    creates inside CopySlices; None when no declaration names the function."""
+    if not function:
+        return None
+    for variants in _DECLARED.values():
+        for variant in variants:
+            if function in variant.in_place:
+                return variant, variant.in_place[function]
     return None
 
 
