@@ -12,10 +12,11 @@ found by reading the graph's saved attributes plainly (no saved-tensor hooks are
 from __future__ import annotations
 
 import gc
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+
 from . import torchapi
 from .tensors import iter_tensors, split_inputs, storage_key, strided_parts, unique
 from .torchapi import TorchDispatchMode, tree_flatten
@@ -133,7 +134,7 @@ class PeakTracker(StorageTracker):
         return self.current
 
 
-def forward_backward(model: nn.Module, args: tuple, kwargs: dict) -> tuple[int, int]:
+def forward_backward(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int, int]:
     """(bytes held after the forward, peak bytes through forward and backward), outputs excluded
     from the held figure. CPU: a PeakTracker; CUDA: the caching allocator's counters."""
     device = next((t.device for t in [*model.parameters(), *iter_tensors((args, kwargs))]), torch.device("cpu"))

@@ -19,7 +19,7 @@ import os
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F

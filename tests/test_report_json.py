@@ -3,10 +3,9 @@
 import dataclasses
 import json
 
-import pytest
-
 from gradaudit.report import jsonout
 from gradaudit.rules.registry import get_rule
+
 
 def test_golden(report, golden):
     golden.assert_golden("report.json", jsonout.render(report))
