@@ -10,7 +10,7 @@ import torch
 
 from . import rules as _rules  # noqa: F401  (registers the catalogue)
 from .knowledge import declaration, hidden_by
-from .accounting import Accountant, counted, fix_scope, module_totals
+from .accounting import Accountant, counted, module_totals
 from .recorder import Recording
 from .records import (
     HELD_KINDS, NOT_NEEDED, UNKNOWN, CheckpointRegion, Finding, GraphNode, Manager, Report, SavedTensor, Severity, Storage,
@@ -175,17 +175,15 @@ def build_report(
     ctx = RuleContext(tensors=tensors, nodes=nodes, storages=storages, parameter_names=params,
                       training=model.training, accountant=accountant, measured=dict(measured or {}),
                       module_classes=classes, checkpoints=checkpoint_regions(model, recording))
-    findings = run_rules(ctx, accountant, select, ignore)
+    findings, scoped = run_rules(ctx, accountant, select, ignore)
     for finding in findings:
         for i in finding.tensors:
             if tensors[i].rule is None:
                 tensors[i].rule = finding.code
 
     # -- accounting: every figure counts the fixes of the (selected) findings -----------------------
-    scope = fix_scope(findings)
-    scoped = Accountant(tensors, storages, scope)
     modules = module_totals(tensors, storages, scoped, classes)
-    notes = list(notes) + _unreported(accountant, scope, ctx.covered, select, ignore)
+    notes = list(notes) + _unreported(accountant, scoped.scope, ctx.covered, select, ignore)
 
     unexplained = blind_spots(tensors, storages)
     offloaded = sum(t.view_nbytes for t in tensors if t.managed_by == Manager.OFFLOAD and t.node_id >= 0)
@@ -193,9 +191,7 @@ def build_report(
     notes += [d.message() for d in disagreements]
     kept_bytes, kept_where = alive.kept_on_modules()
     if kept_bytes:
-        from .report.units import human_bytes
-
-        notes.append(f"{human_bytes(kept_bytes)} ({kept_bytes} bytes) of activations this forward made are kept "
+        notes.append(f"{kept_bytes} bytes of activations this forward made are kept "
                      f"on modules as attributes ({', '.join(kept_where[:4])}{', ...' if len(kept_where) > 4 else ''}): "
                      f"the modules hold them, after backward too, so they are not in the held figure "
                      f"(kept_on_modules_bytes) and no fix of autograd's saves frees them")
@@ -273,8 +269,10 @@ def _device_of(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> str:
 
 
 def run_rules(ctx: RuleContext, accountant: Accountant, select: Sequence[str] = (),
-              ignore: Sequence[str] = ()) -> list[Finding]:
+              ignore: Sequence[str] = ()) -> tuple[list[Finding], Accountant]:
     """Run the rules, keep the selected ones' flags and attach storage-aware bytes to each.
+    Returns the findings and the accountant scoped to their fixes (``fix_scope`` of the findings),
+    which the report's figures come from.
 
     Every rule runs, selected or not: the catch-all (GA000) reports only what no rule covered, and
     a save an ignored rule explains is not "unexplained". The byte figures count the selected
@@ -326,7 +324,7 @@ def run_rules(ctx: RuleContext, accountant: Accountant, select: Sequence[str] = 
             fix_safe=r.fix_safe, proven=bool(flag.tensors) and all(t.proven for t in flag.tensors),
             rewrite=flag.bytes is not None,
         ))
-    return findings
+    return findings, scoped
 
 
 def _shares(ctx: RuleContext, flagged: list[tuple[Any, Flag]], together: dict[int, int]) -> list[int]:

@@ -5,6 +5,11 @@ q, k, v, the output and a B x H x L logsumexp), on meta the math fallback (saves
 attention probabilities). A meta scan of a 70B model would then report gigabytes the real run never
 holds. While auditing on meta, gradaudit asks the CPU dispatcher which kernel it would pick for the
 same shapes, dtypes and flags, and calls that kernel's meta implementation directly.
+
+Autocast works through dispatch keys meta tensors do not carry, so ``torch.autocast`` inside a forward
+run on meta would change nothing: ``AutocastOnMeta`` casts the arguments of the ops autocast's lists
+name, as CPU (or CUDA) autocast would. ``WithoutAttentionDropout`` is a what-if the audit measures
+when attention dropout sends SDPA to its math kernel.
 """
 
 from __future__ import annotations
