@@ -18,6 +18,10 @@ _LAZY = {
     "audit": ("gradaudit.auditing", "audit"),
     "trim": ("gradaudit.trimming", "trim"),
     "TrimHandle": ("gradaudit.trimming", "TrimHandle"),
+    "plan": ("gradaudit.planning", "plan"),
+    "Plan": ("gradaudit.planning", "Plan"),
+    "PlanHandle": ("gradaudit.planning", "PlanHandle"),
+    "BudgetError": ("gradaudit.planning", "BudgetError"),
     "assert_no_waste": ("gradaudit.testing", "assert_no_waste"),
     # describing your own autograd.Function (or any node type) to the audit, the proof and trim
     "declare": ("gradaudit.knowledge", "declare"),
@@ -28,7 +32,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "audit", "trim", "TrimHandle", "assert_no_waste", "declare", "declare_function", "Read", "Reads", "Bit",
+    "audit", "trim", "TrimHandle", "plan", "Plan", "PlanHandle", "BudgetError", "assert_no_waste", "declare", "declare_function", "Read", "Reads", "Bit",
     "Report", "Finding", "SavedTensor", "Disagreement", "SCHEMA_VERSION",
     "GradauditError", "ForwardError", "NothingRequiresGradError", "UnknownCodeError", "NoMatchingParameterError",
     "__version__",

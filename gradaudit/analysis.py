@@ -14,7 +14,7 @@ from .accounting import Accountant, counted, module_totals
 from .recorder import Recording
 from .records import (
     HELD_KINDS, NOT_NEEDED, UNKNOWN, CheckpointRegion, Finding, GraphNode, Manager, Report, SavedTensor, Severity, Storage,
-    StorageKind,
+    StorageKind, ModuleCall,
 )
 from .rules.registry import Flag, RuleContext, all_rules, selected
 from .tensors import dtype_name, itemsize, storage_key, tensor_attributes
@@ -146,6 +146,21 @@ def build_report(
             calls[call.index] = dataclasses.replace(call, fused_keeps=keeps)
         node.attention = calls[call.index]
 
+    # -- the watched modules' calls, in this report's storage ids ----------------------------------
+    module_calls, others = [], {}
+    for path, cls, passed, opaque in recording.calls:
+        storages_in, uncounted = {}, 0
+        for t in passed:
+            if t.layout != torch.strided:  # several storages (sparse): not counted, but said
+                uncounted += 1
+                continue
+            key = storage_key(t)
+            sid = storage_ids.get(key)
+            if sid is None:
+                sid = others.setdefault(key, len(storages) + len(others))
+            storages_in[sid] = (sid, t.untyped_storage().nbytes(), alive.classify(key))
+        module_calls.append(ModuleCall(path, cls, tuple(storages_in.values()), uncounted, tuple(opaque)))
+
     # -- verdicts from op knowledge -----------------------------------------------------------
     for node in nodes:
         if not node.saved:
@@ -209,7 +224,7 @@ def build_report(
         recomputed_bytes=recomputed, offloaded_bytes=offloaded, kept_on_modules_bytes=kept_bytes,
         parameters_requiring_grad=sum(1 for v in params.values() if v),
         inputs_requiring_grad=sum(1 for t in inputs if t.requires_grad),
-        unexplained=unexplained, notes=notes, disagreements=disagreements,
+        unexplained=unexplained, notes=notes, disagreements=disagreements, module_calls=module_calls,
     )
 
 

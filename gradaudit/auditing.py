@@ -141,6 +141,7 @@ def audit(
     ignore: Sequence[str] = (),
     eager: bool = False,
     progress: Optional[Callable[[str], None]] = None,
+    watch: Sequence[str] = (),
 ) -> Report:
     """Run one forward of ``model`` on ``inputs`` and report what autograd saved for backward.
 
@@ -153,6 +154,9 @@ def audit(
     select / ignore: rule code prefixes (longest prefix wins). They define what the report counts:
         its findings and every byte figure (``reclaimable_bytes`` and the rest) cover the selected
         rules only. An entry that is a prefix of no rule code raises UnknownCodeError.
+    watch: module paths (``named_modules()`` names) whose every call the report lists with the
+        storages of the tensors passed in (``Report.module_calls``): what checkpointing those
+        modules would hold instead of their saves (the checkpoint planner uses it).
     eager: run ``torch.compile``'d parts of the model eagerly, so that what eager autograd saves
         (and the findings about it) is seen op by op. Without it, a compiled region is one
         ``CompiledFunctionBackward`` node whose saves the compiler chose; the report says so.
@@ -182,7 +186,7 @@ def audit(
         apply_trainable(model, trainable, frozen)
         if progress:
             progress("running the forward")
-        recorder = Recorder(model)
+        recorder = Recorder(model, watch=_watched(model, watch))
         # on meta, attention must take the kernel CPU would take, or it saves different tensors; and
         # autocast, which meta tensors do not reach, is emulated (entered last: its casts come first)
         kernels = CpuKernelChoices() if on_meta else contextlib.nullcontext()
@@ -238,6 +242,16 @@ def audit(
         report.notes.extend(autocast.notes)
     report.notes.extend(_compiled_notes(model, report))
     return report
+
+
+def _watched(model: nn.Module, watch: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(watch, str):
+        watch = [watch]
+    paths = {path for path, _ in model.named_modules()}
+    missing = [path for path in watch if path not in paths]
+    if missing:
+        raise GradauditError(f"watch: the model has no module {missing[0]!r} (names as in named_modules())")
+    return tuple(watch)
 
 
 def _forward_failure(error: Exception, on_meta: bool) -> str:

@@ -1,4 +1,5 @@
-"""The ``gradaudit`` command line: ``scan`` a model factory, list ``rules``, ``explain`` one rule.
+"""The ``gradaudit`` command line: ``scan`` a model factory, ``plan`` its checkpointing for a memory
+budget, list ``rules``, ``explain`` one rule.
 
 Only this module prints or writes files; everything it shows comes from a Report and the reporters.
 Heavy imports (torch, the reporters) happen inside the commands so ``--help`` stays instant.
@@ -423,6 +424,158 @@ def _fail(message: str, debug: bool) -> None:
     for line in lines[1:2]:
         click.echo(f"  {line}", err=True)
     sys.exit(EXIT_ERROR)
+
+
+PLAN_EXIT_CODES_HELP = """\b
+Exit codes:
+  0  a plan fits the budget (printed, and written with --json)
+  2  no plan of the candidate blocks fits (the least they can hold is
+     printed), or something prevented planning (as for scan)
+"""
+
+
+def _ranges(paths: Sequence[str]) -> str:
+    """``model.layers.3, model.layers.4, model.layers.5, fc`` -> ``model.layers.3-5, fc``."""
+    parts: list[str] = []
+    run: list[Any] = []  # [prefix, first, last]
+    for path in paths:
+        prefix, _, last = path.rpartition(".")
+        number = int(last) if last.isdigit() else None
+        if run and number is not None and prefix == run[0] and number == run[2] + 1:
+            run[2] = number
+            continue
+        if run:
+            parts.append(f"{run[0] + '.' if run[0] else ''}{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
+            run = []
+        if number is not None:
+            run = [prefix, number, number]
+        else:
+            parts.append(path)
+    if run:
+        parts.append(f"{run[0] + '.' if run[0] else ''}{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
+    return ", ".join(parts)
+
+
+def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...]) -> int:
+    from . import loading
+    from .auditing import check_patterns
+    from .planning import BudgetError, plan
+    from .report.units import human_bytes
+
+    to_stderr = options.json == "-"
+
+    def out(text: str) -> None:
+        click.echo(text, err=to_stderr)
+
+    if options.json and options.json != "-":
+        _check_writable(options.json, "--json")
+    budget = loading.parse_size(budget_text)
+    model, inputs = prepare(options)
+    check_patterns(model, options.trainable, "--trainable")
+    check_patterns(model, options.freeze, "--freeze")
+    code = EXIT_OK
+    try:
+        chosen = plan(model, inputs, budget, trainable=list(options.trainable) if options.trainable else None,
+                      frozen=list(options.freeze), blocks=list(blocks) or None, progress=options.progress)
+    except BudgetError as error:
+        chosen, code = error.smallest_plan, EXIT_ERROR
+    options.progress.done()
+    if options.json:
+        import json
+
+        document = json.dumps(chosen.to_dict(), indent=2) + "\n"
+        if options.json == "-":
+            sys.stdout.write(document)
+        else:
+            _write(options.json, document, "--json")
+
+    def compute(flops: int) -> str:
+        return f"+{100 * flops / chosen.step_flops:.1f}%" if chosen.step_flops else "+?"
+
+    out(f"gradaudit plan: {chosen.model} on {chosen.device}, budget {human_bytes(budget)} held after the forward")
+    if code != EXIT_OK:
+        out(f"no plan fits: checkpointing the candidate blocks holds at least {human_bytes(chosen.held_bytes)} "
+            f"(every useful block: {len(chosen.checkpointed)} of {len(chosen.blocks)}); raise --budget or "
+            f"add modules with --blocks")
+    elif not options.quiet:
+        out(f"checkpoint {len(chosen.checkpointed)} of {len(chosen.blocks)} blocks: "
+            f"{_ranges(chosen.checkpointed) or '(none: it fits unplanned)'}")
+    if options.quiet:
+        out(f"held {human_bytes(chosen.held_bytes)} (unplanned {human_bytes(chosen.unplanned_held_bytes)}), "
+            f"extra compute {compute(chosen.extra_flops)}, {len(chosen.checkpointed)} blocks checkpointed")
+        return code
+    rows = [("this plan" if code == EXIT_OK else "least possible", chosen.held_bytes, chosen.extra_flops,
+             len(chosen.checkpointed))]
+    rows += [(b.name, b.held_bytes, b.extra_flops, len(b.checkpointed)) for b in chosen.baselines]
+    out(f"  {'':<16}{'HELD':>11}  {'EXTRA COMPUTE':>13}  {'BLOCKS':>6}  FITS")
+    for name, held, flops, count in rows:
+        out(f"  {name:<16}{human_bytes(held):>11}  {compute(flops):>13}  {count:>6}  "
+            f"{'yes' if held <= budget else 'no'}")
+    out(f"extra compute: the checkpointed blocks' forward FLOPs as a share of one unplanned step's "
+        f"({chosen.step_flops:.3g} FLOPs, torch.utils.flop_counter)")
+    for note in chosen.notes:
+        out(f"note: {note}")
+    if options.json and options.json != "-":
+        out(f"JSON plan: {options.json}")
+    return code
+
+
+@cli.command("plan", epilog=PLAN_EXIT_CODES_HELP, short_help="Choose what to checkpoint for a memory budget.")
+@click.argument("spec", metavar="SPEC")
+@click.option("--budget", required=True, metavar="SIZE", help="Bytes autograd may hold after the forward, "
+              "e.g. 8GiB, 500MB or a number of bytes.")
+@click.option("--inputs", "inputs", metavar="SPEC", help="Factory returning the inputs (as for scan).")
+@click.option("--input-shape", metavar="SHAPE", help="One random input of this shape, e.g. 8,3,224,224.")
+@click.option("--dtype", default="float32", show_default=True, help="dtype for --input-shape.")
+@click.option("--input-requires-grad", is_flag=True, help="The --input-shape tensor requires grad.")
+@click.option("--trainable", multiple=True, metavar="GLOB", help="Only parameters matching GLOB "
+              "require grad (repeatable).")
+@click.option("--freeze", multiple=True, metavar="GLOB", help="Parameters matching GLOB need no grad "
+              "(repeatable).")
+@click.option("--train/--eval", "mode", default=None, help="Put the model in train or eval mode first.")
+@click.option("--device", type=click.Choice(["auto", "meta", "cpu", "cuda"]), default="auto",
+              show_default=True, help="Where to build and run the model (meta: no memory, no values).")
+@click.option("--blocks", multiple=True, metavar="GLOB", help="Modules the plan may checkpoint (repeatable; "
+              "default: the repeated blocks of every ModuleList/Sequential).")
+@click.option("--json", "json_path", metavar="PATH", help="Write the plan as JSON ('-' for stdout).")
+@click.option("-q", "--quiet", is_flag=True, help="Print one summary line.")
+@click.option("--debug", is_flag=True, help="Show full tracebacks.")
+def plan_command(spec: str, budget: str, inputs: Optional[str], input_shape: Optional[str], dtype: str,
+                 input_requires_grad: bool, trainable: tuple[str, ...], freeze: tuple[str, ...],
+                 mode: Optional[bool], device: str, blocks: tuple[str, ...], json_path: Optional[str],
+                 quiet: bool, debug: bool) -> None:
+    """Choose which modules of the model built by SPEC to checkpoint (recompute in backward) so that
+    autograd holds at most --budget after the forward, for the least extra compute.
+
+    Prints the plan beside what a user would otherwise pick: no checkpointing, every block
+    (Hugging Face's gradient_checkpointing_enable) and every n-th block. Apply it in Python with
+    gradaudit.plan(model, inputs, budget).apply(model).
+
+    \b
+    Examples:
+      gradaudit plan examples/llama_probe.py:build --budget 8GiB
+      gradaudit plan mymodel.py:make --input-shape 8,3,224,224 --budget 2GiB --json plan.json
+    """
+    progress = Progress(enabled=sys.stderr.isatty() and not quiet)
+    options = ScanOptions(spec=spec, inputs=inputs, input_shape=input_shape, dtype=dtype,
+                          input_requires_grad=input_requires_grad, trainable=trainable, freeze=freeze, mode=mode,
+                          device=device, html=None, json=json_path, quiet=quiet, progress=progress)
+    try:
+        code = run_plan(options, budget, blocks)
+    except (GradauditError, ScanFailed) as error:
+        progress.done()
+        from .loading import first_line
+
+        _fail(first_line(error) if isinstance(error, ForwardError) else str(error), debug)
+    except KeyboardInterrupt:
+        progress.done()
+        click.echo("gradaudit: interrupted", err=True)
+        sys.exit(130)
+    except Exception as error:
+        progress.done()
+        _fail(f"internal error: {type(error).__name__}: {error}\n"
+              f"this is a gradaudit bug; run again with --debug and report the traceback", debug)
+    sys.exit(code)
 
 
 @cli.command("rules", short_help="List the rule catalogue.")

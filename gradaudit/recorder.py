@@ -19,7 +19,7 @@ import os
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from . import torchapi
 from .meta import sdpa_arguments, sdpa_backend
 from .records import NEEDED, AttentionCall, Leaf, Manager
-from .tensors import storage_key, tensor_attributes
+from .tensors import flatten, storage_key, tensor_attributes, unique
 from .torchapi import NO_SEQUENCE, node_scalars, raw_saved_slots
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -206,6 +206,9 @@ class Recording:
     regions: list[LiveRegion] = field(default_factory=list)  # torch.utils.checkpoint calls seen
     # storages of the modules' plain tensor attributes before the forward (module state, not activations)
     attributes_before: set[int] = field(default_factory=set)
+    # calls of the watched modules (Recorder.watch): (path, class, aliases of the tensors passed in,
+    # class names of the other arguments that hold tensors)
+    calls: list[tuple[str, str, list[torch.Tensor], list[str]]] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -422,9 +425,13 @@ class ModuleTracker:
 class Recorder:
     """Context manager around a forward pass; ``collect(outputs)`` returns the Recording."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, watch: Sequence[str] = ()) -> None:
         self.model = model
         self.tracker = ModuleTracker(model, on_enter=self._on_enter)
+        # module paths whose calls' tensor inputs are kept (aliases) for Report.module_calls
+        self.watch = tuple(watch)
+        self.calls: list[tuple[str, str, list[torch.Tensor], list[str]]] = []
+        self._watch_handles: list[Any] = []
         self._boxes: list[weakref.ref] = []
         self.node_sites: dict[int, NodeSite] = {}
         self.pack_sites: list[NodeSite] = []
@@ -550,6 +557,10 @@ class Recorder:
         self.attributes_before = {storage_key(t) for _, t in tensor_attributes(self.model)
                                   if t.layout == torch.strided}
         self.tracker.__enter__()
+        modules = dict(self.model.named_modules()) if self.watch else {}
+        for path in self.watch:
+            self._watch_handles.append(modules[path].register_forward_pre_hook(
+                self._make_watcher(path, type(modules[path]).__name__), with_kwargs=True))
         self.attention.__enter__()
         if torchapi.has("node creation hook"):
             torchapi.push_node_creation_hook(self._on_node, "the recorder")
@@ -570,6 +581,20 @@ class Recorder:
                 torchapi.pop_node_creation_hook()
             self.attention.__exit__(*exc)
             self.tracker.__exit__(*exc)
+            for handle in self._watch_handles:
+                handle.remove()
+            self._watch_handles.clear()
+
+    def _make_watcher(self, path: str, cls: str):
+        calls = self.calls
+
+        def watcher(module: nn.Module, args: Any, kwargs: Any) -> None:
+            # detached aliases: they keep each storage (and so its key) alive until the report is
+            # built, and no grad_fn, so no graph either
+            tensors, _, opaque = flatten((args, kwargs))
+            calls.append((path, cls, [t.detach() for t in unique(tensors)], [type(v).__name__ for v in opaque]))
+
+        return watcher
 
     def _collect_hidden(self, nodes: list[LiveNode], saves: list[LiveSave]) -> None:
         """Saves still alive but held by nodes the walk cannot see.
@@ -734,7 +759,8 @@ class Recorder:
         self._collect_hidden(nodes, saves)
         return Recording(nodes=nodes, saves=saves, outputs=outputs, pack_count=len(self._boxes),
                          node_sites=self.node_sites, attention_tensors=self.attention.tensors,
-                         regions=list(self.regions), attributes_before=self.attributes_before)
+                         regions=list(self.regions), attributes_before=self.attributes_before,
+                         calls=self.calls)
 
 
 def _modules_named_by(function: Any) -> tuple[list[nn.Module], list[nn.Module]]:

@@ -294,6 +294,22 @@ class Finding:
         return data
 
 
+@dataclass(frozen=True)
+class ModuleCall:
+    """One call of a module the audit watched (``audit(watch=...)``; the checkpoint planner's
+    candidates): the storages of the tensors it was passed, which a checkpoint of it would hold."""
+
+    path: str
+    module_class: str
+    # (storage id, bytes, kind) per distinct storage passed in; an id >= len(Report.storages) names
+    # a storage no save references (the same id in every call that passed it)
+    inputs: tuple[tuple[int, int, StorageKind], ...] = ()
+    uncounted: int = 0  # tensors passed in without one storage (sparse layouts): in no byte figure
+    # class names of arguments that hold tensors out of reach (a cache object, a dataclass): a
+    # checkpoint would keep them through its closure, where no saved-tensor hook sees them
+    opaque: tuple[str, ...] = ()
+
+
 @dataclass
 class ModuleTotal:
     path: str
@@ -340,6 +356,8 @@ class Report:
     # above count the selected rules only
     select: tuple[str, ...] = ()
     ignore: tuple[str, ...] = ()
+    # calls of the watched modules, in call order (empty unless audit(watch=...) named some)
+    module_calls: list[ModuleCall] = field(default_factory=list)
 
     @property
     def held_tensors(self) -> list[SavedTensor]:

@@ -8,13 +8,13 @@ identity and extent of storages: the recorder, the analysis, the proof, the meas
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from .torchapi import sparse_coo_parts, storage_key
 
-__all__ = ["split_inputs", "iter_tensors", "unique", "storage_key", "storage_span", "strided_parts",
+__all__ = ["split_inputs", "iter_tensors", "flatten", "holds_tensors", "unique", "storage_key", "storage_span", "strided_parts",
            "dtype_name", "itemsize", "tensor_attributes"]
 
 
@@ -47,6 +47,67 @@ def iter_tensors(value: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
             yield from iter_tensors(getattr(value, f.name, None), _depth + 1)
     elif hasattr(value, "to_tuple") and callable(value.to_tuple):
         yield from iter_tensors(value.to_tuple(), _depth + 1)
+
+
+class _Slot:
+    """Where the n-th tensor goes back into the arguments."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+def flatten(value: Any) -> tuple[list[torch.Tensor], Callable[[tuple], Any], list[Any]]:
+    """The tensors inside ``value`` (through tuples, named tuples, lists and plain dicts), a function
+    that puts new tensors back in their places, and the other objects in it that hold tensors
+    (``holds_tensors``: a cache object, a dataclass, a dict subclass), which are left as they are."""
+    tensors: list[torch.Tensor] = []
+    opaque: list[Any] = []
+
+    def strip(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+            return _Slot(len(tensors) - 1)
+        if isinstance(v, tuple) and hasattr(v, "_fields"):
+            return type(v)(*[strip(x) for x in v])
+        if type(v) in (tuple, list):
+            return type(v)(strip(x) for x in v)
+        if type(v) is dict:
+            return {k: strip(x) for k, x in v.items()}
+        if holds_tensors(v):
+            opaque.append(v)
+        return v
+
+    skeleton = strip(value)
+
+    def fill(new: tuple, v: Any = skeleton) -> Any:
+        if isinstance(v, _Slot):
+            return new[v.n]
+        if isinstance(v, tuple) and hasattr(v, "_fields"):
+            return type(v)(*[fill(new, x) for x in v])
+        if type(v) in (tuple, list):
+            return type(v)(fill(new, x) for x in v)
+        if type(v) is dict:
+            return {k: fill(new, x) for k, x in v.items()}
+        return v
+
+    return tensors, fill, opaque
+
+
+def holds_tensors(value: Any, _depth: int = 0) -> bool:
+    """Whether tensors are reachable from ``value`` through containers and object attributes (a
+    few levels deep; modules, whose tensors are parameters and buffers, do not count)."""
+    if _depth > 4 or isinstance(value, (torch.nn.Module, type)):
+        return False
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(holds_tensors(v, _depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(holds_tensors(v, _depth + 1) for v in value)
+    attributes = getattr(value, "__dict__", None)
+    return isinstance(attributes, dict) and any(holds_tensors(v, _depth + 1) for v in attributes.values())
 
 
 def unique(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,0 +1,325 @@
+"""Plan activation checkpointing to a memory budget: which modules to recompute in backward
+instead of holding what their ops save, for the least extra compute.
+
+    plan = gradaudit.plan(model, inputs, budget="8GiB", trainable=["model.layers.40.*"])
+    plan.held_bytes, plan.extra_flops, plan.checkpointed
+    with plan.apply(model):
+        model(**inputs).loss.backward()
+
+How it works: one audit of the model (any device, meta included) watching the candidate blocks
+records every storage autograd holds, which block's ops hold it, and the storages each block is
+passed; one more forward and backward under ``torch.utils.flop_counter.FlopCounterMode`` gives each
+block's forward FLOPs (what recomputing it costs) and a whole step's. ``solve`` (solve.py) turns that
+into the memory/compute frontier; the plan is its cheapest point within the budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..accounting import counted
+from ..errors import GradauditError
+from ..records import HELD_KINDS, Manager
+from .apply import PlanHandle
+from .solve import Block, Chain, Point, cheapest_within, solve
+
+PLAN_SCHEMA_VERSION = 1
+
+__all__ = ["plan", "Plan", "PlanHandle", "BudgetError", "Baseline", "repeated_blocks"]
+
+
+class BudgetError(GradauditError):
+    """No plan of the candidate blocks holds at most the budget. ``smallest`` is the least any
+    plan holds (``smallest_plan`` the plan that does)."""
+
+    def __init__(self, message: str, smallest: int, smallest_plan: "Plan") -> None:
+        super().__init__(message)
+        self.smallest = smallest
+        self.smallest_plan = smallest_plan
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A plan a user would otherwise pick, with the same figures as the chosen plan."""
+
+    name: str
+    checkpointed: tuple[str, ...]
+    held_bytes: int
+    extra_flops: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "checkpointed": list(self.checkpointed), "held_bytes": self.held_bytes,
+                "extra_flops": self.extra_flops}
+
+
+@dataclass
+class Plan:
+    """Which modules to checkpoint so that autograd holds at most ``budget`` bytes after the forward."""
+
+    model: str  # class name of the planned model
+    device: str
+    budget: int
+    held_bytes: int  # held after the forward under the plan: what an audit of the planned model counts
+    unplanned_held_bytes: int  # the same without the plan (the audit's saved_bytes)
+    extra_flops: int  # FLOPs the recomputation adds per step (forward FLOPs of the checkpointed modules)
+    step_flops: int  # FLOPs of one unplanned step (forward and backward)
+    checkpointed: tuple[str, ...]  # module paths, in forward order
+    blocks: tuple[dict[str, Any], ...]  # every candidate: path, class, calls, flops, bytes it holds and is passed
+    frontier: tuple[tuple[int, int], ...]  # (held_bytes, extra_flops) of every Pareto plan, cheapest first
+    baselines: tuple[Baseline, ...]
+    optimal: bool  # False when the solver could not charge every storage exactly (see notes)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.held_bytes <= self.budget
+
+    @property
+    def extra_compute(self) -> float:
+        """Extra FLOPs as a fraction of an unplanned step's."""
+        return self.extra_flops / self.step_flops if self.step_flops else 0.0
+
+    def apply(self, model: nn.Module) -> PlanHandle:
+        """Checkpoint the planned modules of ``model`` (non-reentrant ``torch.utils.checkpoint``);
+        returns a handle: ``remove()`` or ``with plan.apply(model): ...`` restores it."""
+        return PlanHandle(model, self.checkpointed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": PLAN_SCHEMA_VERSION,
+            "tool": "gradaudit",
+            "kind": "plan",
+            "model": self.model,
+            "device": self.device,
+            "budget": self.budget,
+            "fits": self.fits,
+            "held_bytes": self.held_bytes,
+            "unplanned_held_bytes": self.unplanned_held_bytes,
+            "extra_flops": self.extra_flops,
+            "step_flops": self.step_flops,
+            "extra_compute": self.extra_compute,
+            "checkpointed": list(self.checkpointed),
+            "optimal": self.optimal,
+            "blocks": [dict(b) for b in self.blocks],
+            "frontier": [{"held_bytes": h, "extra_flops": f} for h, f in self.frontier],
+            "baselines": [b.to_dict() for b in self.baselines],
+            "notes": list(self.notes),
+        }
+
+    def __repr__(self) -> str:
+        return (f"<gradaudit.Plan {self.model}: checkpoint {len(self.checkpointed)} of {len(self.blocks)} "
+                f"blocks, holds {self.held_bytes} of budget {self.budget} bytes, "
+                f"+{100 * self.extra_compute:.1f}% compute>")
+
+
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """The modules a plan checkpoints by default: the children of every ``nn.ModuleList`` or
+    ``nn.Sequential`` with two or more children of one class (transformer layers, ResNet stages'
+    blocks, the layers of a sequential stack), the outermost such container on each branch."""
+    found: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        children = list(module.named_children())
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and children:
+            if max(Counter(type(c) for _, c in children).values()) >= 2:
+                found.extend(f"{prefix}{name}" for name, _ in children)
+                return
+        for name, child in children:
+            visit(f"{prefix}{name}.", child)
+
+    visit("", model)
+    return found
+
+
+def _candidates(model: nn.Module, blocks: Optional[Sequence[str]]) -> list[str]:
+    if blocks is None:
+        paths = repeated_blocks(model)
+        if not paths:
+            raise GradauditError("no repeated blocks found (children of an nn.ModuleList or nn.Sequential "
+                                 "that share a class): name the modules to consider with blocks=[GLOB, ...] "
+                                 "(--blocks GLOB)")
+        return paths
+    if isinstance(blocks, str):
+        blocks = [blocks]
+    names = [path for path, _ in model.named_modules() if path]
+    paths = []
+    for pattern in blocks:
+        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not matched:
+            raise GradauditError(f"blocks: {pattern!r} matches no module (names as in named_modules(), "
+                                 f"e.g. {names[0]!r})" if names else "blocks: the model has no submodules")
+        paths.extend(matched)
+    # the outermost of nested matches: checkpointing a module already recomputes what is inside
+    paths = sorted(set(paths))
+    return [p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p)]
+
+
+def _inside(path: str, block: str) -> bool:
+    return path == block or path.startswith(block + ".")
+
+
+def _flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, paths: Sequence[str]) -> tuple[dict[str, int], int]:
+    """Forward FLOPs of each module in ``paths`` (all its calls) and of one whole step (forward
+    and backward), as torch.utils.flop_counter counts them; the model is left as found."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..auditing import ModelState, apply_trainable
+    from ..meta import AutocastOnMeta, CpuKernelChoices
+    from ..tensors import iter_tensors, split_inputs, unique
+
+    args, kwargs = split_inputs(inputs)
+    first_parameter = next(iter(model.parameters()), None)
+    on_meta = any(t.device.type == "meta" for t in [*iter_tensors((args, kwargs)), *([first_parameter] if first_parameter is not None else [])])
+    state = ModelState(model)
+    try:
+        apply_trainable(model, trainable, frozen)
+        with CpuKernelChoices() if on_meta else contextlib.nullcontext(), \
+                AutocastOnMeta() if on_meta else contextlib.nullcontext():
+            with FlopCounterMode(display=False) as forward:
+                output = model(*args, **kwargs)
+            outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
+            with FlopCounterMode(display=False) as backward:
+                torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        del output, outputs
+    finally:
+        state.restore()
+    counts = forward.get_flop_counts()
+    root = type(model).__name__
+    per_module = {path: sum(counts.get(f"{root}.{path}", {}).values()) for path in paths}
+    step = forward.get_total_flops() + backward.get_total_flops()
+    return per_module, step
+
+
+def plan(
+    model: nn.Module,
+    inputs: Any,
+    budget: Union[int, str],
+    *,
+    trainable: Optional[Sequence[str]] = None,
+    frozen: Optional[Sequence[str]] = None,
+    blocks: Optional[Sequence[str]] = None,
+    progress: Optional[Callable[[str], None]] = None,
+) -> Plan:
+    """Choose which modules of ``model`` to checkpoint so that autograd holds at most ``budget``
+    bytes after the forward on ``inputs``, for the least recompute.
+
+    budget: bytes (int) or a size such as "8GiB", "500MB".
+    trainable / frozen: what-if requires_grad patterns, as for ``audit``.
+    blocks: glob patterns over module paths to consider (default: ``repeated_blocks(model)``).
+
+    Raises BudgetError when no plan of the blocks fits (its ``smallest`` says how low they go).
+    The model is left as found; ``Plan.apply(model)`` checkpoints the chosen modules.
+    """
+    from ..auditing import audit
+    from ..loading import parse_size
+
+    if not isinstance(model, nn.Module):
+        raise GradauditError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise GradauditError(f"budget must be bytes (an int) or a size such as '8GiB', not {budget!r}")
+    budget_bytes = parse_size(budget) if isinstance(budget, str) else budget
+    if budget_bytes < 0:
+        raise GradauditError(f"budget must not be negative, got {budget_bytes}")
+    paths = _candidates(model, blocks)
+    if progress:
+        progress(f"auditing the forward ({len(paths)} candidate blocks)")
+    report = audit(model, inputs, trainable=trainable, frozen=frozen, watch=paths)
+    already = sorted({t.module or "the model" for t in report.tensors
+                      if t.node == "CheckpointInputs" or t.managed_by == Manager.CHECKPOINT}
+                     | {report.nodes[t.node_id].module or "the model" for t in report.tensors
+                        if t.node_id >= 0 and report.nodes[t.node_id].name == "CheckpointFunctionBackward"})
+    if already:
+        raise GradauditError(f"the model already checkpoints ({', '.join(already[:3])}"
+                             f"{', ...' if len(already) > 3 else ''}): turn that off to plan from what it holds "
+                             f"(Hugging Face: model.gradient_checkpointing_disable())")
+    opaque = next((c for c in report.module_calls if c.opaque), None)
+    if opaque is not None:
+        raise GradauditError(f"{opaque.path} is passed a {opaque.opaque[0]} holding tensors: a checkpoint would keep it "
+                             f"out of every figure's sight, and recomputing the block would use it again. Pass "
+                             f"tensors instead (Hugging Face: use_cache=False for training)")
+    if progress:
+        progress("counting FLOPs")
+    flops, step_flops = _flops(model, inputs, trainable, frozen, paths)
+
+    nbytes = {s.id: s.nbytes for s in report.storages if s.kind in HELD_KINDS}
+    held = counted(report.tensors)
+    calls: dict[str, list] = {}
+    for call in report.module_calls:
+        calls.setdefault(call.path, []).append(call)
+        for sid, size, kind in call.inputs:
+            if kind in HELD_KINDS:
+                nbytes[sid] = size
+    order = {call.path: i for i, call in reversed(list(enumerate(report.module_calls)))}
+    ran = sorted((p for p in paths if p in calls), key=order.__getitem__)
+    chain_blocks = []
+    outside = {t.storage_id for t in held if t.storage_id in nbytes}
+    for path in ran:
+        # a save that bypassed saved-tensor hooks (a wrapped Python number: autograd keeps those
+        # plainly) stays held inside a checkpoint too: it is not the block's to drop
+        internal = frozenset(t.storage_id for t in held if t.storage_id in nbytes and t.source_index >= 0
+                             and _inside(t.module, path))
+        passed = frozenset(sid for call in calls[path] for sid, _, kind in call.inputs if kind in HELD_KINDS)
+        outside -= internal
+        chain_blocks.append(Block(path, calls[path][0].module_class, len(calls[path]), flops.get(path, 0),
+                                  internal, passed))
+    chain = Chain(chain_blocks, nbytes, frozenset(outside))
+    notes = []
+    if chain.held(()) != report.saved_bytes:  # both count the held saves' storages of held kinds
+        raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit "
+                             f"{report.saved_bytes}")
+    uncounted = sum(c.uncounted for c in report.module_calls)
+    if uncounted:
+        notes.append(f"{uncounted} tensor(s) passed to blocks have no single storage (sparse): a checkpoint "
+                     f"of those blocks holds them too, and no figure counts them")
+    if progress:
+        progress(f"solving ({len(chain_blocks)} blocks)")
+    points, optimal = solve(chain)
+    if chain.assumed:
+        notes.append(f"{sum(chain.assumed.values())} bytes in {len(chain.assumed)} storage(s) are shared by "
+                     f"blocks that are not neighbours: the solver counted them as always held, so a cheaper "
+                     f"plan may exist (the bytes of every plan shown are exact)")
+    frontier = tuple((p.held_bytes, p.extra_flops) for p in points)
+    info = tuple({"path": b.path, "module_class": b.module_class, "calls": b.calls, "flops": b.flops,
+                  "internal_bytes": sum(nbytes[s] for s in b.internal),
+                  "input_bytes": sum(nbytes[s] for s in b.inputs)} for b in chain_blocks)
+
+    def make(point: Point) -> Plan:
+        return Plan(model=type(model).__name__, device=report.device, budget=budget_bytes,
+                    held_bytes=point.held_bytes, unplanned_held_bytes=report.saved_bytes,
+                    extra_flops=point.extra_flops, step_flops=step_flops,
+                    checkpointed=tuple(chain_blocks[i].path for i in sorted(point.chosen)), blocks=info,
+                    frontier=frontier, baselines=_baselines(chain, budget_bytes), optimal=optimal,
+                    notes=list(notes))
+
+    chosen = cheapest_within(points, budget_bytes)
+    if chosen is None:
+        least = points[-1]
+        raise BudgetError(f"no plan fits {budget_bytes} bytes: checkpointing the {len(chain_blocks)} candidate "
+                          f"blocks holds at least {least.held_bytes} bytes (of {report.saved_bytes} unplanned); "
+                          f"raise the budget or consider more modules (blocks=...)",
+                          least.held_bytes, make(least))
+    return make(chosen)
+
+
+def _baselines(chain: Chain, budget: int) -> tuple[Baseline, ...]:
+    """What a user would otherwise pick: nothing, every block (Hugging Face's
+    gradient_checkpointing_enable()), and every n-th block for the largest n that fits the budget
+    (or 2 when none does)."""
+    n = len(chain.blocks)
+
+    def baseline(name: str, chosen: Sequence[int]) -> Baseline:
+        return Baseline(name, tuple(chain.blocks[i].path for i in chosen), chain.held(chosen),
+                        chain.extra_flops(chosen))
+
+    found = [baseline("none", []), baseline("every block", range(n))]
+    if n >= 4:
+        step = next((k for k in range(n // 2, 1, -1) if chain.held(range(0, n, k)) <= budget), 2)
+        found.append(baseline(f"every {step} blocks", range(0, n, step)))
+    return tuple(found)

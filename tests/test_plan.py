@@ -1,0 +1,363 @@
+"""gradaudit.plan: checkpointing chosen for a memory budget, exact to the byte, proven by re-audit."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import gradaudit
+from gradaudit.errors import GradauditError
+from gradaudit.measure import held_bytes_after_forward
+from gradaudit.planning import BudgetError, plan, repeated_blocks
+from gradaudit.planning.solve import Block, Chain, cheapest_within, exhaustive, solve
+
+
+def mlp_stack(n: int = 6, width: int = 64) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.Tanh())
+                           for _ in range(n)])
+
+
+def step(model: nn.Module, inputs, loss=lambda out: out.pow(2).sum()):
+    """Gradients and buffers after one seeded forward and backward (dropout draws the same masks)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(5)
+    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    out = getattr(out, "logits", None) if hasattr(out, "logits") else getattr(out, "last_hidden_state", out)
+    loss(out.float()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, {n: b.clone() for n, b in model.named_buffers()}
+
+
+def assert_exact_and_identical(model: nn.Module, inputs, fraction: float, trainable=None) -> gradaudit.Report:
+    """Plan to ``fraction`` of the unplanned held bytes; the re-audit of the planned model holds
+    exactly plan.held_bytes (and so does the independent storage tracker); one training step
+    gives bit-identical gradients and buffers (batch-norm statistics) to the unplanned model."""
+    unplanned = gradaudit.audit(model, inputs, trainable=trainable)
+    budget = int(unplanned.saved_bytes * fraction)
+    chosen = plan(model, inputs, budget, trainable=trainable)
+    assert chosen.unplanned_held_bytes == unplanned.saved_bytes
+    assert chosen.held_bytes <= budget < unplanned.saved_bytes and chosen.checkpointed
+    with chosen.apply(model):
+        planned = gradaudit.audit(model, inputs, trainable=trainable)
+    assert planned.saved_bytes == chosen.held_bytes
+    if trainable is None:
+        state = copy.deepcopy(model.state_dict())
+        expected_grads, expected_buffers = step(model, inputs)
+        model.load_state_dict(state)
+        with chosen.apply(model):
+            independent = held_bytes_after_forward(model, inputs)
+            model.load_state_dict(state)  # (that forward updated batch-norm statistics)
+            grads, buffers = step(model, inputs)
+        model.load_state_dict(state)
+        assert independent == chosen.held_bytes
+        assert grads.keys() == expected_grads.keys()
+        assert all(torch.equal(grads[k], expected_grads[k]) for k in grads)
+        assert all(torch.equal(buffers[k], expected_buffers[k]) for k in buffers)
+    return planned
+
+
+# -- the figures are exact --------------------------------------------------------------------------
+
+
+def test_plan_of_a_sequential_stack_is_exact_and_minimal():
+    model, x = mlp_stack(), torch.randn(32, 64)
+    # block i saves its input (first Linear; block 0's is the caller's, free), its ReLU result r_i
+    # (ReLU, and the second Linear's input) and its Tanh result t_i (Tanh; it is also block i+1's
+    # input): 6 r + 6 t of 32x64 float32 = 12 * 8192 B (t_5 is the output, which TanhBackward holds)
+    unplanned = gradaudit.audit(model, x).saved_bytes
+    assert unplanned == 12 * 8192
+    # checkpointing block i < 5 frees r_i only (t_i stays: block i+1 saves it, or holds it as its
+    # input); block 5 frees r_5 and t_5 (no one else keeps the output) for the same recompute.
+    # 3 * 8192 B less: block 5 and one other, two recomputed blocks
+    chosen = plan(model, x, unplanned - 3 * 8192)
+    assert chosen.held_bytes == 9 * 8192 and len(chosen.checkpointed) == 2 and "5" in chosen.checkpointed
+    assert chosen.extra_flops == 2 * chosen.blocks[0]["flops"] > 0
+    assert_exact_and_identical(model, x, 0.6)
+
+
+def test_plan_on_resnet_in_train_mode_keeps_batch_norm_statistics(vision_model):
+    model = vision_model("resnet18").train()
+    assert_exact_and_identical(model, torch.randn(4, 3, 64, 64), 0.7)
+
+
+def test_plan_with_a_frozen_stem_never_checkpoints_blocks_that_hold_nothing(vision_model):
+    model = vision_model("resnet18").train()
+    x = torch.randn(2, 3, 64, 64)
+    trainable = ["layer3.*", "layer4.*", "fc.*"]
+    planned = plan(model, x, 10**12, trainable=trainable)
+    held = {b["path"]: b["internal_bytes"] for b in planned.blocks}
+    assert all(held[p] == 0 for p in held if p.startswith(("layer1", "layer2")))  # nothing needs their grads
+    tight = plan(model, x, int(planned.unplanned_held_bytes * 0.5), trainable=trainable)
+    assert not any(p.startswith(("layer1", "layer2")) for p in tight.checkpointed)
+    assert_exact_and_identical(model, x, 0.5, trainable=trainable)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+def test_plan_on_hugging_face_models_is_exact(tiny_hf_model, family):
+    model = tiny_hf_model(family, num_hidden_layers=4, use_cache=False).train()
+    inputs = {"input_ids": torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))}
+    assert_exact_and_identical(model, inputs, 0.5)
+
+
+def test_plan_on_meta_equals_the_re_audit_on_meta(tiny_hf_config, transformers):
+    with torch.device("meta"):
+        model = transformers.BertModel(tiny_hf_config("bert", num_hidden_layers=6)).train()
+    inputs = {"input_ids": torch.zeros(2, 16, dtype=torch.long, device="meta")}
+    trainable = ["encoder.layer.2.*"]
+    unplanned = gradaudit.audit(model, inputs, trainable=trainable)
+    chosen = plan(model, inputs, unplanned.saved_bytes // 2, trainable=trainable)
+    # layers 0-1 get no gradient and hold nothing: only layers 2-5 are worth recomputing
+    assert chosen.checkpointed and all(int(p.split(".")[2]) >= 2 for p in chosen.checkpointed)
+    with chosen.apply(model):
+        assert gradaudit.audit(model, inputs, trainable=trainable).saved_bytes == chosen.held_bytes
+
+
+def test_wrapped_numbers_stay_held_inside_checkpoints(tiny_hf_model):
+    # GPT-2's GELU multiplies by Python floats: autograd saves those 0-dim tensors without
+    # saved-tensor hooks, so a checkpointed block still holds them (3 x 8 B per block)
+    model = tiny_hf_model("gpt2", num_hidden_layers=4, use_cache=False).train()
+    inputs = {"input_ids": torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))}
+    planned = assert_exact_and_identical(model, inputs, 0.3)
+    kept = [t for t in planned.held_tensors if t.node == "MulBackward0" and t.shape == () and
+            any(t.module.startswith(p + ".") for p in plan(model, inputs, planned.saved_bytes).checkpointed)]
+    assert kept and all(planned.storages[t.storage_id].nbytes == 8 for t in kept)
+
+
+# -- the solver -------------------------------------------------------------------------------------
+
+
+def random_chain(rng: random.Random, n: int) -> Chain:
+    """Blocks whose inputs are the previous block's output (sometimes saved inside it, sometimes
+    not), plus storages shared by every block (a mask passed to all) and by two neighbours."""
+    nbytes, blocks, next_id = {}, [], 0
+
+    def new(size: int) -> int:
+        nonlocal next_id
+        nbytes[next_id] = size
+        next_id += 1
+        return next_id - 1
+
+    shared = new(rng.choice([0, 64, 4096]))
+    outside = {new(rng.randint(1, 500))}
+    previous_output = new(rng.randint(1, 2000))
+    for i in range(n):
+        internal = {new(rng.randint(1, 3000)) for _ in range(rng.randint(0, 3))}
+        if rng.random() < 0.6:
+            internal.add(previous_output)  # the block's first op saves its input
+        output = new(rng.randint(1, 2000))
+        if rng.random() < 0.5:
+            internal.add(output)  # its last op saves its own result (the next block's input)
+        inputs = {previous_output} | ({shared} if nbytes[shared] else set())
+        blocks.append(Block(f"b{i}", "B", 1, rng.randint(0, 5) * 100, frozenset(internal), frozenset(inputs)))
+        previous_output = output
+    return Chain(blocks, nbytes, frozenset(outside))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_solver_is_optimal_against_exhaustive_search(seed):
+    rng = random.Random(seed)
+    chain = random_chain(rng, rng.randint(1, 9))
+    points, exact = solve(chain)
+    assert exact
+    unplanned = chain.held(())
+    least = min(chain.held(c) for c in [[i for i in range(len(chain.blocks)) if m >> i & 1]
+                                         for m in range(1 << len(chain.blocks))])
+    for budget in sorted({unplanned, least, *(rng.randint(least, unplanned) for _ in range(6))}):
+        best = cheapest_within(points, budget)
+        truth = exhaustive(chain, budget)
+        assert best is not None and truth is not None
+        assert best.extra_flops == truth[0]
+        assert best.held_bytes == chain.held(best.chosen) <= budget
+    assert cheapest_within(points, least - 1) is None
+
+
+def test_frontier_is_monotone():
+    rng = random.Random(7)
+    chain = random_chain(rng, 12)
+    points, _ = solve(chain)
+    assert points[0].extra_flops == 0
+    assert all(a.extra_flops < b.extra_flops and a.held_bytes > b.held_bytes for a, b in zip(points, points[1:]))
+    # a sweep of budgets: held bytes never rise as the budget shrinks
+    held = [cheapest_within(points, budget).held_bytes
+            for budget in range(chain.held(()), points[-1].held_bytes - 1, -997)]
+    assert held == sorted(held, reverse=True)
+
+
+def test_storages_shared_by_distant_blocks_are_charged_as_held_and_said():
+    # storage 9 is saved inside blocks 0 and 2 (not neighbours): the solver charges it as held
+    chain = Chain([Block("a", "B", 1, 10, frozenset({1, 9}), frozenset()),
+                   Block("b", "B", 1, 10, frozenset({2}), frozenset()),
+                   Block("c", "B", 1, 10, frozenset({3, 9}), frozenset())],
+                  {1: 100, 2: 100, 3: 100, 9: 1000}, frozenset())
+    points, exact = solve(chain)
+    assert not exact and chain.assumed == {9: 1000}
+    assert points[-1].held_bytes == 0  # still exact: everything checkpointed holds nothing
+
+
+# -- applying a plan --------------------------------------------------------------------------------
+
+
+def test_apply_restores_the_model_and_refuses_a_second_plan():
+    model, x = mlp_stack(), torch.randn(8, 64)
+    chosen = plan(model, x, gradaudit.audit(model, x).saved_bytes // 2)
+    forwards = {p: m.forward for p, m in model.named_modules()}
+    handle = chosen.apply(model)
+    assert handle.installed and all("forward" in dict(model.named_modules())[p].__dict__ for p in chosen.checkpointed)
+    with pytest.raises(GradauditError, match="already applied"):
+        chosen.apply(model)
+    handle.remove()
+    assert not handle.installed
+    assert all(m.forward == forwards[p] and "forward" not in m.__dict__ for p, m in model.named_modules())
+    with chosen.apply(model):
+        with torch.no_grad():  # no graph, no checkpoint: plain forward
+            model(x)
+    with pytest.raises(GradauditError, match="no module named"):
+        chosen.apply(nn.Linear(2, 2))
+
+
+def test_keyword_and_nested_tensor_arguments_are_held_where_the_audit_sees_them():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x, *, scale, pair):
+            return torch.tanh(self.lin(x) * scale + pair[0] * pair[1])
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(4)])
+
+        def forward(self, x):
+            scale = torch.sigmoid(x.mean(-1, keepdim=True))  # an activation passed by keyword
+            pair = (x.exp(), x.cos())  # activations inside a tuple
+            for block in self.blocks:
+                x = block(x, scale=scale, pair=pair)
+            return x
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(8, 16, requires_grad=True)
+    assert_exact_and_identical(model, x, 0.6)
+
+
+# -- refusals -----------------------------------------------------------------------------------------
+
+
+def test_budget_below_what_any_plan_holds_raises_with_the_smallest():
+    model, x = mlp_stack(), torch.randn(32, 64)
+    with pytest.raises(BudgetError, match="no plan fits 100 bytes") as raised:
+        plan(model, x, 100)
+    # every block checkpointed: each holds only its input, t_0..t_4 (block 0's is the caller's x)
+    assert raised.value.smallest == raised.value.smallest_plan.held_bytes == 5 * 8192
+    assert len(raised.value.smallest_plan.checkpointed) == 6
+
+
+def test_bad_arguments_are_refused_with_what_to_do():
+    model, x = mlp_stack(), torch.randn(4, 64)
+    with pytest.raises(GradauditError, match="matches no module"):
+        plan(model, x, "1MiB", blocks=["encoder.*"])
+    with pytest.raises(GradauditError, match="malformed size"):
+        plan(model, x, "lots")
+    with pytest.raises(GradauditError, match="budget must be bytes"):
+        plan(model, x, 1.5)
+    with pytest.raises(GradauditError, match="no repeated blocks"):
+        plan(nn.Linear(4, 4), torch.randn(2, 4, requires_grad=True), 0)
+
+
+def test_a_block_passed_a_cache_object_is_refused(tiny_hf_model):
+    model = tiny_hf_model("llama", num_hidden_layers=2).train()  # use_cache on: a DynamicCache per forward
+    with pytest.raises(GradauditError, match="use_cache=False"):
+        plan(model, {"input_ids": torch.zeros(1, 8, dtype=torch.long)}, "1MiB")
+
+
+def test_a_model_that_already_checkpoints_is_refused(tiny_hf_model):
+    model = tiny_hf_model("llama", num_hidden_layers=2, use_cache=False).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(GradauditError, match="already checkpoints"):
+        plan(model, {"input_ids": torch.zeros(1, 8, dtype=torch.long)}, "1MiB")
+
+
+def test_repeated_blocks_are_found_by_structure(vision_model, tiny_hf_model):
+    assert repeated_blocks(vision_model("resnet18")) == [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]
+    assert repeated_blocks(tiny_hf_model("bert")) == ["encoder.layer.0", "encoder.layer.1"]
+    assert repeated_blocks(mlp_stack(3)) == ["0", "1", "2"]
+
+
+def test_plan_to_dict_is_plain_json():
+    import json
+
+    model, x = mlp_stack(), torch.randn(8, 64)
+    data = json.loads(json.dumps(plan(model, x, "1MiB").to_dict()))
+    assert data["kind"] == "plan" and data["fits"] and data["checkpointed"] == []
+    assert [b["name"] for b in data["baselines"]][:2] == ["none", "every block"]
+    assert data["frontier"][0]["extra_flops"] == 0
+
+
+# -- the command line -------------------------------------------------------------------------------
+
+STACK_FILE = '''
+import torch
+from torch import nn
+
+
+def build():
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh()) for _ in range(6)]
+    return nn.Sequential(*blocks), torch.randn(32, 64)
+'''
+
+
+@pytest.fixture
+def plan_cli(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from gradaudit.cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "stack.py").write_text(STACK_FILE)
+    runner = CliRunner()
+    return lambda *args: runner.invoke(cli, ["plan", "stack.py:build", *args], catch_exceptions=False)
+
+
+def test_cli_prints_the_plan_beside_the_baselines(plan_cli):
+    # the stack of test_plan_of_a_sequential_stack_is_exact_and_minimal: 12 * 8192 B unplanned
+    result = plan_cli("--budget", str(9 * 8192))
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[1].startswith("checkpoint 2 of 6 blocks: ") and "5" in lines[1]
+    assert any(line.split()[:4] == ["this", "plan", "72", "KiB"] and line.endswith("yes") for line in lines)
+    assert any(line.split()[:4] == ["none", "96", "KiB", "+0.0%"] and line.endswith("no") for line in lines)
+    assert any(line.split()[:4] == ["every", "block", "40", "KiB"] for line in lines)  # 5 * 8192
+
+
+def test_cli_json_and_quiet(plan_cli, tmp_path):
+    result = plan_cli("--budget", "1MiB", "--json", "plan.json", "-q")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("\n") == 2  # the header and one summary line
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["held_bytes"] == data["unplanned_held_bytes"] == 12 * 8192 and data["checkpointed"] == []
+
+
+def test_cli_exits_2_with_the_least_achievable_when_nothing_fits(plan_cli):
+    result = plan_cli("--budget", "1KiB")
+    assert result.exit_code == 2
+    assert "no plan fits: checkpointing the candidate blocks holds at least 40 KiB" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "lots"], "malformed size 'lots'"),
+    (["--budget", "1MiB", "--blocks", "nothing.*"], "matches no module"),
+    (["--budget", "1MiB", "--trainable", "nothing.*"], "nothing.*"),
+])
+def test_cli_errors_are_one_line_with_exit_2(plan_cli, args, message):
+    result = plan_cli(*args)
+    assert result.exit_code == 2
+    assert result.stderr.startswith("gradaudit: error:") and message in result.stderr
+    assert "Traceback" not in result.output
