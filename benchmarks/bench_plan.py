@@ -1,0 +1,128 @@
+"""The checkpoint planner, measured side by side in one run.
+
+    python benchmarks/bench_plan.py            # Llama-style stacks on CPU (4, 16, 32 layers) and the 80-layer config on meta
+    python benchmarks/bench_plan.py --quick    # the 4- and 16-layer stacks only
+
+For each model and budget (90/70/50/30/10% of the unplanned held bytes):
+- predicted held bytes (``plan.held_bytes``) against a re-audit of the planned model (must be equal);
+- the plan's extra FLOPs against the baselines a user would otherwise pick (every layer, every n-th
+  layer) that hold at most as much: goal, never more than any of them;
+- planning time as a ratio to one audit of the same model (both timed in this run).
+On the CPU stacks, the measured step time (forward + backward, one thread, medians of interleaved
+runs) of the plan at the 30% budget against every-layer checkpointing and against no checkpointing, and
+a plain-against-plain column: the ratio of two identical unplanned steps (the noise floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+FRACTIONS = (0.9, 0.7, 0.5, 0.3, 0.1)
+
+
+def llama_stack(layers: int):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                                      use_cache=False)
+    model = transformers.LlamaForCausalLM(config).train()
+    return model, {"input_ids": torch.randint(0, 1000, (2, 256))}
+
+
+def llama_80_on_meta():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import llama_probe
+
+    return llama_probe.build()
+
+
+def step(model, inputs) -> float:
+    start = time.perf_counter()
+    model(**inputs).logits.float().pow(2).mean().backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def bench(name: str, model, inputs, timed: bool, runs: int) -> bool:
+    import gradaudit
+    from gradaudit.planning import BudgetError, PlanHandle, plan
+    from gradaudit.report.units import human_bytes
+
+    start = time.perf_counter()
+    unplanned = gradaudit.audit(model, inputs)
+    audit_s = time.perf_counter() - start
+    print(f"\n{name}: {human_bytes(unplanned.saved_bytes)} held unplanned, one audit {audit_s:.2f} s")
+    print(f"  {'budget':>7} {'plan held':>11} {'re-audit':>11} {'equal':>5} {'+compute':>8} "
+          f"{'best baseline (<= held)':>30} {'plan time':>10}")
+    ok = True
+    chosen_at = {}
+    for fraction in FRACTIONS:
+        budget = int(unplanned.saved_bytes * fraction)
+        start = time.perf_counter()
+        try:
+            chosen = plan(model, inputs, budget)
+        except BudgetError as error:
+            print(f"  {fraction:>6.0%}  no plan fits (least {human_bytes(error.smallest)})")
+            continue
+        plan_s = time.perf_counter() - start
+        with chosen.apply(model):
+            again = gradaudit.audit(model, inputs).saved_bytes
+        equal = again == chosen.held_bytes
+        rivals = [b for b in chosen.baselines if b.name != "none" and b.held_bytes <= chosen.held_bytes]
+        best = min(rivals, key=lambda b: b.extra_flops, default=None)
+        beaten = best is None or chosen.extra_flops <= best.extra_flops
+        ok = ok and equal and beaten
+        rival = (f"{best.name} +{100 * best.extra_flops / chosen.step_flops:.1f}%" if best else "(none fits)")
+        print(f"  {fraction:>6.0%} {human_bytes(chosen.held_bytes):>11} {human_bytes(again):>11} "
+              f"{'yes' if equal else 'NO':>5} {100 * chosen.extra_compute:>7.1f}% {rival:>30} "
+              f"{plan_s:>5.2f} s {plan_s / audit_s:>4.1f}x")
+        chosen_at[fraction] = chosen
+    if timed and 0.3 in chosen_at:
+        every = PlanHandle  # every-layer checkpointing: the same wrapper on all blocks
+        blocks = tuple(b["path"] for b in chosen_at[0.3].blocks)
+        times: dict[str, list[float]] = {"plain": [], "plain again": [], "plan 30%": [], "every layer": []}
+        step(model, inputs)
+        for _ in range(runs):
+            times["plain"].append(step(model, inputs))
+            with chosen_at[0.3].apply(model):
+                times["plan 30%"].append(step(model, inputs))
+            with every(model, blocks):
+                times["every layer"].append(step(model, inputs))
+            times["plain again"].append(step(model, inputs))
+        median = {k: statistics.median(v) for k, v in times.items()}
+        print(f"  CPU step, median of {runs} interleaved runs, {torch.get_num_threads()} thread(s): "
+              f"plain {median['plain'] * 1e3:.0f} ms; plan 30% {median['plan 30%'] / median['plain']:.2f}x, "
+              f"every layer {median['every layer'] / median['plain']:.2f}x, "
+              f"plain again {median['plain again'] / median['plain']:.2f}x (noise)")
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--runs", type=int, default=7)
+    options = parser.parse_args()
+    torch.set_num_threads(1)
+    ok = True
+    for layers in (4, 16) if options.quick else (4, 16, 32):
+        model, inputs = llama_stack(layers)
+        ok &= bench(f"Llama-style stack, {layers} layers, hidden 128, batch 2 x 256 tokens, CPU", model, inputs,
+                    timed=True, runs=options.runs)
+    if not options.quick:
+        model, inputs = llama_80_on_meta()
+        ok &= bench("80-layer Llama-2-70B config on meta, layer 40 trainable, 2048 tokens", model, inputs,
+                    timed=False, runs=0)
+    print("\nall re-audits equal and no baseline cheaper at equal or fewer held bytes" if ok else "\nGOAL MISSED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
