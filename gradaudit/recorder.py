@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from . import torchapi
 from .meta import sdpa_arguments, sdpa_backend
 from .records import NEEDED, AttentionCall, Leaf, Manager
-from .tensors import flatten, storage_key, tensor_attributes, unique
+from .tensors import flatten, iter_tensors, storage_key, tensor_attributes, unique
 from .torchapi import NO_SEQUENCE, node_scalars, raw_saved_slots
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -95,6 +95,9 @@ class LiveRegion:
     ctx: Optional[weakref.ref] = None  # reentrant: its CheckpointFunctionBackward node
     hook: Optional[int] = None  # non-reentrant: id of checkpoint's pack hook while the region runs
     packs: list[int] = field(default_factory=list)  # non-reentrant: box indices of its saved inputs
+    # non-reentrant: aliases of the tensors it keeps by plain reference (inside non-tensor arguments,
+    # keyword arguments): held as long as its packed inputs are, seen by no hook
+    kept: list[torch.Tensor] = field(default_factory=list)
     run_modules: list[tuple[str, str]] = field(default_factory=list)  # the module(s) its block function is
     closure_modules: list[tuple[str, str]] = field(default_factory=list)  # modules its function's closure holds
     node_pos: Optional[int] = None  # reentrant: its node's position in Recording.nodes, when reached
@@ -506,6 +509,12 @@ class Recorder:
             stack = self.tracker.stack
             region = LiveRegion(reentrant=False, depth=len(stack), caller=stack[-1],
                                 source=user_source_line(frame, self._caller))
+            called = torchapi.checkpoint_arguments(frame)
+            if called is not None:
+                args, kwargs = called
+                packed = {id(a) for a in args if isinstance(a, torch.Tensor)}  # these come as packs
+                region.kept = [t.detach() for t in unique(list(iter_tensors((args, kwargs))))
+                               if id(t) not in packed]
             self.regions.append(region)
         self._saving = (id(frame), (index, self._announced, self._entered), region)
         region.packs.append(index)
@@ -648,6 +657,12 @@ class Recorder:
                                       Manager.AUTOGRAD, live.site, verdict=NEEDED, reason=region.reason()))
                 live.saves.append(len(saves) - 1)
                 found.add(index)
+            if live is None:
+                continue
+            for tensor in region.kept:  # held by the checkpoint's references, as long as its inputs are
+                saves.append(LiveSave(-1, region.node_pos, f"inputs[{len(live.saves)}]", tensor,
+                                      Manager.AUTOGRAD, live.site, verdict=NEEDED, reason=region.reason()))
+                live.saves.append(len(saves) - 1)
 
     def _reentrant_region(self, node: Any, site: NodeSite) -> LiveRegion:
         """The region of a reentrant checkpoint node reached by the walk (made here when no module

@@ -10,6 +10,7 @@ Tested on torch 2.13 and 2.14 (see pyproject.toml); tests/test_torchapi.py pins 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -295,6 +296,31 @@ def saving_checkpoint_inputs(frame: Any) -> bool:
     if code is _FUNCTION_APPLY_CODE and frame.f_back is not None:  # torch 2.13: _NoopSaveInputs.apply
         code = frame.f_back.f_code
     return code in _INPUT_SAVER_CODES
+
+
+_GENERATOR_CODES = _codes_of(_CHECKPOINT, "_checkpoint_without_reentrant_generator",
+                             "_checkpoint_without_reentrant_generator_impl")
+
+
+def checkpoint_arguments(frame: Any) -> Optional[tuple[Any, Any]]:
+    """(args, kwargs) a non-reentrant checkpoint was called with, from the frame of a pack that
+    saves its inputs (``saving_checkpoint_inputs``): the checkpoint keeps all of them until backward
+    (its tensor arguments through saved-tensor hooks; tensors inside other arguments and keyword
+    arguments through plain references, which no hook sees). None when not found."""
+    for _ in range(6):
+        if frame is None:
+            return None
+        if frame.f_code in _GENERATOR_CODES and "args" in frame.f_locals:
+            local = frame.f_locals
+            args, kwargs = local["args"], local.get("kwargs") or {}
+            function = local.get("fn")
+            # arguments bound into the block (Hugging Face checkpoints partial(layer.__call__, **kwargs))
+            while isinstance(function, functools.partial):
+                args, kwargs = (*function.args, *args), {**function.keywords, **kwargs}
+                function = function.func
+            return args, kwargs
+        frame = frame.f_back
+    return None
 
 
 def reentrant_checkpoint_frames(frame: Any) -> Iterator[tuple[Any, Any]]:
