@@ -6,7 +6,8 @@ Two factories build the same small BERT (from a config, random weights, fully tr
 
     gradaudit scan examples/bert_checkpointing.py:build
     gradaudit scan examples/bert_checkpointing.py:build_checkpointed
-    python examples/bert_checkpointing.py       # both, side by side
+    gradaudit plan examples/bert_checkpointing.py:build --budget 1MiB
+    python examples/bert_checkpointing.py       # both, side by side, and gradaudit.plan at the same memory
 
 What the scans show: with checkpointing, the saves inside each encoder layer (attention inputs and
 probabilities, GELU inputs, layer-norm statistics, dropout masks) are no longer held - they are
@@ -96,6 +97,48 @@ def main() -> None:
         rows.append((f"  held: {place}", lambda r, p=place: human_bytes(held_by_place(r)[p])))
     for label, figure in rows:
         print(f"  {label:<30}" + "".join(f"{figure(r):>13} " for r in reports.values()))
+    # at the flag's memory the plan can only be the flag; at half the plain figure it recomputes less
+    compare_with_a_plan(reports["checkpointed"].saved_bytes, "the flag's")
+    compare_with_a_plan(reports["plain"].saved_bytes // 2, "half the plain")
+
+
+def compare_with_a_plan(budget: int, label: str, runs: int = 5) -> None:
+    """gradaudit.plan for the memory Hugging Face's every-layer flag reaches: which layers, at what
+    extra compute, and one training step of each measured on this CPU (peak bytes through forward and
+    backward by the storage tracker, time as the median of interleaved runs)."""
+    import contextlib
+    import statistics
+    import time
+
+    import gradaudit
+    from gradaudit.measure import forward_backward
+    from gradaudit.report.units import human_bytes
+
+    plain, inputs = build()
+    flagged, _ = build_checkpointed()
+    plan = gradaudit.plan(plain, inputs, budget)
+    every = next(b for b in plan.baselines if b.name == "every block")
+    print(f"\ngradaudit.plan at {label} {human_bytes(budget)}: checkpoint {', '.join(plan.checkpointed) or 'nothing'}")
+    torch.set_num_threads(1)
+    times: dict[str, list[float]] = {"plan": [], "flag": []}
+    peaks = {}
+    with plan.apply(plain):
+        peaks["plan"] = forward_backward(plain, (), inputs)[1]
+    peaks["flag"] = forward_backward(flagged, (), inputs)[1]
+    for _ in range(runs):
+        for name, model in (("plan", plain), ("flag", flagged)):
+            with plan.apply(model) if name == "plan" else contextlib.nullcontext():
+                start = time.perf_counter()
+                model(**inputs).logits.float().sum().backward()
+                times[name].append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    print(f"  {'':<30}{'plan':>12}{'every layer':>14}")
+    print(f"  {'held after the forward':<30}{human_bytes(plan.held_bytes):>12}{human_bytes(every.held_bytes):>14}")
+    print(f"  {'peak, forward + backward':<30}{human_bytes(peaks['plan']):>12}{human_bytes(peaks['flag']):>14}")
+    print(f"  {'extra compute (FLOPs)':<30}{100 * plan.extra_compute:>11.1f}%"
+          f"{100 * every.extra_flops / plan.step_flops:>13.1f}%")
+    print(f"  {'CPU step, median of ' + str(runs):<30}{1e3 * statistics.median(times['plan']):>9.0f} ms"
+          f"{1e3 * statistics.median(times['flag']):>11.0f} ms")
 
 
 if __name__ == "__main__":

@@ -107,6 +107,22 @@ def test_bert_checkpointing_moves_layer_saves_out_of_the_held_set():
     assert checkpointed.saved_bytes < plain.saved_bytes
 
 
+def test_bert_checkpointing_plan_recomputes_less_than_the_flag_where_the_budget_allows():
+    example = load("bert_checkpointing")
+    model, inputs = example.build()
+    plain = gradaudit.audit(model, inputs).saved_bytes
+    flag = gradaudit.audit(*example.build_checkpointed()).saved_bytes
+    layers = [f"bert.encoder.layer.{i}" for i in range(4)]
+    # at the flag's memory the only plan is the flag: every layer, one extra forward of each
+    at_flag = gradaudit.plan(model, inputs, flag)
+    assert at_flag.checkpointed == tuple(layers) and at_flag.held_bytes == flag
+    # at half the plain figure three layers do (two would hold more), a quarter less recompute
+    half = gradaudit.plan(model, inputs, plain // 2)
+    assert len(half.checkpointed) == 3 and half.extra_flops * 4 == at_flag.extra_flops * 3
+    with half.apply(model):
+        assert gradaudit.audit(model, inputs).saved_bytes == half.held_bytes <= plain // 2
+
+
 def test_custom_function_waste_is_found_with_verify():
     spec = os.path.join(EXAMPLES, "custom_function.py")
     document = scan_json(f"{spec}:build", "--verify")
