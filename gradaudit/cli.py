@@ -456,7 +456,7 @@ def _ranges(paths: Sequence[str]) -> str:
     return ", ".join(parts)
 
 
-def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...]) -> int:
+def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], peak: bool = True) -> int:
     from . import loading
     from .auditing import check_patterns
     from .planning import BudgetError, plan
@@ -476,7 +476,8 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...]) ->
     code = EXIT_OK
     try:
         chosen = plan(model, inputs, budget, trainable=list(options.trainable) if options.trainable else None,
-                      frozen=list(options.freeze), blocks=list(blocks) or None, progress=options.progress)
+                      frozen=list(options.freeze), blocks=list(blocks) or None, measure_peak=peak,
+                      progress=options.progress)
     except BudgetError as error:
         chosen, code = error.smallest_plan, EXIT_ERROR
     options.progress.done()
@@ -501,16 +502,21 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...]) ->
         out(f"checkpoint {len(chosen.checkpointed)} of {len(chosen.blocks)} blocks: "
             f"{_ranges(chosen.checkpointed) or '(none: it fits unplanned)'}")
     if options.quiet:
-        out(f"held {human_bytes(chosen.held_bytes)} (unplanned {human_bytes(chosen.unplanned_held_bytes)}), "
+        peak_text = f", peak {human_bytes(chosen.peak_bytes)}" if chosen.peak_bytes is not None else ""
+        out(f"held {human_bytes(chosen.held_bytes)} (unplanned {human_bytes(chosen.unplanned_held_bytes)}){peak_text}, "
             f"extra compute {compute(chosen.extra_flops)}, {len(chosen.checkpointed)} blocks checkpointed")
         return code
-    rows = [("this plan" if code == EXIT_OK else "least possible", chosen.held_bytes, chosen.extra_flops,
-             len(chosen.checkpointed))]
-    rows += [(b.name, b.held_bytes, b.extra_flops, len(b.checkpointed)) for b in chosen.baselines]
-    out(f"  {'':<16}{'HELD':>11}  {'EXTRA COMPUTE':>13}  {'BLOCKS':>6}  FITS")
-    for name, held, flops, count in rows:
-        out(f"  {name:<16}{human_bytes(held):>11}  {compute(flops):>13}  {count:>6}  "
-            f"{'yes' if held <= budget else 'no'}")
+    rows = [("this plan" if code == EXIT_OK else "least possible", chosen.held_bytes, chosen.peak_bytes,
+             chosen.extra_flops, len(chosen.checkpointed))]
+    rows += [(b.name, b.held_bytes, b.peak_bytes, b.extra_flops, len(b.checkpointed)) for b in chosen.baselines]
+    out(f"  {'':<16}{'HELD':>11}{'PEAK':>11}  {'EXTRA COMPUTE':>13}  {'BLOCKS':>6}  FITS")
+    for name, held, peak_bytes, flops, count in rows:
+        out(f"  {name:<16}{human_bytes(held):>11}{human_bytes(peak_bytes) if peak_bytes is not None else '-':>11}  "
+            f"{compute(flops):>13}  {count:>6}  {'yes' if held <= budget else 'no'}")
+    out("held: after the forward (exact, what an audit counts); peak: through forward, recomputation and "
+        "backward, gradients included" + (" (one step of each run on meta: shapes only)" if chosen.device == "meta"
+                                          else f" (one step of each measured on {chosen.device})")
+        if peak else "held: after the forward (exact, what an audit counts)")
     out(f"extra compute: the checkpointed blocks' forward FLOPs as a share of one unplanned step's "
         f"({chosen.step_flops:.3g} FLOPs, torch.utils.flop_counter)")
     for note in chosen.notes:
@@ -538,12 +544,14 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...]) ->
 @click.option("--blocks", multiple=True, metavar="GLOB", help="Modules the plan may checkpoint (repeatable; "
               "default: the repeated blocks of every ModuleList/Sequential).")
 @click.option("--json", "json_path", metavar="PATH", help="Write the plan as JSON ('-' for stdout).")
+@click.option("--no-peak", is_flag=True, help="Do not run one step of the plan and of each baseline to "
+              "measure their peaks (on a real device each costs a training step).")
 @click.option("-q", "--quiet", is_flag=True, help="Print one summary line.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks.")
 def plan_command(spec: str, budget: str, inputs: Optional[str], input_shape: Optional[str], dtype: str,
                  input_requires_grad: bool, trainable: tuple[str, ...], freeze: tuple[str, ...],
                  mode: Optional[bool], device: str, blocks: tuple[str, ...], json_path: Optional[str],
-                 quiet: bool, debug: bool) -> None:
+                 no_peak: bool, quiet: bool, debug: bool) -> None:
     """Choose which modules of the model built by SPEC to checkpoint (recompute in backward) so that
     autograd holds at most --budget after the forward, for the least extra compute.
 
@@ -561,7 +569,7 @@ def plan_command(spec: str, budget: str, inputs: Optional[str], input_shape: Opt
                           input_requires_grad=input_requires_grad, trainable=trainable, freeze=freeze, mode=mode,
                           device=device, html=None, json=json_path, quiet=quiet, progress=progress)
     try:
-        code = run_plan(options, budget, blocks)
+        code = run_plan(options, budget, blocks, peak=not no_peak)
     except (GradauditError, ScanFailed) as error:
         progress.done()
         from .loading import first_line

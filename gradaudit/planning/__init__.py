@@ -16,10 +16,11 @@ into the memory/compute frontier; the plan is its cheapest point within the budg
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -53,10 +54,11 @@ class Baseline:
     checkpointed: tuple[str, ...]
     held_bytes: int
     extra_flops: int
+    peak_bytes: Optional[int] = None  # measured as Plan.peak_bytes is (None: not measured)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "checkpointed": list(self.checkpointed), "held_bytes": self.held_bytes,
-                "extra_flops": self.extra_flops}
+                "extra_flops": self.extra_flops, "peak_bytes": self.peak_bytes}
 
 
 @dataclass
@@ -76,6 +78,12 @@ class Plan:
     baselines: tuple[Baseline, ...]
     optimal: bool  # False when the solver could not charge every storage exactly (see notes)
     notes: list[str] = field(default_factory=list)
+    # bytes alive at the worst moment of one planned step (forward, recomputation and backward,
+    # activation and parameter gradients included; parameters, buffers and inputs not), measured by
+    # running that step on the model's device: on meta (shapes only, nothing computed) it predicts
+    # the real device's figure; None when not measured (measure_peak=False)
+    peak_bytes: Optional[int] = None
+    unplanned_peak_bytes: Optional[int] = None
 
     @property
     def fits(self) -> bool:
@@ -105,6 +113,8 @@ class Plan:
             "extra_flops": self.extra_flops,
             "step_flops": self.step_flops,
             "extra_compute": self.extra_compute,
+            "peak_bytes": self.peak_bytes,
+            "unplanned_peak_bytes": self.unplanned_peak_bytes,
             "checkpointed": list(self.checkpointed),
             "optimal": self.optimal,
             "blocks": [dict(b) for b in self.blocks],
@@ -161,8 +171,38 @@ def _candidates(model: nn.Module, blocks: Optional[Sequence[str]]) -> list[str]:
     return [p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p)]
 
 
+def _few(paths: Sequence[str]) -> str:
+    return ", ".join(paths[:3]) + (f", ... ({len(paths)} in all)" if len(paths) > 3 else "")
+
+
 def _inside(path: str, block: str) -> bool:
     return path == block or path.startswith(block + ".")
+
+
+def _on_meta(model: nn.Module, inputs: Any) -> bool:
+    from ..tensors import iter_tensors
+
+    first_parameter = next(iter(model.parameters()), None)
+    tensors = [*iter_tensors(inputs), *([first_parameter] if first_parameter is not None else [])]
+    return any(t.device.type == "meta" for t in tensors)
+
+
+@contextlib.contextmanager
+def _as_audited(model: nn.Module, inputs: Any, trainable: Any, frozen: Any) -> Iterator[None]:
+    """The requires_grad what-if applied and, on meta, the CPU kernel choices and autocast emulation
+    the audit uses; the model is left as found afterwards (gradients, buffers, RNG state included)."""
+    from ..auditing import ModelState, apply_trainable
+    from ..meta import AutocastOnMeta, CpuKernelChoices
+
+    on_meta = _on_meta(model, inputs)
+    state = ModelState(model)
+    try:
+        apply_trainable(model, trainable, frozen)
+        with CpuKernelChoices() if on_meta else contextlib.nullcontext(), \
+                AutocastOnMeta() if on_meta else contextlib.nullcontext():
+            yield
+    finally:
+        state.restore()
 
 
 def _flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, paths: Sequence[str]) -> tuple[dict[str, int], int]:
@@ -170,31 +210,34 @@ def _flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, paths: Se
     and backward), as torch.utils.flop_counter counts them; the model is left as found."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ..auditing import ModelState, apply_trainable
-    from ..meta import AutocastOnMeta, CpuKernelChoices
     from ..tensors import iter_tensors, split_inputs, unique
 
     args, kwargs = split_inputs(inputs)
-    first_parameter = next(iter(model.parameters()), None)
-    on_meta = any(t.device.type == "meta" for t in [*iter_tensors((args, kwargs)), *([first_parameter] if first_parameter is not None else [])])
-    state = ModelState(model)
-    try:
-        apply_trainable(model, trainable, frozen)
-        with CpuKernelChoices() if on_meta else contextlib.nullcontext(), \
-                AutocastOnMeta() if on_meta else contextlib.nullcontext():
-            with FlopCounterMode(display=False) as forward:
-                output = model(*args, **kwargs)
-            outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
-            with FlopCounterMode(display=False) as backward:
-                torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+    with _as_audited(model, inputs, trainable, frozen):
+        with FlopCounterMode(display=False) as forward:
+            output = model(*args, **kwargs)
+        outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
+        with FlopCounterMode(display=False) as backward:
+            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
         del output, outputs
-    finally:
-        state.restore()
     counts = forward.get_flop_counts()
     root = type(model).__name__
     per_module = {path: sum(counts.get(f"{root}.{path}", {}).values()) for path in paths}
     step = forward.get_total_flops() + backward.get_total_flops()
     return per_module, step
+
+
+def _step(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, paths: Sequence[str]) -> tuple[int, int]:
+    """(held after the forward less the outputs, peak through forward and backward) of one step with ``paths``
+    checkpointed, measured on the model's device: the storage tracker on CPU and meta (where it
+    follows the meta tensors the step would allocate), the allocator on CUDA. Left as found."""
+    from ..measure import forward_backward
+    from ..tensors import split_inputs
+
+    args, kwargs = split_inputs(inputs)
+    with _as_audited(model, inputs, trainable, frozen):
+        with PlanHandle(model, tuple(paths)):
+            return forward_backward(model, args, kwargs)
 
 
 def plan(
@@ -205,6 +248,7 @@ def plan(
     trainable: Optional[Sequence[str]] = None,
     frozen: Optional[Sequence[str]] = None,
     blocks: Optional[Sequence[str]] = None,
+    measure_peak: bool = True,
     progress: Optional[Callable[[str], None]] = None,
 ) -> Plan:
     """Choose which modules of ``model`` to checkpoint so that autograd holds at most ``budget``
@@ -213,6 +257,8 @@ def plan(
     budget: bytes (int) or a size such as "8GiB", "500MB".
     trainable / frozen: what-if requires_grad patterns, as for ``audit``.
     blocks: glob patterns over module paths to consider (default: ``repeated_blocks(model)``).
+    measure_peak: run the chosen plan's step, the unplanned step and the baselines' once each on the
+        model's device to measure their peaks (``Plan.peak_bytes``; on meta nothing is computed).
 
     Raises BudgetError when no plan of the blocks fits (its ``smallest`` says how low they go).
     The model is left as found; ``Plan.apply(model)`` checkpoints the chosen modules.
@@ -258,6 +304,12 @@ def plan(
                 nbytes[sid] = size
     order = {call.path: i for i, call in reversed(list(enumerate(report.module_calls)))}
     ran = sorted((p for p in paths if p in calls), key=order.__getitem__)
+    # a block in which no autograd node was made (frozen, its inputs needing no gradient) builds no
+    # graph: a checkpoint of it holds nothing (no node keeps its inputs) and backward never
+    # recomputes it, so checkpointing it changes nothing
+    made = [n.module for n in report.nodes if n.name != "AccumulateGrad"]
+    graphless = [p for p in ran if not any(_inside(module, p) for module in made)]
+    ran = [p for p in ran if p not in graphless]
     chain_blocks = []
     outside = {t.storage_id for t in held if t.storage_id in nbytes}
     for path in ran:
@@ -274,6 +326,9 @@ def plan(
     if chain.held(()) != report.saved_bytes:  # both count the held saves' storages of held kinds
         raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit "
                              f"{report.saved_bytes}")
+    if graphless:
+        notes.append(f"{len(graphless)} block(s) build no autograd graph ({_few(graphless)}): no gradient flows "
+                     f"through them, so they hold nothing and checkpointing them would change nothing")
     uncounted = sum(c.uncounted for c in report.module_calls)
     if uncounted:
         notes.append(f"{uncounted} tensor(s) passed to blocks have no single storage (sparse): a checkpoint "
@@ -299,13 +354,26 @@ def plan(
                     notes=list(notes))
 
     chosen = cheapest_within(points, budget_bytes)
+    result = make(chosen if chosen is not None else points[-1])
+    if measure_peak:
+        steps = [result.checkpointed, *[b.checkpointed for b in result.baselines]]
+        measured: dict[tuple[str, ...], tuple[int, int]] = {}
+        for k, paths_run in enumerate(steps):
+            if paths_run not in measured:
+                if progress:
+                    progress(f"measuring the peak of a step ({k + 1} of {len(steps)})")
+                measured[paths_run] = _step(model, inputs, trainable, frozen, paths_run)
+        result.peak_bytes = measured[result.checkpointed][1]
+        result.unplanned_peak_bytes = measured[()][1]
+        result.baselines = tuple(dataclasses.replace(b, peak_bytes=measured[b.checkpointed][1])
+                                 for b in result.baselines)
     if chosen is None:
-        least = points[-1]
+        least = result
         raise BudgetError(f"no plan fits {budget_bytes} bytes: checkpointing the {len(chain_blocks)} candidate "
                           f"blocks holds at least {least.held_bytes} bytes (of {report.saved_bytes} unplanned); "
                           f"raise the budget or consider more modules (blocks=...)",
-                          least.held_bytes, make(least))
-    return make(chosen)
+                          least.held_bytes, least)
+    return result
 
 
 def _baselines(chain: Chain, budget: int) -> tuple[Baseline, ...]:
