@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import rules as _rules  # noqa: F401  (registers the catalogue)
-from .knowledge import declaration, hidden_by
+from .knowledge import Declaration, declaration, hidden_by
 from .accounting import Accountant, counted, module_totals
 from .recorder import Recording
 from .records import (
@@ -121,13 +121,7 @@ def build_report(
             # hidden inside CopySlices by an in-place op on a view: the op knowledge of the node that
             # op creates says what its backward reads. trim cannot reach such saves (no node lists
             # them), so they get the verdict but are neither dropped nor bit-packed in any figure
-            known_inner, inner_attr = inner
-            outcome = known_inner.outcome(inner_attr, [True] * max(1, len(known_inner.edges)),
-                                          saved.module_class, saved.dtype)
-            if outcome is not None and outcome.verdict != NOT_NEEDED:
-                preset[saved.index] = (outcome.verdict, f"in-place {save.function} on a view, hidden inside "
-                                                        f"CopySlices as {known_inner.name}.{inner_attr}: "
-                                                        f"{outcome.reason} (trim cannot reach it)")
+            preset.update(_hidden_verdict(saved, save.function, *inner))
         if sid >= 0:
             storages[sid].tensors.append(saved.index)
         nodes[save.node_pos].saved.append(saved.index)
@@ -226,6 +220,24 @@ def build_report(
         inputs_requiring_grad=sum(1 for t in inputs if t.requires_grad),
         unexplained=unexplained, notes=notes, disagreements=disagreements, module_calls=module_calls,
     )
+
+
+def _hidden_verdict(saved: SavedTensor, function: str, inner: Declaration,
+                    attrs: Sequence[str]) -> dict[int, tuple[str, str]]:
+    """The verdict on a save that an in-place ``function`` on a view hid inside CopySlices, from
+    the declaration of the node it hides there. Which of ``attrs`` it is (``mul_`` saves self or
+    other, by which factor needs a gradient) is not known, so all of them must give one verdict;
+    nor is which of the node's inputs want a gradient, so every edge counts as wanting one (which
+    can only make a read needed) and "not needed" is never given. No verdict: an empty dict."""
+    outcomes = [inner.outcome(attr, [True] * max(1, len(inner.edges)), saved.module_class, saved.dtype)
+                for attr in attrs]
+    verdicts = {o.verdict if o is not None else None for o in outcomes}
+    if len(verdicts) != 1 or None in verdicts or NOT_NEEDED in verdicts:
+        return {}
+    named = " or ".join(f"{inner.name}.{attr}" for attr in attrs)
+    reasons = "; ".join(dict.fromkeys(o.reason for o in outcomes))
+    return {saved.index: (outcomes[0].verdict, f"in-place {function} on a view, hidden inside CopySlices as "
+                                               f"{named}: {reasons} (trim cannot reach it)")}
 
 
 def _unreported(accountant: Accountant, scope: set[int], covered: set[int], select: Sequence[str],

@@ -449,6 +449,10 @@ class Prover:
             if t.storage_kind in FREE_KINDS:
                 continue  # alive anyway; see the module docstring
             box = boxes.get(t.source_index)
+            if box is None and live.name == "CopySlices":  # recorder._collect_hidden
+                self._unproven([j], "hidden inside CopySlices by an in-place op on a view: the node that "
+                                    "reads it cannot be called on its own")
+                continue
             if box is None or box.tensor is not self.live_tensors[j]:
                 self._unproven([j], "gradaudit did not pack it")
                 continue

@@ -12,6 +12,8 @@ support, and every value. When an op has variants we have not checked, leave it 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from .registry import Bit, Read, Reads, declare
 
 DROPOUT_MODULES = ("Dropout", "Dropout1d", "Dropout2d", "Dropout3d")
@@ -167,12 +169,21 @@ declare("ThresholdBackward0", edges=("self",), source="derivatives.yaml threshol
         saves={"self": Read(why="compared against the threshold")})
 
 # -- multiplication: nn.Dropout on CPU (and wherever native_dropout is not used) multiplies by a
-# float mask holding 0 and 1/(1-p); codegen saves each factor only for the other's gradient
-declare("MulBackward0", edges=("self", "other"), source="derivatives.yaml mul.Tensor", saves={
-    "self": Read(why="read by the gradient of the other factor"),
-    "other": Read(reads=Reads.MASK, only_in=DROPOUT_MODULES, rule="GA402",
-                  why="read by the gradient of the other factor"),
-})
+# float mask holding 0 and 1/(1-p); codegen saves each factor only for the other's gradient.
+# In place on a view (nn.Dropout(inplace=True) after a flatten, as torchvision's efficientnet and
+# mvit heads do) a dropout hides this node: ATen's in-place dropouts multiply the input by their
+# noise with mul_ (the fused native_dropout serves the out-of-place call), so the one hidden save is
+# the noise, read by the input gradient (checked on CPU; a path saving a mask instead would save
+# one that backward reads as well). mul_ itself (``x *= mask`` on a view, Hugging Face's funnel
+# attention) saves other for the self gradient and a copy of self for the other's, both read.
+_DROPOUTS = ("dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "feature_dropout_", "alpha_dropout",
+             "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_")
+declare("MulBackward0", edges=("self", "other"), source="derivatives.yaml mul.Tensor; ATen Dropout.cpp dropout_",
+        in_place={**dict.fromkeys(_DROPOUTS, "other"), "mul_": ("self", "other")}, saves={
+            "self": Read(why="read by the gradient of the other factor"),
+            "other": Read(reads=Reads.MASK, only_in=DROPOUT_MODULES, rule="GA402",
+                          why="read by the gradient of the other factor"),
+        })
 
 # -- matrix products: codegen saves each operand only when the other's gradient is wanted
 _MATMUL_WHY = "read by the gradient formula of an input that needs a gradient"
@@ -183,15 +194,53 @@ declare("MmBackward0", "BmmBackward0", edges=("self", "mat2"), weight="mat2", so
 declare("LinearBackward0", edges=("input", "weight", "bias"), weight="weight", source="derivatives.yaml linear",
         saves={"input": Read(why=_MATMUL_WHY), "weight": Read(why=_MATMUL_WHY)})
 
+# -- in-place activations: called in place on a view (nn.ReLU6(inplace=True) and the like after a
+# Linear given a 3-D input, x[:, :k].sigmoid_()), each of these functions creates the node named here
+# hidden inside CopySlices; its one save is read like the out-of-place op's. Where the formula reads
+# the input, the in-place op saves a copy of it made before it is overwritten (tests/test_hidden_saves.py).
+def _in_place_activation(name: str, attr: str, functions: Sequence[str], source: str) -> None:
+    declare(name, edges=("self",), source=source, saves={attr: Read(why=_MATMUL_WHY)},
+            in_place=dict.fromkeys(functions, attr))
+
+
+_in_place_activation("SiluBackward0", "self", ("silu", "silu_"), "derivatives.yaml silu: silu_backward(grad, self)")
+_in_place_activation("MishBackward0", "self", ("mish", "mish_"), "derivatives.yaml mish: mish_backward(grad, self)")
+_in_place_activation("HardswishBackward0", "self", ("hardswish", "hardswish_"),
+                     "derivatives.yaml hardswish: hardswish_backward(grad, self)")
+_in_place_activation("HardsigmoidBackward0", "self", ("hardsigmoid", "hardsigmoid_"),
+                     "derivatives.yaml hardsigmoid: hardsigmoid_backward(grad, self)")
+_in_place_activation("HardtanhBackward0", "self", ("hardtanh", "hardtanh_", "relu6"),  # relu6_ is hardtanh_(0, 6)
+                     "derivatives.yaml hardtanh: hardtanh_backward(grad, self, min_val, max_val)")
+_in_place_activation("SigmoidBackward0", "result", ("sigmoid_",),
+                     "derivatives.yaml sigmoid: sigmoid_backward(grad, result)")
+_in_place_activation("TanhBackward0", "result", ("tanh_",), "derivatives.yaml tanh: tanh_backward(grad, result)")
+# elu_ (and selu_, elu_ with fixed constants) and celu_ save their result: elu_backward(..., is_result=True, result)
+# reads its values below 0 (grad * input_scale * (result + alpha * scale))
+_in_place_activation("EluBackward1", "result", ("elu", "elu_", "selu", "selu_"),
+                     "derivatives.yaml elu_: elu_backward(grad, alpha, scale, input_scale, true, result)")
+_in_place_activation("CeluBackward1", "result", ("celu", "celu_"),
+                     "derivatives.yaml celu_: elu_backward(grad, alpha, 1, 1/alpha, true, result)")
+# F.threshold (whose function is named _threshold) with inplace=True, and threshold_
+declare("ThresholdBackward1", edges=("self",), in_place={"_threshold": "self", "threshold_": "self"},
+        source="derivatives.yaml threshold_: threshold_backward(grad, self, threshold)",
+        saves={"self": Read(why="the input before it was overwritten, compared against the threshold")})
+
+# -- indexed assignment: x[mask] = v runs index_put_ (never accumulating), whose self gradient
+# (grad.index_put(indices, 0)) and values gradient (grad.index(indices)) both read the indices; on a
+# view (wav2vec2's time masking in training) it hides inside CopySlices. Accumulating index_put_
+# reads them for the values gradient only: not declared.
+declare("IndexPutBackward0", edges=("self", "values"), when={"accumulate": False},
+        source="derivatives.yaml index_put_ (accumulate=False)", in_place={"__setitem__": "indices"},
+        saves={"indices": Read(why="the indices say which elements were overwritten")})
+
 # Ops whose every save is read by the gradient formula of an input that needs a gradient:
 # PyTorch's codegen saves each tensor only when such a formula needs it (single-output derivative
 # formulas). Reviewed one by one against derivatives.yaml; extend only after checking with verify=True.
 declare(
     "AddbmmBackward0", "BaddbmmBackward0",
     "DivBackward0", "PowBackward0",
-    "SoftmaxBackward0", "SafeSoftmaxBackward0", "LogSoftmaxBackward0", "GeluBackward0", "SiluBackward0",
-    "SigmoidBackward0", "TanhBackward0", "HardtanhBackward0", "EluBackward0", "SoftplusBackward0",
-    "HardswishBackward0", "HardsigmoidBackward0", "MishBackward0", "ExpBackward0", "LogBackward0",
+    "SoftmaxBackward0", "SafeSoftmaxBackward0", "LogSoftmaxBackward0", "GeluBackward0",
+    "EluBackward0", "SoftplusBackward0", "ExpBackward0", "LogBackward0",
     "SqrtBackward0", "RsqrtBackward0", "SinBackward0", "CosBackward0",
     "EmbeddingBackward0", "IndexBackward0", "MeanBackward1", "NormBackward1",
     "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductFlashAttentionBackward0",

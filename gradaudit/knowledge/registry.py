@@ -9,7 +9,9 @@ which gradients (a ``Read``). Everything else derives from it:
 - which rule explains a save that is not needed or bit-packable (``Read.rule``);
 - ``trim``'s action per save (drop, drop with a zero-stride placeholder, bit-pack and how);
 - the proof's hint (``witness_edges``): one gradient to compute alone to show a read cheaply;
-- which save holds a layer's weight (``weight_slot``).
+- which save holds a layer's weight (``weight_slot``);
+- the verdict on a save hidden inside CopySlices by an in-place op on a view (``in_place``: the
+  functions that create the node there, ``hidden_by``).
 
 Variants: an op whose reads depend on a non-tensor saved value (batch norm's ``training``)
 declares one variant per value (``when={"training": False}``); a node whose values match no
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 from ..errors import DeclarationError
 from ..records import NEEDED, NOT_NEEDED, SIGN_ONLY
@@ -114,11 +116,15 @@ class Declaration:
     weight: Optional[str] = None  # the saved attribute that holds a layer's weight
     source: str = ""  # where the claims come from (derivatives.yaml, a kernel, an issue)
     # Python-level functions whose in-place call on a view creates this node hidden inside a
-    # CopySlices node (which exposes none of its saves): function name -> the attribute it saves
-    in_place: Mapping[str, str] = field(default_factory=dict)
+    # CopySlices node (which exposes none of its saves): function name -> the attributes it may
+    # save (several where which one depends on the inputs that need a gradient, as for mul_)
+    in_place: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def read(self, attr: str) -> Optional[Read]:
         found = self.saves.get(attr)
+        if found is None and attr.endswith("]") and "[" in attr:
+            # an item of a saved list (IndexPutBackward0's indices[1]) reads like the list
+            found = self.saves.get(attr[:attr.index("[")])
         return found if found is not None else self.default
 
     def edge(self, name: str) -> int:
@@ -186,18 +192,37 @@ _DECLARED: dict[str, list[Declaration]] = {}
 def declare(*names: str, edges: Sequence[str], saves: Optional[Mapping[str, Read]] = None,
             default: Optional[Read] = None, when: Optional[Mapping[str, Any]] = None,
             weight: Optional[str] = None, source: str = "",
-            in_place: Optional[Mapping[str, str]] = None) -> list[Declaration]:
+            in_place: Optional[Mapping[str, Union[str, Sequence[str]]]] = None) -> list[Declaration]:
     """Declare what backward reads for the autograd node types ``names`` (one variant each).
 
     ``edges``: the names of the op's gradient edges in ``next_functions`` order; ``saves``:
     saved attribute -> Read; ``default``: the Read of saved attributes not listed; ``when``: the
     non-tensor saved values this variant applies to; ``weight``: the saved attribute holding a
-    layer's weight; ``in_place``: function name -> saved attribute, for the functions whose
-    in-place call on a view hides this node inside CopySlices. Raises ValueError on a second
-    declaration of a name with the same ``when``, or a Read naming an edge not in ``edges``.
+    layer's weight; ``in_place``: function name -> the saved attribute (or the attributes, when
+    which one is saved depends on the inputs that need a gradient), for the functions whose
+    in-place call on a view hides this node inside CopySlices; such a save gets the verdict only
+    when every named attribute gives the same one. The function must make this node (this
+    variant, whatever its scalars) every time it hides one: a hidden save has no scalars to
+    choose a variant by. Raises ValueError on a second declaration of a name with the same
+    ``when``, a Read naming an edge not in ``edges``, an in-place function naming an undeclared
+    save or already named by a declaration, or ``in_place`` given for several names.
     """
     saves = dict(saves or {})
     when = dict(when or {})
+    hiding = {function: (attrs,) if isinstance(attrs, str) else tuple(attrs)
+              for function, attrs in (in_place or {}).items()}
+    if hiding and len(names) > 1:
+        raise DeclarationError(f"{', '.join(names)}: in_place names the functions that create one node type; "
+                               f"declare it alone")
+    for function, attrs in hiding.items():
+        if not attrs:
+            raise DeclarationError(f"{names[0]}: in-place {function} names no saved attribute")
+        for attr in attrs:
+            if attr not in saves:
+                raise DeclarationError(f"{names[0]}: in-place {function} saves {attr!r}, which is not a declared save")
+        known = hidden_by(function)
+        if known is not None:  # a hidden save has no scalars: one variant of one node per function
+            raise DeclarationError(f"{names[0]}: in-place {function} already hides {known[0].name}")
     for attr, read in [*saves.items(), *([("<default>", default)] if default else [])]:
         for edge in (*read.by, *([read.witness] if read.witness else [])):
             if edge not in edges:
@@ -209,10 +234,7 @@ def declare(*names: str, edges: Sequence[str], saves: Optional[Mapping[str, Read
         variants = _DECLARED.setdefault(name, [])
         if any(v.when == when for v in variants):
             raise DeclarationError(f"op knowledge for {name} (when={when}) declared twice")
-        for function, attr in (in_place or {}).items():
-            if attr not in saves:
-                raise DeclarationError(f"{name}: in-place {function} saves {attr!r}, which is not a declared save")
-        declaration = Declaration(name, tuple(edges), saves, default, when, weight, source, dict(in_place or {}))
+        declaration = Declaration(name, tuple(edges), saves, default, when, weight, source, hiding)
         variants.append(declaration)
         # the most specific variant first; among equals, the first declared
         variants.sort(key=lambda v: -len(v.when))
@@ -236,9 +258,9 @@ def declaration(name: str, scalars: Mapping[str, Any] = {}) -> Optional[Declarat
     return None
 
 
-def hidden_by(function: Optional[str]) -> Optional[tuple[Declaration, str]]:
-    """The declaration (and saved attribute) of the node an in-place call of ``function`` on a view
-    creates inside CopySlices; None when no declaration names the function."""
+def hidden_by(function: Optional[str]) -> Optional[tuple[Declaration, tuple[str, ...]]]:
+    """The declaration (and the saved attributes it may be) of the node an in-place call of
+    ``function`` on a view creates inside CopySlices; None when no declaration names the function."""
     if not function:
         return None
     for variants in _DECLARED.values():
