@@ -431,6 +431,14 @@ class Prover:
     # ------------------------------------------------------------------------------------------
     def prove_node(self, node_id: int, indices: list[int]) -> None:
         live = self.recording.nodes[node_id]
+        if live.name == "CopySlices":  # recorder._collect_hidden: saves of a node CopySlices does not expose
+            hidden = [j for j in indices if self.tensors[j].attr.startswith("hidden[")]
+            if hidden:
+                self._unproven(hidden, "hidden inside CopySlices by an in-place op on a view: the node that "
+                                       "reads it cannot be called on its own")
+                indices = [j for j in indices if j not in hidden]
+                if not indices:
+                    return None
         if live.name == CHECKPOINT_INPUTS:
             return self._unproven(indices, "torch.utils.checkpoint holds it to recompute its block; no node reads it "
                                            "that could be called on its own")
@@ -449,10 +457,6 @@ class Prover:
             if t.storage_kind in FREE_KINDS:
                 continue  # alive anyway; see the module docstring
             box = boxes.get(t.source_index)
-            if box is None and live.name == "CopySlices":  # recorder._collect_hidden
-                self._unproven([j], "hidden inside CopySlices by an in-place op on a view: the node that "
-                                    "reads it cannot be called on its own")
-                continue
             if box is None or box.tensor is not self.live_tensors[j]:
                 self._unproven([j], "gradaudit did not pack it")
                 continue
