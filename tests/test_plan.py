@@ -403,3 +403,81 @@ def test_cli_errors_are_one_line_with_exit_2(plan_cli, args, message):
     assert result.exit_code == 2
     assert result.stderr.startswith("gradaudit: error:") and message in result.stderr
     assert "Traceback" not in result.output
+
+
+# -- models nobody here wrote -------------------------------------------------------------------------
+
+
+def _autocast_stack():
+    class UnderAutocast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(6)])
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.blocks(x)
+
+    torch.manual_seed(0)
+    return UnderAutocast().train(), torch.randn(8, 64, requires_grad=True)
+
+
+def _zoo(name, torchvision_or_transformers):
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    if name in ("vit",):
+        torch.manual_seed(0)
+        return torchvision_or_transformers.models.VisionTransformer(
+            image_size=64, patch_size=16, num_layers=4, num_heads=2, hidden_dim=64, mlp_dim=128,
+            num_classes=10).train(), torch.randn(2, 3, 64, 64)
+    if name in ("convnext_tiny", "efficientnet_b0", "densenet121", "swin_t"):
+        torch.manual_seed(0)
+        return getattr(torchvision_or_transformers.models, name)(num_classes=10).train(), torch.randn(2, 3, 64, 64)
+    tf = torchvision_or_transformers
+    torch.manual_seed(0)
+    if name == "bert-classifier":  # with an attention mask passed to every layer
+        config = tf.BertConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64,
+                               vocab_size=100, max_position_embeddings=64)
+        return tf.BertForSequenceClassification(config).train(), {"input_ids": ids,
+                                                                   "attention_mask": torch.ones_like(ids)}
+    if name == "t5":  # encoder and decoder stacks, cross-attention to the encoder's output
+        config = tf.T5Config(d_model=32, d_ff=64, num_layers=3, num_heads=2, d_kv=16, vocab_size=100,
+                             use_cache=False, decoder_start_token_id=0, pad_token_id=0)
+        return tf.T5ForConditionalGeneration(config).train(), {"input_ids": ids, "labels": ids}
+    if name == "mistral":
+        config = tf.MistralConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                  intermediate_size=64, vocab_size=100, use_cache=False)
+        return tf.MistralForCausalLM(config).train(), {"input_ids": ids}
+    raise KeyError(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["vit", "convnext_tiny", "efficientnet_b0", "densenet121", "swin_t"])
+def test_plan_on_torchvision_models(torchvision, name):
+    # convnext and swin drop paths at random in train mode (stochastic depth): the recomputation
+    # draws the same, so gradients stay bit-identical
+    model, x = _zoo(name, torchvision)
+    assert_exact_and_identical(model, x, 0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert-classifier", "t5", "mistral"])
+def test_plan_on_more_hugging_face_models(transformers, name):
+    model, inputs = _zoo(name, transformers)
+    assert_exact_and_identical(model, inputs, 0.5)
+
+
+def test_plan_under_autocast_inside_the_forward():
+    model, x = _autocast_stack()
+    assert_exact_and_identical(model, x, 0.5)
+
+
+@pytest.mark.slow
+def test_plan_on_a_peft_lora_model(tiny_hf_model):
+    peft = pytest.importorskip("peft")
+    model = tiny_hf_model("llama", num_hidden_layers=4, use_cache=False)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
+    inputs = {"input_ids": torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))}
+    planned = assert_exact_and_identical(model.train(), inputs, 0.5)
+    # the candidates are the decoder layers inside peft's wrappers
+    assert any(t.node == "CheckpointInputs" and t.module.endswith(("layers.0", "layers.1", "layers.2", "layers.3"))
+               for t in planned.held_tensors)
