@@ -434,33 +434,12 @@ Exit codes:
 """
 
 
-def _ranges(paths: Sequence[str]) -> str:
-    """``model.layers.3, model.layers.4, model.layers.5, fc`` -> ``model.layers.3-5, fc``."""
-    parts: list[str] = []
-    run: list[Any] = []  # [prefix, first, last]
-    for path in paths:
-        prefix, _, last = path.rpartition(".")
-        number = int(last) if last.isdigit() else None
-        if run and number is not None and prefix == run[0] and number == run[2] + 1:
-            run[2] = number
-            continue
-        if run:
-            parts.append(f"{run[0] + '.' if run[0] else ''}{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
-            run = []
-        if number is not None:
-            run = [prefix, number, number]
-        else:
-            parts.append(path)
-    if run:
-        parts.append(f"{run[0] + '.' if run[0] else ''}{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
-    return ", ".join(parts)
-
-
-def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], peak: bool = True) -> int:
+def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], peak: bool = True,
+             html_path: Optional[str] = None) -> int:
     from . import loading
     from .auditing import check_patterns
     from .planning import BudgetError, plan
-    from .report.units import human_bytes
+    from .report.units import human_bytes, path_ranges
 
     to_stderr = options.json == "-"
 
@@ -469,6 +448,8 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], pe
 
     if options.json and options.json != "-":
         _check_writable(options.json, "--json")
+    if html_path:
+        _check_writable(html_path, "--html")
     budget = loading.parse_size(budget_text)
     model, inputs = prepare(options)
     check_patterns(model, options.trainable, "--trainable")
@@ -489,6 +470,10 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], pe
             sys.stdout.write(document)
         else:
             _write(options.json, document, "--json")
+    if html_path:
+        from .report import planhtml
+
+        _write(html_path, planhtml.render(chosen, title=f"gradaudit plan: {options.spec}"), "--html")
 
     def compute(flops: int) -> str:
         return f"+{100 * flops / chosen.step_flops:.1f}%" if chosen.step_flops else "+?"
@@ -500,7 +485,7 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], pe
             f"add modules with --blocks")
     elif not options.quiet:
         out(f"checkpoint {len(chosen.checkpointed)} of {len(chosen.blocks)} blocks: "
-            f"{_ranges(chosen.checkpointed) or '(none: it fits unplanned)'}")
+            f"{path_ranges(chosen.checkpointed) or '(none: it fits unplanned)'}")
     if options.quiet:
         peak_text = f", peak {human_bytes(chosen.peak_bytes)}" if chosen.peak_bytes is not None else ""
         out(f"held {human_bytes(chosen.held_bytes)} (unplanned {human_bytes(chosen.unplanned_held_bytes)}){peak_text}, "
@@ -523,6 +508,8 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], pe
         out(f"note: {note}")
     if options.json and options.json != "-":
         out(f"JSON plan: {options.json}")
+    if html_path:
+        out(f"HTML plan: {html_path}")
     return code
 
 
@@ -544,6 +531,8 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], pe
 @click.option("--blocks", multiple=True, metavar="GLOB", help="Modules the plan may checkpoint (repeatable; "
               "default: the repeated blocks of every ModuleList/Sequential).")
 @click.option("--json", "json_path", metavar="PATH", help="Write the plan as JSON ('-' for stdout).")
+@click.option("--html", "html_path", metavar="PATH", help="Write the plan as a self-contained HTML page "
+              "(the memory/compute frontier with the baselines marked).")
 @click.option("--no-peak", is_flag=True, help="Do not run one step of the plan and of each baseline to "
               "measure their peaks (on a real device each costs a training step).")
 @click.option("-q", "--quiet", is_flag=True, help="Print one summary line.")
@@ -551,7 +540,7 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], pe
 def plan_command(spec: str, budget: str, inputs: Optional[str], input_shape: Optional[str], dtype: str,
                  input_requires_grad: bool, trainable: tuple[str, ...], freeze: tuple[str, ...],
                  mode: Optional[bool], device: str, blocks: tuple[str, ...], json_path: Optional[str],
-                 no_peak: bool, quiet: bool, debug: bool) -> None:
+                 html_path: Optional[str], no_peak: bool, quiet: bool, debug: bool) -> None:
     """Choose which modules of the model built by SPEC to checkpoint (recompute in backward) so that
     autograd holds at most --budget after the forward, for the least extra compute.
 
@@ -569,7 +558,7 @@ def plan_command(spec: str, budget: str, inputs: Optional[str], input_shape: Opt
                           input_requires_grad=input_requires_grad, trainable=trainable, freeze=freeze, mode=mode,
                           device=device, html=None, json=json_path, quiet=quiet, progress=progress)
     try:
-        code = run_plan(options, budget, blocks, peak=not no_peak)
+        code = run_plan(options, budget, blocks, peak=not no_peak, html_path=html_path)
     except (GradauditError, ScanFailed) as error:
         progress.done()
         from .loading import first_line

@@ -481,3 +481,28 @@ def test_plan_on_a_peft_lora_model(tiny_hf_model):
     # the candidates are the decoder layers inside peft's wrappers
     assert any(t.node == "CheckpointInputs" and t.module.endswith(("layers.0", "layers.1", "layers.2", "layers.3"))
                for t in planned.held_tensors)
+
+
+def test_html_plan_draws_the_frontier_and_escapes_module_names():
+    from collections import OrderedDict
+
+    from gradaudit.report import planhtml
+
+    torch.manual_seed(0)
+    names = ["a<b>", "c&d", "e'f", "g\"h"]  # nn.Sequential accepts any name without a dot
+    model = nn.Sequential(OrderedDict((n, nn.Sequential(nn.Linear(32, 32), nn.Tanh())) for n in names))
+    x = torch.randn(8, 32, requires_grad=True)
+    # each block holds its Tanh result (8x32 float32 = 1024 B); checkpointed, it holds its input,
+    # the previous block's result, unless that block is checkpointed too: 4096 B unplanned
+    chosen = plan(model, x, 3 * 1024)
+    page = planhtml.render(chosen)
+    assert page.count('class="point"') == len(chosen.frontier)
+    assert page.count('class="baseline"') == len(chosen.baselines)
+    assert page.count('class="chosen"') == 1 and "Content-Security-Policy" in page and "<script" not in page
+    assert "a&lt;b&gt;" in page and "a<b>" not in page and "c&amp;d" in page
+
+
+def test_cli_writes_the_html_plan(plan_cli, tmp_path):
+    result = plan_cli("--budget", "1MiB", "--html", "plan.html", "--no-peak")
+    assert result.exit_code == 0 and "HTML plan: plan.html" in result.output
+    assert "Memory against recompute" in (tmp_path / "plan.html").read_text()

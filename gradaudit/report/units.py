@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
@@ -33,3 +35,25 @@ def share(part: int, whole: int) -> str:
     if 0 < percent < 0.1:
         return "<0.1%"
     return f"{percent:.1f}%"
+
+
+def path_ranges(paths: Sequence[str]) -> str:
+    """``model.layers.3, model.layers.4, model.layers.5, fc`` -> ``model.layers.3-5, fc``."""
+    parts: list[str] = []
+    run: list[Any] = []  # [prefix, first, last]
+    for path in paths:
+        prefix, _, last = path.rpartition(".")
+        number = int(last) if last.isdigit() else None
+        if run and number is not None and prefix == run[0] and number == run[2] + 1:
+            run[2] = number
+            continue
+        if run:
+            parts.append(f"{run[0] + '.' if run[0] else ''}{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
+            run = []
+        if number is not None:
+            run = [prefix, number, number]
+        else:
+            parts.append(path)
+    if run:
+        parts.append(f"{run[0] + '.' if run[0] else ''}{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
+    return ", ".join(parts)
