@@ -10,6 +10,7 @@ Tested on torch 2.13 and 2.14 (see pyproject.toml); tests/test_torchapi.py pins 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -321,6 +322,46 @@ def checkpoint_arguments(frame: Any) -> Optional[tuple[Any, Any]]:
             return args, kwargs
         frame = frame.f_back
     return None
+
+
+# Turning a model's own checkpointing off for a while (the planner plans from what the model holds
+# without it): torch.utils.checkpoint looks these names up in its module at each call, the
+# non-reentrant generator (torch 2.14: the ``_impl`` one; 2.13: the other) and the reentrant Function.
+_GENERATOR_NAME = next((name for name in ("_checkpoint_without_reentrant_generator_impl",
+                                          "_checkpoint_without_reentrant_generator")
+                        if hasattr(_CHECKPOINT, name)), None)
+FEATURES["checkpoint switch"] = _GENERATOR_NAME is not None and hasattr(_CHECKPOINT, "CheckpointFunction")
+KEEP_CHECKPOINTING = "__gradaudit_keep_checkpoint__"  # an attribute on a block function: its checkpoint stays
+
+
+@contextlib.contextmanager
+def checkpointing_off() -> Iterator[None]:
+    """Every ``torch.utils.checkpoint.checkpoint`` call (reentrant or not, ``checkpoint_sequential``
+    and ``functools.partial``s of it included) runs its block as a plain call while this is
+    entered; a block function marked with ``KEEP_CHECKPOINTING`` keeps its checkpoint."""
+    require("checkpoint switch", "planning a model that already checkpoints")
+    generator, reentrant = getattr(_CHECKPOINT, _GENERATOR_NAME), _CHECKPOINT.CheckpointFunction
+
+    def plain_generator(function: Any, *rest: Any, **keywords: Any) -> Iterator[None]:
+        if getattr(function, KEEP_CHECKPOINTING, False):
+            yield from generator(function, *rest, **keywords)
+        else:
+            yield  # checkpoint calls the function between the two steps; nothing else happens
+
+    class Reentrant:
+        @staticmethod
+        def apply(function: Any, preserve_rng_state: Any, *args: Any) -> Any:
+            if getattr(function, KEEP_CHECKPOINTING, False):
+                return reentrant.apply(function, preserve_rng_state, *args)
+            return function(*args)
+
+    setattr(_CHECKPOINT, _GENERATOR_NAME, plain_generator)
+    _CHECKPOINT.CheckpointFunction = Reentrant
+    try:
+        yield
+    finally:
+        setattr(_CHECKPOINT, _GENERATOR_NAME, generator)
+        _CHECKPOINT.CheckpointFunction = reentrant
 
 
 def reentrant_checkpoint_frames(frame: Any) -> Iterator[tuple[Any, Any]]:

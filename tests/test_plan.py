@@ -310,11 +310,47 @@ def test_a_block_passed_a_cache_object_is_refused(tiny_hf_model):
         plan(model, {"input_ids": torch.zeros(1, 8, dtype=torch.long)}, "1MiB")
 
 
-def test_a_model_that_already_checkpoints_is_refused(tiny_hf_model):
-    model = tiny_hf_model("llama", num_hidden_layers=2, use_cache=False).train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with pytest.raises(GradauditError, match="already checkpoints"):
-        plan(model, {"input_ids": torch.zeros(1, 8, dtype=torch.long)}, "1MiB")
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_model_that_already_checkpoints_is_reported_and_replanned(tiny_hf_model, reentrant):
+    model = tiny_hf_model("llama", num_hidden_layers=4, use_cache=False).train()
+    inputs = {"input_ids": torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))}
+    unplanned = gradaudit.audit(model, inputs).saved_bytes
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    current = gradaudit.audit(model, inputs).saved_bytes
+    chosen = plan(model, inputs, unplanned // 2, measure_peak=False)
+    # planned from what the model holds without its own checkpointing, which it reports
+    assert chosen.unplanned_held_bytes == unplanned and chosen.current_held_bytes == current < unplanned
+    assert chosen.replaces == tuple(f"model.layers.{i}" for i in range(4))
+    assert "itself and so holds" in chosen.notes[0]
+    with pytest.raises(GradauditError, match="gradient_checkpointing_disable"):
+        chosen.apply(model)
+    # the model's checkpointing is untouched by planning
+    assert gradaudit.audit(model, inputs).saved_bytes == current
+    model.gradient_checkpointing_disable()
+    with chosen.apply(model):
+        assert gradaudit.audit(model, inputs).saved_bytes == chosen.held_bytes <= unplanned // 2
+
+
+def test_checkpoint_calls_in_a_forward_are_turned_off_while_planning():
+    from torch.utils.checkpoint import checkpoint
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = mlp_stack(4)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False)
+            return x
+
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(32, 64)
+    chosen = plan(model, x, 10**9)
+    # without its checkpoint calls the stack holds 8 * 8192 B (test_plan_of_a_sequential_stack_...
+    # with 4 blocks); with them, the 3 block inputs that are activations: 3 * 8192
+    assert chosen.unplanned_held_bytes == 8 * 8192 and chosen.current_held_bytes == 3 * 8192
+    assert chosen.checkpointed == () and chosen.peak_bytes == chosen.unplanned_peak_bytes
 
 
 def test_repeated_blocks_are_found_by_structure(vision_model, tiny_hf_model):

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from .. import torchapi
 from ..accounting import counted
 from ..errors import GradauditError
 from ..records import HELD_KINDS, Manager
@@ -84,6 +85,10 @@ class Plan:
     # the real device's figure; None when not measured (measure_peak=False)
     peak_bytes: Optional[int] = None
     unplanned_peak_bytes: Optional[int] = None
+    # the modules the model checkpoints itself (the plan replaces that: its figures are without it),
+    # and what the model holds with it
+    replaces: tuple[str, ...] = ()
+    current_held_bytes: Optional[int] = None
 
     @property
     def fits(self) -> bool:
@@ -97,6 +102,9 @@ class Plan:
     def apply(self, model: nn.Module) -> PlanHandle:
         """Checkpoint the planned modules of ``model`` (non-reentrant ``torch.utils.checkpoint``);
         returns a handle: ``remove()`` or ``with plan.apply(model): ...`` restores it."""
+        if self.replaces and getattr(model, "is_gradient_checkpointing", False):
+            raise GradauditError("this plan replaces the model's own checkpointing, which is still on: turn it off "
+                                 "first (model.gradient_checkpointing_disable())")
         return PlanHandle(model, self.checkpointed)
 
     def to_dict(self) -> dict[str, Any]:
@@ -115,6 +123,8 @@ class Plan:
             "extra_compute": self.extra_compute,
             "peak_bytes": self.peak_bytes,
             "unplanned_peak_bytes": self.unplanned_peak_bytes,
+            "replaces": list(self.replaces),
+            "current_held_bytes": self.current_held_bytes,
             "checkpointed": list(self.checkpointed),
             "optimal": self.optimal,
             "blocks": [dict(b) for b in self.blocks],
@@ -169,6 +179,15 @@ def _candidates(model: nn.Module, blocks: Optional[Sequence[str]]) -> list[str]:
     # the outermost of nested matches: checkpointing a module already recomputes what is inside
     paths = sorted(set(paths))
     return [p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p)]
+
+
+def _checkpointed_now(report: Any) -> list[str]:
+    """The modules the audited forward checkpointed itself (torch.utils.checkpoint regions)."""
+    regions = {n.module or "the model" for n in report.nodes
+               if n.name in ("CheckpointInputs", torchapi.REENTRANT_CHECKPOINT_NODE)}
+    if not regions and any(t.managed_by == Manager.CHECKPOINT for t in report.tensors):
+        regions.add("the model")
+    return sorted(regions)
 
 
 def _few(paths: Sequence[str]) -> str:
@@ -277,14 +296,22 @@ def plan(
     if progress:
         progress(f"auditing the forward ({len(paths)} candidate blocks)")
     report = audit(model, inputs, trainable=trainable, frozen=frozen, watch=paths)
-    already = sorted({t.module or "the model" for t in report.tensors
-                      if t.node == "CheckpointInputs" or t.managed_by == Manager.CHECKPOINT}
-                     | {report.nodes[t.node_id].module or "the model" for t in report.tensors
-                        if t.node_id >= 0 and report.nodes[t.node_id].name == "CheckpointFunctionBackward"})
-    if already:
-        raise GradauditError(f"the model already checkpoints ({', '.join(already[:3])}"
-                             f"{', ...' if len(already) > 3 else ''}): turn that off to plan from what it holds "
-                             f"(Hugging Face: model.gradient_checkpointing_disable())")
+    now = _checkpointed_now(report)
+    current_held = None
+    if now:
+        # plan from what the model holds without its own checkpointing (which the plan replaces)
+        current_held = report.saved_bytes
+        if progress:
+            progress("auditing the forward without the model's own checkpointing")
+        with torchapi.checkpointing_off():
+            report = audit(model, inputs, trainable=trainable, frozen=frozen, watch=paths)
+        if _checkpointed_now(report):
+            raise GradauditError(f"the model checkpoints ({_few(now)}) in a way gradaudit cannot turn off to plan "
+                                 f"from what it would hold; turn it off and plan again")
+
+    def own_checkpointing_off() -> Any:
+        return torchapi.checkpointing_off() if now else contextlib.nullcontext()
+
     opaque = next((c for c in report.module_calls if c.opaque), None)
     if opaque is not None:
         raise GradauditError(f"{opaque.path} is passed a {opaque.opaque[0]} holding tensors: a checkpoint would keep it "
@@ -292,7 +319,8 @@ def plan(
                              f"tensors instead (Hugging Face: use_cache=False for training)")
     if progress:
         progress("counting FLOPs")
-    flops, step_flops = _flops(model, inputs, trainable, frozen, paths)
+    with own_checkpointing_off():
+        flops, step_flops = _flops(model, inputs, trainable, frozen, paths)
 
     nbytes = {s.id: s.nbytes for s in report.storages if s.kind in HELD_KINDS}
     held = counted(report.tensors)
@@ -345,13 +373,18 @@ def plan(
                   "internal_bytes": sum(nbytes[s] for s in b.internal),
                   "input_bytes": sum(nbytes[s] for s in b.inputs)} for b in chain_blocks)
 
+    if now:
+        notes.insert(0, f"the model checkpoints {_few(now)} itself and so holds {current_held} bytes; the plan "
+                        f"replaces that (its figures are without it): turn the model's own checkpointing off before "
+                        f"applying it (Hugging Face: model.gradient_checkpointing_disable())")
+
     def make(point: Point) -> Plan:
         return Plan(model=type(model).__name__, device=report.device, budget=budget_bytes,
                     held_bytes=point.held_bytes, unplanned_held_bytes=report.saved_bytes,
                     extra_flops=point.extra_flops, step_flops=step_flops,
                     checkpointed=tuple(chain_blocks[i].path for i in sorted(point.chosen)), blocks=info,
                     frontier=frontier, baselines=_baselines(chain, budget_bytes), optimal=optimal,
-                    notes=list(notes))
+                    notes=list(notes), replaces=tuple(now), current_held_bytes=current_held)
 
     chosen = cheapest_within(points, budget_bytes)
     result = make(chosen if chosen is not None else points[-1])
@@ -362,7 +395,8 @@ def plan(
             if paths_run not in measured:
                 if progress:
                     progress(f"measuring the peak of a step ({k + 1} of {len(steps)})")
-                measured[paths_run] = _step(model, inputs, trainable, frozen, paths_run)
+                with own_checkpointing_off():
+                    measured[paths_run] = _step(model, inputs, trainable, frozen, paths_run)
         result.peak_bytes = measured[result.checkpointed][1]
         result.unplanned_peak_bytes = measured[()][1]
         result.baselines = tuple(dataclasses.replace(b, peak_bytes=measured[b.checkpointed][1])

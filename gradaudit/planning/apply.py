@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .. import torchapi
 from ..errors import GradauditError
 from ..tensors import flatten
 
@@ -60,6 +61,7 @@ def _checkpointed(module: nn.Module, forward: Callable[..., Any]) -> Callable[..
             with _statistics_kept(norms):  # backward's recomputation
                 return forward(*call_args, **call_kwargs)
 
+        setattr(run, torchapi.KEEP_CHECKPOINTING, True)  # a plan's own checkpoint, even where the model's are off
         return checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True)
 
     planned_forward.__wrapped__ = forward  # type: ignore[attr-defined]
