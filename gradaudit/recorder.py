@@ -493,7 +493,7 @@ class Recorder:
         self.pack_functions.append(self.attention.current)
         if not self._node_hook_installed:
             self.pack_sites.append(self._site())
-        frame = sys._getframe(1)
+        frame = torchapi.caller_frame(1)  # whoever autograd's pack call came from
         if torchapi.saving_checkpoint_inputs(frame):
             self._note_checkpoint_input(box.index, frame)
         return box
@@ -572,9 +572,10 @@ class Recorder:
                 self._make_watcher(path, type(modules[path]).__name__), with_kwargs=True))
         self.attention.__enter__()
         if torchapi.has("node creation hook"):
-            torchapi.push_node_creation_hook(self._on_node, "the recorder")
+            torchapi.push_node_creation_hook(torchapi.called_from_autograd(self._on_node), "the recorder")
             self._node_hook_installed = True
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(torchapi.called_from_autograd(self._pack),
+                                                              torchapi.called_from_autograd(self._unpack))
         self.start_sequence = torchapi.sequence_number()
         self._hooks.__enter__()
         return self

@@ -148,9 +148,10 @@ class Session:
         self.modules.reset()
         self.active = True
         self.depth = 0
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(torchapi.called_from_autograd(self.pack),
+                                                             torchapi.called_from_autograd(unpack))
         self.hooks.__enter__()
-        torchapi.push_node_creation_hook(self.on_node, "gradaudit.trim")
+        torchapi.push_node_creation_hook(torchapi.called_from_autograd(self.on_node), "gradaudit.trim")
 
     def end(self) -> None:
         if not self.active:
