@@ -64,7 +64,9 @@ def build_report(
     prove: Optional[Callable[..., Any]] = None,
     notes: Sequence[str] = (),
     measured: Optional[dict[str, int]] = None,
+    target: Optional[str] = None,
 ) -> Report:
+    """``target``: the device type the audit stands for (default: the device it ran on, CPU for meta)."""
     alive = KnownStorages(model, inputs, recording.outputs, recording.attributes_before)
 
     # -- plain-data nodes ---------------------------------------------------------------------
@@ -207,8 +209,11 @@ def build_report(
     if any(t.managed_by == Manager.CHECKPOINT for t in tensors):
         notes.append("some saves are managed by torch.utils.checkpoint: they are recomputed in backward, "
                      "not held, and their sizes are not known without recomputing (gradaudit does not)")
+    device = _device_of(model, inputs)
+    if target is None:
+        target = "cpu" if device == "meta" else torch.device(device).type
     return Report(
-        model=type(model).__name__, torch_version=torch.__version__, device=_device_of(model, inputs),
+        model=type(model).__name__, torch_version=torch.__version__, device=device, target=target,
         training=model.training, verified=bool(verify), tensors=tensors, storages=storages, nodes=nodes,
         modules=modules, findings=findings, saved_bytes=accountant.saved_bytes(),
         reclaimable_bytes=scoped.reclaimable_bytes(),

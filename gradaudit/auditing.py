@@ -14,7 +14,7 @@ from . import torchapi
 from .analysis import build_report
 from .errors import ForwardError, GradauditError, NoMatchingParameterError, NothingRequiresGradError
 from .measure import held_bytes_after_forward
-from .meta import AutocastOnMeta, CpuKernelChoices, WithoutAttentionDropout
+from .meta import TARGETS, AutocastOnMeta, WithoutAttentionDropout, kernel_choices
 from .recorder import Recorder
 from .records import Leaf, Manager, Report
 from .rules.registry import check_codes
@@ -142,6 +142,7 @@ def audit(
     eager: bool = False,
     progress: Optional[Callable[[str], None]] = None,
     watch: Sequence[str] = (),
+    target: Optional[str] = None,
 ) -> Report:
     """Run one forward of ``model`` on ``inputs`` and report what autograd saved for backward.
 
@@ -160,6 +161,12 @@ def audit(
     eager: run ``torch.compile``'d parts of the model eagerly, so that what eager autograd saves
         (and the findings about it) is seen op by op. Without it, a compiled region is one
         ``CompiledFunctionBackward`` node whose saves the compiler chose; the report says so.
+    target: the device type an audit on the meta device stands for, "cpu" (the default) or
+        "cuda": the forward takes the kernels that device would take where they save different
+        tensors (for "cuda": cuDNN batch norm where ATen picks it; attention still follows the CPU's
+        choice) and ``torch.autocast`` is emulated as that device's. An audit on a real device
+        audits that device: a target other than its device type raises GradauditError.
+        ``Report.target`` records it.
 
     The model is left exactly as found: parameters, buffers, requires_grad flags, ``.grad``,
     train/eval flags, the RNG state and module hooks - also when the forward raises.
@@ -181,18 +188,23 @@ def audit(
     if verify and on_meta:
         raise GradauditError("verify=True needs real values; it cannot run on the meta device "
                              "(audit on CPU or GPU, or drop verify)")
+    target = _target(target, on_meta, ([first_parameter] if first_parameter is not None else []) + input_tensors)
     state = ModelState(model)
     try:
         apply_trainable(model, trainable, frozen)
         if progress:
             progress("running the forward")
         recorder = Recorder(model, watch=_watched(model, watch))
-        # on meta, attention must take the kernel CPU would take, or it saves different tensors; and
-        # autocast, which meta tensors do not reach, is emulated (entered last: its casts come first)
-        kernels = CpuKernelChoices() if on_meta else contextlib.nullcontext()
-        autocast = AutocastOnMeta() if on_meta else None
+        # on meta, attention (and for target cuda batch norm) must take the kernel the target device
+        # would take, or it saves different tensors; and autocast, which meta tensors do not reach,
+        # is emulated (entered last: its casts come first)
+        kernels = kernel_choices(target) if on_meta else None
+        autocast = AutocastOnMeta(target) if on_meta else None
+        cuda_autocast = (torchapi.cuda_autocast_without_cuda() if on_meta and target == "cuda"
+                         else contextlib.nullcontext())
         stance = torchapi.force_eager("audit(eager=True)") if eager else contextlib.nullcontext()
-        with recorder, kernels, autocast or contextlib.nullcontext(), stance:
+        with (recorder, cuda_autocast, kernels or contextlib.nullcontext(), autocast or contextlib.nullcontext(),
+              stance):
             try:
                 output = model(*args, **kwargs)
             except GradauditError:
@@ -224,24 +236,41 @@ def audit(
                 progress("measuring the forward without attention dropout")
             with contextlib.ExitStack() as stack:
                 if on_meta:
-                    stack.enter_context(CpuKernelChoices())
+                    if target == "cuda":
+                        stack.enter_context(torchapi.cuda_autocast_without_cuda())
+                    stack.enter_context(kernel_choices(target))
                 stack.enter_context(WithoutAttentionDropout())
                 if on_meta:
-                    stack.enter_context(AutocastOnMeta())
+                    stack.enter_context(AutocastOnMeta(target))
                 measured["held_without_attention_dropout"] = held_bytes_after_forward(model, inputs,
                                                                                     young_only=True)
         if progress:
             progress("analysing saved tensors")
         report = build_report(model, recording, inputs=input_tensors, verify=verify, select=select,
-                              ignore=ignore, prove=prove, measured=measured)
+                              ignore=ignore, prove=prove, measured=measured, target=target)
         del recording, output, outputs
     finally:
         notes = state.restore()
     report.notes.extend(notes)
     if autocast is not None:
         report.notes.extend(autocast.notes)
+    report.notes.extend(getattr(kernels, "notes", []))
     report.notes.extend(_compiled_notes(model, report))
     return report
+
+
+def _target(target: Optional[str], on_meta: bool, tensors: Sequence[torch.Tensor]) -> str:
+    """The device type the audit stands for: ``target`` (checked), else the device the audit runs on
+    (CPU for the meta device)."""
+    running = "meta" if on_meta else (tensors[0].device.type if tensors else "cpu")
+    if target is None:
+        return "cpu" if on_meta else running
+    if target not in TARGETS:
+        raise GradauditError(f"target must be one of {', '.join(TARGETS)}, not {target!r}")
+    if not on_meta and target != running:
+        raise GradauditError(f"target={target!r} needs the meta device: it emulates {target} kernels on meta tensors, "
+                             f"and this audit runs on {running} (build the model and inputs on meta, or drop target)")
+    return target
 
 
 def _watched(model: nn.Module, watch: Sequence[str]) -> tuple[str, ...]:

@@ -106,6 +106,7 @@ class ScanOptions:
     freeze: tuple[str, ...] = ()
     mode: Optional[bool] = None  # True train, False eval, None as the factory left it
     device: str = "auto"
+    target: str = "cpu"  # the device type a scan on meta stands for
     html: Optional[str] = "gradaudit-report.html"
     json: Optional[str] = None
     svg: Optional[str] = None
@@ -183,8 +184,13 @@ def run_scan(options: ScanOptions) -> int:
     if options.verify and options.device == "meta":
         raise ScanFailed("--verify needs real values and cannot run on --device meta; use --device cpu "
                          "(or cuda), or drop --verify")
+    if options.target != "cpu" and options.device in ("cpu", "cuda"):
+        raise ScanFailed(_target_needs_meta(options.target, options.device))
 
     model, inputs = prepare(options)
+    where = _device_type(model, inputs)
+    if options.target != "cpu" and where != "meta":  # --device auto, and the model is not on meta
+        raise ScanFailed(_target_needs_meta(options.target, where))
 
     from .auditing import audit, check_patterns
 
@@ -194,7 +200,7 @@ def run_scan(options: ScanOptions) -> int:
     report = audit(model, inputs, verify=options.verify, eager=options.eager,
                    trainable=list(options.trainable) if options.trainable else None,
                    frozen=list(options.freeze), select=options.select, ignore=options.ignore,
-                   progress=options.progress)
+                   progress=options.progress, target=options.target if where == "meta" else None)
 
     options.progress("writing the reports")
     written = []
@@ -249,6 +255,21 @@ def run_scan(options: ScanOptions) -> int:
         out(f"{what}: {path}")
 
     return _thresholds(report, options, limit)
+
+
+def _target_needs_meta(target: str, device: str) -> str:
+    return (f"--target {target} needs --device meta: it emulates {target}'s kernel choices on the meta device, "
+            f"and this scan runs on {device}")
+
+
+def _device_type(model: Any, inputs: Any) -> str:
+    """The device type the audit will run on (as audit() sees it: the first parameter, else an input)."""
+    from .tensors import iter_tensors
+
+    first = next(iter(model.parameters()), None)
+    if first is None:
+        first = next(iter(iter_tensors(inputs)), None)
+    return first.device.type if first is not None else "cpu"
 
 
 def _one_line(report: Any) -> str:
@@ -343,6 +364,9 @@ def cli() -> None:
 @click.option("--device", type=click.Choice(["auto", "meta", "cpu", "cuda"]), default="auto",
               show_default=True, help="meta: build the model under torch.device('meta') and use meta "
               "inputs (no memory, no weights); auto: the device the model is on.")
+@click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="With --device meta: the device the scan stands for; the forward takes the kernels it "
+              "would take (cuda: cuDNN batch norm) and autocast is emulated as its own.")
 @click.option("--html", metavar="PATH", default="gradaudit-report.html", show_default=True,
               help="Write the self-contained HTML report here.")
 @click.option("--no-html", is_flag=True, help="Do not write the HTML report.")
@@ -366,8 +390,8 @@ def cli() -> None:
 @click.option("-v", "--verbose", count=True, help="List more findings (-v: 50, -vv: all).")
 @click.option("--debug", is_flag=True, help="Show full tracebacks.")
 def scan(spec: str, inputs: Optional[str], input_shape: Optional[str], dtype: str, input_requires_grad: bool,
-         trainable: tuple[str, ...], freeze: tuple[str, ...], mode: Optional[bool], device: str, html: str,
-         no_html: bool, json_path: Optional[str], svg: Optional[str], dot: Optional[str], verify: bool,
+         trainable: tuple[str, ...], freeze: tuple[str, ...], mode: Optional[bool], device: str, target: str,
+         html: str, no_html: bool, json_path: Optional[str], svg: Optional[str], dot: Optional[str], verify: bool,
          select: tuple[str, ...], ignore: tuple[str, ...], fail_on_waste: bool,
          max_reclaimable: Optional[str], eager: bool, trim: bool, quiet: bool, verbose: int,
          debug: bool) -> None:
@@ -380,6 +404,7 @@ def scan(spec: str, inputs: Optional[str], input_shape: Optional[str], dtype: st
     Examples:
       gradaudit scan examples/resnet_surgical.py:build
       gradaudit scan examples/llama_probe.py:build --device meta --json report.json
+      gradaudit scan examples/resnet_surgical.py:build --device meta --target cuda
       gradaudit scan mymodel.py:make --input-shape 8,3,224,224 --trainable 'fc.*'
       gradaudit scan mymodel.py:make --inputs mymodel.py:batch --fail-on-waste --ignore GA401
     """
@@ -387,7 +412,8 @@ def scan(spec: str, inputs: Optional[str], input_shape: Optional[str], dtype: st
     options = ScanOptions(
         spec=spec, inputs=inputs, input_shape=input_shape, dtype=dtype,
         input_requires_grad=input_requires_grad, trainable=trainable, freeze=freeze, mode=mode,
-        device=device, html=None if no_html else html, json=json_path, svg=svg, dot=dot, verify=verify, eager=eager,
+        device=device, target=target, html=None if no_html else html, json=json_path, svg=svg, dot=dot,
+        verify=verify, eager=eager,
         select=_split_codes(select), ignore=_split_codes(ignore), fail_on_waste=fail_on_waste,
         max_reclaimable=max_reclaimable, top={0: 10, 1: 50}.get(verbose, 1_000_000), quiet=quiet, trim=trim,
         progress=progress,

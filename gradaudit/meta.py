@@ -1,10 +1,14 @@
-"""Make a forward on the meta device save what the same forward saves on CPU.
+"""Make a forward on the meta device save what the same forward saves on CPU, or on CUDA.
 
 ``F.scaled_dot_product_attention`` picks its kernel by device: on CPU a fused flash kernel (saves
 q, k, v, the output and a B x H x L logsumexp), on meta the math fallback (saves the B x H x L x L
 attention probabilities). A meta scan of a 70B model would then report gigabytes the real run never
 holds. While auditing on meta, gradaudit asks the CPU dispatcher which kernel it would pick for the
 same shapes, dtypes and flags, and calls that kernel's meta implementation directly.
+
+For ``target="cuda"`` (``CudaKernelChoices``) batch norm takes the kernel CUDA would take: cuDNN
+wherever ATen's ``_select_batch_norm_backend`` picks it, so the node is ``CudnnBatchNormBackward0``
+with cuDNN's saves. Attention keeps the CPU kernel choice there (CUDA's is not emulated yet).
 
 Autocast works through dispatch keys meta tensors do not carry, so ``torch.autocast`` inside a forward
 run on meta would change nothing: ``AutocastOnMeta`` casts the arguments of the ops autocast's lists
@@ -84,6 +88,129 @@ class CpuKernelChoices(TorchFunctionMode):
                     return torchapi.cpu_flash_attention(query, a["key"], a["value"], a["dropout_p"],
                                                         a["is_causal"], attn_mask=a["attn_mask"], scale=a["scale"])
         return func(*args, **kwargs)
+
+
+# -- batch norm as CUDA runs it -----------------------------------------------------------------------
+#
+# aten::batch_norm (aten/src/ATen/native/Normalization.cpp, _batch_norm_impl_index) asks
+# _select_batch_norm_backend which kernel to run. On CUDA it picks cuDNN when: the input is a CUDA
+# tensor of 3 or more dimensions with at least one element and fewer than 2**31 - 1; neither input
+# nor weight is bfloat16; a float16 input has a float32 weight; weight and bias are both given; the
+# running statistics are both given (or, in training, both absent); the batch (first dimension) is
+# at most 880801 in training and 65535 in eval; eps is at least cuDNN's minimum; and cuDNN is enabled
+# (torch.backends.cudnn.enabled; every CUDA build of torch has cuDNN). It then runs
+# cudnn_batch_norm on input.contiguous(input.suggest_memory_format()) and contiguous weight, bias and
+# statistics. Otherwise CUDA runs native_batch_norm, whose meta kernel saves what CUDA's does.
+
+CUDNN_TRAINING_BATCH_LIMIT = 880801
+CUDNN_EVAL_BATCH_LIMIT = 65535
+CUDNN_BN_MIN_EPSILON = 0.0  # cudnn_ops.h of cuDNN 9 (9.24 ships with torch 2.14.1+cu130)
+_INT32_MAX = 2 ** 31 - 1
+
+_F_BATCH_NORM = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+_TORCH_BATCH_NORM = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps",
+                     "cudnn_enabled")
+_BATCH_NORM_DEFAULTS = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
+
+
+def batch_norm_arguments(func: Any, args: tuple, kwargs: dict) -> Optional[dict[str, Any]]:
+    """The arguments of an ``F.batch_norm`` / ``torch.batch_norm`` call by name (None for other functions)."""
+    if func is F.batch_norm:
+        names = _F_BATCH_NORM
+    elif func is torch.batch_norm:
+        names = _TORCH_BATCH_NORM
+    else:
+        return None
+    bound = dict(_BATCH_NORM_DEFAULTS)
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def cudnn_batch_norm_chosen(input: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                            running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+                            training: bool, eps: float) -> bool:
+    """Whether CUDA would run this batch norm through cuDNN (ATen's _select_batch_norm_backend), for
+    an input of this shape and dtype on a CUDA device."""
+    if weight is None or bias is None:
+        return False
+    if torch.bfloat16 in (input.dtype, weight.dtype):
+        return False
+    if input.dtype == torch.float16 and weight.dtype != torch.float32:
+        return False
+    stats = (running_mean is not None, running_var is not None)
+    if not (stats == (True, True) or (stats == (False, False) and training)):
+        return False
+    if input.dim() < 3 or not 0 < input.numel() < _INT32_MAX:
+        return False
+    limit = CUDNN_TRAINING_BATCH_LIMIT if training else CUDNN_EVAL_BATCH_LIMIT
+    return input.shape[0] <= limit and eps >= CUDNN_BN_MIN_EPSILON and torch.backends.cudnn.enabled
+
+
+def _verify_batch_size(input: torch.Tensor) -> None:
+    values = input.shape[0]
+    for size in input.shape[2:]:
+        values *= size
+    if values == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {input.size()}")
+
+
+class CudaKernelChoices(CpuKernelChoices):
+    """On meta, batch norm takes the kernel CUDA would choose (cuDNN where ATen picks it); attention
+    takes the CPU's choice, as under CpuKernelChoices. ``notes``: what differs from a CUDA run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.notes: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        bound = batch_norm_arguments(func, args, kwargs)
+        if bound is not None:
+            x = bound["input"]
+            if (isinstance(x, torch.Tensor) and x.device.type == "meta"
+                    and cudnn_batch_norm_chosen(x, bound["weight"], bound["bias"], bound["running_mean"],
+                                                bound["running_var"], bool(bound["training"]), bound["eps"])):
+                if func is F.batch_norm and bound["training"]:
+                    _verify_batch_size(x)  # F.batch_norm's own check, which this call replaces
+                return self._cudnn(bound)
+            return func(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            self._note("target cuda: F.scaled_dot_product_attention takes the kernel CPU would choose (gradaudit "
+                       "does not emulate CUDA's choice among its flash, memory-efficient and cuDNN kernels yet): a "
+                       "GPU's fused kernel saves slightly different tensors (its logsumexp layout, random-number "
+                       "state for dropout)")
+        elif (func is F.dropout and _argument(args, kwargs, 2, "training", True)
+              and not _argument(args, kwargs, 3, "inplace", False) and 0 < _argument(args, kwargs, 1, "p", 0.5) < 1):
+            self._note("target cuda: dropout in training runs CUDA's fused native_dropout, which saves a bool mask "
+                       "(1 byte per element); on meta it keeps the CPU's mask in the input's dtype "
+                       "(MulBackward0.other), so dropout's held bytes are overstated (not emulated yet)")
+        elif func is F.instance_norm and _argument(args, kwargs, 3, "weight", None) is not None:
+            self._note("target cuda: F.instance_norm runs batch norm inside (in C++), which CUDA sends to cuDNN "
+                       "when the instance norm is affine; on meta it keeps the native kernel's node "
+                       "(NativeBatchNormBackward0)")
+        return super().__torch_function__(func, types, args, kwargs)
+
+    @staticmethod
+    def _cudnn(bound: dict[str, Any]) -> torch.Tensor:
+        x, training = bound["input"], bool(bound["training"])
+        stats = [t.contiguous() if t is not None else None for t in (bound["running_mean"], bound["running_var"])]
+        return torchapi.cudnn_batch_norm(x.contiguous(memory_format=torchapi.suggest_memory_format(x)),
+                                         bound["weight"].contiguous(), bound["bias"].contiguous(), *stats,
+                                         training, bound["momentum"], bound["eps"])
+
+    def _note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+
+# the devices an audit on meta can stand for, and the kernel choices each makes
+TARGETS = ("cpu", "cuda")
+
+
+def kernel_choices(target: str) -> CpuKernelChoices:
+    """The TorchFunctionMode that makes a meta forward choose kernels as ``target`` would."""
+    return CudaKernelChoices() if target == "cuda" else CpuKernelChoices()
 
 
 # -- autocast on meta -------------------------------------------------------------------------------

@@ -358,6 +358,9 @@ class Report:
     ignore: tuple[str, ...] = ()
     # calls of the watched modules, in call order (empty unless audit(watch=...) named some)
     module_calls: list[ModuleCall] = field(default_factory=list)
+    # the device type the audit stands for: the device it ran on, or for an audit on the meta
+    # device the one whose kernel choices it emulated (audit(target=...), "cpu" by default)
+    target: str = "cpu"
 
     @property
     def held_tensors(self) -> list[SavedTensor]:
@@ -401,6 +404,7 @@ class Report:
             "model": self.model,
             "torch_version": self.torch_version,
             "device": self.device,
+            "target": self.target,
             "training": self.training,
             "verified": self.verified,
             "select": list(self.select),

@@ -433,6 +433,61 @@ def cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
+def cudnn_batch_norm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, running_mean: Any,
+                     running_var: Any, training: bool, momentum: float, eps: float) -> torch.Tensor:
+    """The output of ATen's cuDNN batch norm. On meta tensors its meta implementation builds the
+    CudnnBatchNormBackward0 node with the saves cuDNN makes, the reserve space empty (its size on
+    a GPU is cuDNN's to say)."""
+    return torch.ops.aten.cudnn_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)[0]
+
+
+def suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
+    """What ATen's ``Tensor::suggest_memory_format()`` says of ``t``: channels-last (2-d or 3-d) for
+    strides like those, else contiguous."""
+    from torch._prims_common import suggest_memory_format as suggest
+
+    return suggest(t)
+
+
+_AUTOCAST_CLASS = torch.amp.autocast_mode.autocast
+# torch.autocast("cuda") asks this module's amp_definitely_not_available() whether to turn itself off
+_AMP_COMMON = getattr(getattr(torch.cuda, "amp", None), "common", None)
+
+
+@contextlib.contextmanager
+def cuda_autocast_without_cuda() -> Iterator[None]:
+    """While on, ``torch.autocast("cuda")`` (and ``torch.cuda.amp.autocast``) switch themselves on as on
+    a GPU that supports bfloat16, also where no CUDA device is present (torch turns them off there,
+    with a warning, and refuses bfloat16). Only the construction of an autocast context sees the
+    difference: ``torch.cuda.is_available()`` and everything else answer as before. A no-op where
+    CUDA is present (autocast works as it is) or where torch's check is not found."""
+    check = getattr(_AMP_COMMON, "amp_definitely_not_available", None)
+    if check is None or not check():
+        yield
+        return
+    original = _AUTOCAST_CLASS.__init__
+
+    @functools.wraps(original)
+    def init_as_on_a_gpu(self: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
+        if device_type != "cuda":
+            original(self, device_type, *args, **kwargs)
+            return
+        bf16 = torch.cuda.is_bf16_supported
+        _AMP_COMMON.amp_definitely_not_available = lambda: False
+        torch.cuda.is_bf16_supported = lambda including_emulation=True: True
+        try:
+            original(self, device_type, *args, **kwargs)
+        finally:
+            _AMP_COMMON.amp_definitely_not_available = check
+            torch.cuda.is_bf16_supported = bf16
+
+    _AUTOCAST_CLASS.__init__ = init_as_on_a_gpu
+    try:
+        yield
+    finally:
+        _AUTOCAST_CLASS.__init__ = original
+
+
 # the base class of BatchNorm*d and InstanceNorm*d (running statistics, affine weight and bias)
 BATCH_NORM_BASE = torch.nn.modules.batchnorm._NormBase
 

@@ -264,6 +264,29 @@ def test_meta_device_builds_without_memory(runner):
     assert any(f["code"] == "GA101" and f["bytes"] == POOLED_INPUT_BYTES for f in document["findings"])
 
 
+def test_target_cuda_on_meta_is_recorded_in_the_json(runner):
+    document = scan_json(runner, "models.py:build", "--device", "meta", "--target", "cuda")
+    assert (document["device"], document["target"]) == ("meta", "cuda")
+    # no batch norm here: the same figures as a scan standing for the CPU
+    assert document["summary"] == scan_json(runner, "models.py:build", "--device", "meta")["summary"]
+    assert scan_json(runner, "models.py:build")["target"] == "cpu"
+    assert scan_json(runner, "models.py:on_meta", "--target", "cuda")["target"] == "cuda"  # auto: on meta
+
+
+@pytest.mark.parametrize("args, runs_on", [(["--device", "cpu"], "cpu"), ([], "cpu")])  # [] : auto, a CPU model
+def test_target_cuda_without_the_meta_device_exits_2(runner, args, runs_on):
+    result = scan(runner, "models.py:build", *args, "--target", "cuda", "--no-html")
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--target cuda needs --device meta" in lines[0] and f"runs on {runs_on}" in lines[0]
+
+
+def test_unknown_target_is_a_usage_error(runner):
+    result = scan(runner, "models.py:build", "--device", "meta", "--target", "tpu", "--no-html")
+    assert result.exit_code == 2
+    assert "'tpu' is not one of 'cpu', 'cuda'" in result.stderr
+
+
 def test_verify_on_meta_is_refused(runner):
     result = scan(runner, "models.py:build", "--device", "meta", "--verify", "--no-html")
     assert result.exit_code == 2

@@ -3,6 +3,8 @@
 1. Every declared node type exists in the installed torch, and on a generated case of it, for every
    pattern of which inputs need a gradient, its static verdicts equal the proof's (both ways: no
    claim of "not needed" the proof refutes, and no "needed" the proof shows to be unread).
+   Nodes only CUDA makes (cuDNN batch norm, fused attention) are built on meta and checked
+   statically; the proof of cuDNN batch norm runs where a GPU is.
 2. Every held activation the op knowledge leaves unneeded or bit-packable is claimed by a rule,
    so no byte of ``reclaimable_bytes`` is without a finding.
 3. The declaration API: user declarations for a custom autograd.Function reach the audit, the
@@ -22,7 +24,7 @@ import gradaudit
 from gradaudit import torchapi
 from gradaudit.knowledge import Bit, Read, Reads, declaration, declarations, declared_ops
 from gradaudit.knowledge.registry import forget
-from gradaudit.records import NEEDED, NOT_NEEDED, SIGN_ONLY
+from gradaudit.records import NEEDED, NOT_NEEDED, SIGN_ONLY, UNKNOWN
 from gradaudit.rules import all_rules
 
 
@@ -165,6 +167,23 @@ META_CASES = {
     "ScaledDotProductFlashAttentionBackward0": lambda q: torch.ops.aten._scaled_dot_product_flash_attention(q, q, q)[0],
 }
 
+# cuDNN batch norm (what CUDA runs for most batch norms, and gradaudit's target="cuda" on meta):
+# ATen's cudnn_batch_norm builds its node on meta, one case per variant. Static verdicts only:
+# the proof needs a GPU (test_cudnn_batch_norm_verdicts_hold_on_a_gpu below runs where one is).
+def _meta(*shape):
+    return lambda: torch.randn(*shape, device="meta")
+
+
+def _cudnn_batch_norm(training):
+    return lambda x, w, b, mean, var: torch.ops.aten.cudnn_batch_norm(x, w, b, mean, var, training, 0.1, 1e-5)[0]
+
+
+_BATCH_NORM_META_INPUTS = [_meta(4, 3, 5, 5), _meta(3), _meta(3), _buffer(_meta(3)), _buffer(_meta(3))]
+CUDNN_CASES = {
+    "CudnnBatchNormBackward0[training=True]": (_cudnn_batch_norm(True), _BATCH_NORM_META_INPUTS, (0, 1, 2)),
+    "CudnnBatchNormBackward0[training=False]": (_cudnn_batch_norm(False), _BATCH_NORM_META_INPUTS, (0, 1, 2)),
+}
+
 # Linear has a node of its own only for nested tensors (dense linear decomposes into addmm/mm)
 STATIC_CASES = {
     "LinearBackward0": lambda: F.linear(torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)],
@@ -204,13 +223,13 @@ def test_every_declared_node_type_exists_in_the_installed_torch():
 
 
 def test_every_declared_node_type_has_a_generated_case():
-    covered = {_node_name(c) for c in CASES} | set(META_CASES) | set(STATIC_CASES)
+    covered = {_node_name(c) for c in [*CASES, *CUDNN_CASES]} | set(META_CASES) | set(STATIC_CASES)
     assert covered == set(declared_ops())
     # every variant of a node with variants has its own case
     for variant in declarations():
         if variant.when:
             label = variant.name + "[" + ",".join(f"{k}={v}" for k, v in variant.when.items()) + "]"
-            assert label in CASES, label
+            assert label in CASES or label in CUDNN_CASES, label
 
 
 @pytest.mark.parametrize("case_name", list(CASES))
@@ -253,6 +272,62 @@ def test_nodes_of_other_kernels_and_layouts_are_built_here(case_name):
                                      for attr in known.saves)
 
 
+def _verdicts(report, node_name):
+    return [{t.attr: t.verdict for t in report.tensors if t.node_id == n.id}
+            for n in report.nodes if n.name == node_name]
+
+
+@pytest.mark.parametrize("case_name", sorted(CUDNN_CASES))
+def test_cudnn_batch_norm_is_built_on_meta_with_the_declared_verdicts(case_name):
+    """Every pattern of which inputs need a gradient builds the node on meta and gets a verdict on every
+    save. In eval mode derivatives.yaml gives cuDNN's node the very native_batch_norm_backward call
+    NativeBatchNormBackward0 makes (training=false, the output mask): its verdicts on input, weight
+    and running statistics equal the ones the proof finds for the native node on CPU, pattern by
+    pattern. In training its backward is one cudnn_batch_norm_backward call with no output mask:
+    every save is declared read, whichever gradients are wanted."""
+    training = case_name.endswith("[training=True]")
+    native = CASES[f"NativeBatchNormBackward0[training={training}]"]
+    for (chosen, model, inputs), (_, cpu_model, cpu_inputs) in zip(_patterns(CUDNN_CASES[case_name]),
+                                                                   _patterns(native)):
+        report = gradaudit.audit(model, inputs)
+        (saves,) = _verdicts(report, "CudnnBatchNormBackward0")
+        assert set(saves) == {"input", "weight", "running_mean", "running_var", "result1", "result2", "result3"}
+        assert UNKNOWN not in saves.values(), (case_name, chosen, saves)
+        if training:
+            assert set(saves.values()) == {NEEDED}, (chosen, saves)
+            continue
+        (proven,) = _verdicts(gradaudit.audit(cpu_model, cpu_inputs, verify=True), "NativeBatchNormBackward0")
+        for attr in ("input", "weight", "running_mean", "running_var"):
+            assert saves[attr] == proven[attr], (chosen, attr, saves[attr], proven[attr])
+        # cuDNN's eval forward leaves the batch statistics and the reserve space empty
+        assert {saves[a] for a in ("result1", "result2", "result3")} == {NOT_NEEDED}
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.backends.cudnn.is_available()),
+                    reason="the proof of cuDNN's batch norm needs a GPU with cuDNN")
+@pytest.mark.parametrize("training", [True, False])
+def test_cudnn_batch_norm_verdicts_hold_on_a_gpu(training):
+    """Where a GPU is at hand: F.batch_norm takes cuDNN, and the proof refutes no static verdict. In
+    eval the verdicts must agree both ways; in training a "needed" the proof finds unread (the bias
+    gradient alone) is the declaration's caution about cuDNN's one-call backward, allowed here."""
+    def cuda(*shape, positive=False):
+        return lambda: (torch.rand(*shape, device="cuda") + 0.5) if positive else torch.randn(*shape, device="cuda")
+
+    case = (lambda x, w, b, mean, var: F.batch_norm(x, mean, var, w, b, training=training),
+            [cuda(4, 3, 5, 5), cuda(3), cuda(3), _buffer(cuda(3)), _buffer(cuda(3, positive=True))], (0, 1, 2))
+    for chosen, model, inputs in _patterns(case):
+        static = gradaudit.audit(model, inputs)
+        proven = gradaudit.audit(model, inputs, verify=True)
+        assert "CudnnBatchNormBackward0" in {n.name for n in static.nodes}, chosen
+        assert not proven.disagreements, (chosen, proven.disagreements)
+        for s, p in zip(static.tensors, proven.tensors):
+            if p.node != "CudnnBatchNormBackward0" or not p.proven:
+                continue
+            if training and (s.verdict, p.verdict) == (NEEDED, NOT_NEEDED):
+                continue
+            assert (s.attr, s.verdict) == (p.attr, p.verdict), (training, chosen, s.reason, p.reason)
+
+
 # -- every unneeded or bit-packable held activation is claimed by a rule ---------------------------
 
 def test_every_unneeded_or_bitpackable_read_names_a_registered_rule():
@@ -263,10 +338,11 @@ def test_every_unneeded_or_bitpackable_read_names_a_registered_rule():
                 assert read.rule in codes, (variant.name, attr, read.rule)
 
 
-@pytest.mark.parametrize("case_name", list(CASES))
+@pytest.mark.parametrize("case_name", list(CASES) + list(CUDNN_CASES))
 def test_unneeded_and_bitpackable_saves_are_claimed_by_findings(case_name):
-    for chosen, model, inputs in _patterns(CASES[case_name]):
-        for verify in (False, True):
+    case, proofs = (CASES[case_name], (False, True)) if case_name in CASES else (CUDNN_CASES[case_name], (False,))
+    for chosen, model, inputs in _patterns(case):
+        for verify in proofs:  # no proof on meta
             report = gradaudit.audit(model, inputs, verify=verify)
             storages = report.storages
             for t in report.held_tensors:

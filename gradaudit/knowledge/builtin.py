@@ -45,7 +45,7 @@ declare("NativeBatchNormBackward0", when={"training": True}, **_BATCH_NORM, save
 })
 # eval: y = (x - running_mean) * invstd(running_var) * weight + bias, so
 # grad_input = grad * weight * invstd and grad_weight = sum(grad * (x - mean) * invstd)
-declare("NativeBatchNormBackward0", when={"training": False}, **_BATCH_NORM, saves={
+_BATCH_NORM_EVAL = {
     "input": Read(by=("weight",), witness="weight", rule="GA201", unread="in eval mode only the weight gradient reads "
                                                        "the input, and the weight needs no gradient"),
     "running_mean": Read(by=("weight",), rule="GA201",
@@ -53,8 +53,43 @@ declare("NativeBatchNormBackward0", when={"training": False}, **_BATCH_NORM, sav
     "running_var": Read(by=("input", "weight"), rule="GA201", why="read by the input and weight gradients",
                         unread="no gradient of this node is required"),
     "weight": Read(by=("input",), rule="GA102"),
+}
+declare("NativeBatchNormBackward0", when={"training": False}, **_BATCH_NORM, saves={
+    **_BATCH_NORM_EVAL,
     "result1": Read(reads=Reads.NOTHING, rule="GA201", unread="batch mean is not used in eval mode"),
     "result2": Read(reads=Reads.NOTHING, rule="GA201", unread="batch inverse std is not used in eval mode"),
+})
+
+# -- batch norm on CUDA through cuDNN (ATen's _select_batch_norm_backend picks it for most CUDA
+# batch norms, in training and in eval; gradaudit/meta.py builds this node on meta for target="cuda").
+# derivatives.yaml cudnn_batch_norm: in training the backward is one cudnn_batch_norm_backward call
+# with no output mask (input, weight, result1, result2 and the reserve space result3 are passed
+# whichever gradients are wanted), so every save is declared read: no claim about what cuDNN's closed
+# kernel leaves unread (a bias-only pattern, whose bias gradient is sum(grad) in exact arithmetic,
+# stays "needed" until a proof on a GPU shows otherwise). In eval the backward is the same
+# native_batch_norm_backward(..., training=false, grad_input_mask) call as NativeBatchNormBackward0's,
+# so the same reads hold; cuDNN's eval forward returns result1/result2 empty, and CUDA's
+# batch_norm_backward_cuda only checks that they are empty (then it takes the running statistics).
+_CUDNN = dict(edges=("input", "weight", "bias"),
+              source="derivatives.yaml cudnn_batch_norm; ATen cuda/Normalization.cu batch_norm_backward_cuda")
+_CUDNN_CALL = "passed to cudnn_batch_norm_backward, which computes every gradient in one call"
+declare("CudnnBatchNormBackward0", when={"training": True}, **_CUDNN, saves={
+    "input": Read(why=_CUDNN_CALL),
+    "weight": Read(why=_CUDNN_CALL),
+    "result1": Read(why="saved batch mean, " + _CUDNN_CALL),
+    "result2": Read(why="saved inverse std, " + _CUDNN_CALL),
+    "result3": Read(why="cuDNN's reserve space, " + _CUDNN_CALL),
+    "running_mean": Read(why="running statistics buffer"),
+    "running_var": Read(why="running statistics buffer"),
+})
+declare("CudnnBatchNormBackward0", when={"training": False}, **_CUDNN, saves={
+    **_BATCH_NORM_EVAL,
+    "result1": Read(reads=Reads.SHAPE, rule="GA201", unread="empty in eval mode: the backward checks only that "
+                                                              "it is empty and uses the running mean"),
+    "result2": Read(reads=Reads.SHAPE, rule="GA201", unread="empty in eval mode: the backward checks only that "
+                                                              "it is empty and uses the running variance"),
+    "result3": Read(reads=Reads.NOTHING, rule="GA201",
+                    unread="cuDNN's reserve space is passed only to the training-mode backward"),
 })
 
 # -- layer and group norm: like batch norm in training, the bias gradient reads nothing saved

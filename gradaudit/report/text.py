@@ -42,8 +42,10 @@ def render(report: Report, *, color: bool = False, top: int = 10, width: int = 1
     lines: list[str] = []
     mode = "train" if report.training else "eval"
     checked = "verified by the empirical check" if report.verified else "static rules"
+    # on meta, the device whose kernels (and autocast) the figures follow
+    device = f"{report.device} as {report.target}" if report.device == "meta" else report.device
     lines.append(paint(f"gradaudit: {report.model}", "bold")
-                 + f" (torch {report.torch_version}, {report.device}, {mode} mode, {checked})")
+                 + f" (torch {report.torch_version}, {device}, {mode} mode, {checked})")
     lines.append("")
 
     summary = report.summary()

@@ -110,7 +110,8 @@ def batchnorm_eval_saves_input(ctx: RuleContext):
     What it flags:
         BatchNorm1d/2d/3d (and F.batch_norm) running with training=False whose weight needs no
         gradient (frozen or affine=False): the saved input, running mean and the (empty) batch
-        statistics.
+        statistics, for the native kernel and for cuDNN's (CUDA; ``target="cuda"`` on meta), whose
+        eval-mode backward is the same call.
     Why it costs memory:
         In eval mode the input gradient is grad * weight / sqrt(running_var + eps): it never
         reads the input. PyTorch's single multi-output formula saves it anyway.
@@ -164,7 +165,9 @@ def norm_saves_input_for_bias_only(ctx: RuleContext):
         Gradients are bit-identical: the dropped tensors are never read.
     Known limits:
         The input is often also kept by another node (the previous linear layer's saved output,
-        when that layer's weight trains); bytes say so.
+        when that layer's weight trains); bytes say so. cuDNN's training-mode batch norm (CUDA,
+        ``target="cuda"``) is not flagged: its backward computes every gradient in one call from
+        every save, and no proof on a GPU has shown what it leaves unread.
     """
     for node, hits in ctx.claims("GA202", NOT_NEEDED):
         if any(t.numel for t in hits):
@@ -651,8 +654,8 @@ def batchnorm_train_in_checkpoint(ctx: RuleContext):
     """Batch norm in training mode runs inside a checkpointed block.
 
     What it flags:
-        NativeBatchNormBackward0 nodes with training=True whose saves are managed by
-        ``torch.utils.checkpoint``.
+        Batch norm nodes (native, cuDNN or MIOpen kernel) with training=True whose saves are managed
+        by ``torch.utils.checkpoint``.
     Why it costs memory:
         Not memory but correctness: backward recomputes the block's forward, so the running
         mean/variance are updated twice per step (momentum applied twice).
