@@ -14,7 +14,7 @@ from . import torchapi
 from .analysis import build_report
 from .errors import ForwardError, GradauditError, NoMatchingParameterError, NothingRequiresGradError
 from .measure import held_bytes_after_forward
-from .meta import TARGETS, AutocastOnMeta, WithoutAttentionDropout, kernel_choices
+from .meta import TARGETS, WithoutAttentionDropout, standing_for
 from .recorder import Recorder
 from .records import Leaf, Manager, Report
 from .rules.registry import check_codes
@@ -198,13 +198,9 @@ def audit(
         # on meta, attention (and for target cuda batch norm) must take the kernel the target device
         # would take, or it saves different tensors; and autocast, which meta tensors do not reach,
         # is emulated (entered last: its casts come first)
-        kernels = kernel_choices(target) if on_meta else None
-        autocast = AutocastOnMeta(target) if on_meta else None
-        cuda_autocast = (torchapi.cuda_autocast_without_cuda() if on_meta and target == "cuda"
-                         else contextlib.nullcontext())
+        emulation = standing_for(target) if on_meta else contextlib.nullcontext()
         stance = torchapi.force_eager("audit(eager=True)") if eager else contextlib.nullcontext()
-        with (recorder, cuda_autocast, kernels or contextlib.nullcontext(), autocast or contextlib.nullcontext(),
-              stance):
+        with recorder, emulation as emulated, stance:
             try:
                 output = model(*args, **kwargs)
             except GradauditError:
@@ -234,14 +230,7 @@ def audit(
             # without it, so the finding's bytes are a measurement, not a guess
             if progress:
                 progress("measuring the forward without attention dropout")
-            with contextlib.ExitStack() as stack:
-                if on_meta:
-                    if target == "cuda":
-                        stack.enter_context(torchapi.cuda_autocast_without_cuda())
-                    stack.enter_context(kernel_choices(target))
-                stack.enter_context(WithoutAttentionDropout())
-                if on_meta:
-                    stack.enter_context(AutocastOnMeta(target))
+            with standing_for(target, also=WithoutAttentionDropout()) if on_meta else WithoutAttentionDropout():
                 measured["held_without_attention_dropout"] = held_bytes_after_forward(model, inputs,
                                                                                     young_only=True)
         if progress:
@@ -252,9 +241,8 @@ def audit(
     finally:
         notes = state.restore()
     report.notes.extend(notes)
-    if autocast is not None:
-        report.notes.extend(autocast.notes)
-    report.notes.extend(getattr(kernels, "notes", []))
+    if emulated is not None:
+        report.notes.extend(emulated.notes)
     report.notes.extend(_compiled_notes(model, report))
     return report
 

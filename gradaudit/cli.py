@@ -477,14 +477,19 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], pe
     if html_path:
         _check_writable(html_path, "--html")
     budget = loading.parse_size(budget_text)
+    if options.target != "cpu" and options.device in ("cpu", "cuda"):
+        raise ScanFailed(_target_needs_meta(options.target, options.device))
     model, inputs = prepare(options)
+    where = _device_type(model, inputs)
+    if options.target != "cpu" and where != "meta":
+        raise ScanFailed(_target_needs_meta(options.target, where))
     check_patterns(model, options.trainable, "--trainable")
     check_patterns(model, options.freeze, "--freeze")
     code = EXIT_OK
     try:
         chosen = plan(model, inputs, budget, trainable=list(options.trainable) if options.trainable else None,
                       frozen=list(options.freeze), blocks=list(blocks) or None, measure_peak=peak,
-                      progress=options.progress)
+                      target=options.target if where == "meta" else None, progress=options.progress)
     except BudgetError as error:
         chosen, code = error.smallest_plan, EXIT_ERROR
     options.progress.done()
@@ -504,7 +509,8 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], pe
     def compute(flops: int) -> str:
         return f"+{100 * flops / chosen.step_flops:.1f}%" if chosen.step_flops else "+?"
 
-    out(f"gradaudit plan: {chosen.model} on {chosen.device}, budget {human_bytes(budget)} held after the forward")
+    on = f"meta as {chosen.target}" if chosen.device == "meta" else chosen.device
+    out(f"gradaudit plan: {chosen.model} on {on}, budget {human_bytes(budget)} held after the forward")
     if code != EXIT_OK:
         out(f"no plan fits: checkpointing the candidate blocks holds at least {human_bytes(chosen.held_bytes)} "
             f"(every useful block: {len(chosen.checkpointed)} of {len(chosen.blocks)}); raise --budget or "
@@ -554,6 +560,8 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], pe
 @click.option("--train/--eval", "mode", default=None, help="Put the model in train or eval mode first.")
 @click.option("--device", type=click.Choice(["auto", "meta", "cpu", "cuda"]), default="auto",
               show_default=True, help="Where to build and run the model (meta: no memory, no values).")
+@click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="With --device meta: the device the figures are for (as for scan).")
 @click.option("--blocks", multiple=True, metavar="GLOB", help="Modules the plan may checkpoint (repeatable; "
               "default: the repeated blocks of every ModuleList/Sequential).")
 @click.option("--json", "json_path", metavar="PATH", help="Write the plan as JSON ('-' for stdout).")
@@ -565,7 +573,7 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], pe
 @click.option("--debug", is_flag=True, help="Show full tracebacks.")
 def plan_command(spec: str, budget: str, inputs: Optional[str], input_shape: Optional[str], dtype: str,
                  input_requires_grad: bool, trainable: tuple[str, ...], freeze: tuple[str, ...],
-                 mode: Optional[bool], device: str, blocks: tuple[str, ...], json_path: Optional[str],
+                 mode: Optional[bool], device: str, target: str, blocks: tuple[str, ...], json_path: Optional[str],
                  html_path: Optional[str], no_peak: bool, quiet: bool, debug: bool) -> None:
     """Choose which modules of the model built by SPEC to checkpoint (recompute in backward) so that
     autograd holds at most --budget after the forward, for the least extra compute.
@@ -582,7 +590,7 @@ def plan_command(spec: str, budget: str, inputs: Optional[str], input_shape: Opt
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
     options = ScanOptions(spec=spec, inputs=inputs, input_shape=input_shape, dtype=dtype,
                           input_requires_grad=input_requires_grad, trainable=trainable, freeze=freeze, mode=mode,
-                          device=device, html=None, json=json_path, quiet=quiet, progress=progress)
+                          device=device, target=target, html=None, json=json_path, quiet=quiet, progress=progress)
     try:
         code = run_plan(options, budget, blocks, peak=not no_peak, html_path=html_path)
     except (GradauditError, ScanFailed) as error:

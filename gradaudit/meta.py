@@ -18,9 +18,10 @@ when attention dropout sends SDPA to its math kernel.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,9 @@ def sdpa_backend(bound: dict[str, Any], dropout_p: Optional[float] = None) -> in
 class WithoutAttentionDropout(TorchFunctionMode):
     """A what-if: every ``F.scaled_dot_product_attention`` call runs with ``dropout_p=0``."""
 
+    # a checkpoint's recomputation in backward runs under it again, as the forward did (planning/apply.py)
+    reenter_on_recompute = True
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
@@ -76,6 +80,9 @@ class WithoutAttentionDropout(TorchFunctionMode):
 
 class CpuKernelChoices(TorchFunctionMode):
     """Redirects meta-device SDPA calls to the kernel CPU would choose (only flash differs)."""
+
+    # a checkpoint's recomputation in backward runs under it again, as the forward did (planning/apply.py)
+    reenter_on_recompute = True
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -211,6 +218,37 @@ TARGETS = ("cpu", "cuda")
 def kernel_choices(target: str) -> CpuKernelChoices:
     """The TorchFunctionMode that makes a meta forward choose kernels as ``target`` would."""
     return CudaKernelChoices() if target == "cuda" else CpuKernelChoices()
+
+
+class Emulation:
+    """What ``standing_for`` entered; ``notes``: what it could not emulate (autocast's, then the
+    kernel choices')."""
+
+    def __init__(self, kernels: Any, autocast: "AutocastOnMeta") -> None:
+        self.kernels, self.autocast = kernels, autocast
+
+    @property
+    def notes(self) -> list[str]:
+        return [*self.autocast.notes, *getattr(self.kernels, "notes", [])]
+
+
+@contextlib.contextmanager
+def standing_for(target: str, also: Any = None) -> Iterator[Emulation]:
+    """Everything a forward on the meta device needs to save what it would save on ``target``
+    ("cpu" or "cuda"): the target's kernel choices, and autocast emulated for it (entered last: its
+    casts come first; for CUDA, torch.autocast("cuda") allowed to switch on without a GPU). Yields
+    an Emulation, whose ``notes`` say what it could not emulate. ``also``: a context entered
+    after the kernel choices, before autocast (another TorchFunctionMode that sees the calls after
+    autocast's casts)."""
+    with contextlib.ExitStack() as stack:
+        if target == "cuda":
+            stack.enter_context(torchapi.cuda_autocast_without_cuda())
+        kernels = stack.enter_context(kernel_choices(target))
+        if also is not None:
+            stack.enter_context(also)
+        autocast = AutocastOnMeta(target)
+        stack.enter_context(autocast)
+        yield Emulation(kernels, autocast)
 
 
 # -- autocast on meta -------------------------------------------------------------------------------
@@ -368,6 +406,9 @@ class AutocastOnMeta(TorchFunctionMode):
     followed is ``device_type``'s when enabled, else the first enabled of ``EMULATED_AUTOCAST``
     (a forward written for another device). ``notes``: what could not be emulated.
     """
+
+    # a checkpoint's recomputation in backward runs under it again, as the forward did (planning/apply.py)
+    reenter_on_recompute = True
 
     def __init__(self, device_type: str = "cpu") -> None:
         super().__init__()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.utils.checkpoint  # noqa: F401  (its internals are recognised below)
@@ -389,6 +389,23 @@ def checkpointing_off() -> Iterator[None]:
     finally:
         setattr(_CHECKPOINT, _GENERATOR_NAME, generator)
         _CHECKPOINT.CheckpointFunction = reentrant
+
+
+def function_modes() -> list[Any]:
+    """The TorchFunctionModes in force, outermost first."""
+    return list(torch.overrides._get_current_function_mode_stack())
+
+
+@contextlib.contextmanager
+def function_modes_entered(modes: Sequence[Any]) -> Iterator[None]:
+    """Enter those of ``modes`` not in force now, in order (a torch function being handled runs with
+    the mode stack set aside: a backward called through ``torch.autograd.backward`` does)."""
+    active = {id(m) for m in function_modes()}
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            if id(mode) not in active:
+                stack.enter_context(mode)
+        yield
 
 
 def reentrant_checkpoint_frames(frame: Any) -> Iterator[tuple[Any, Any]]:

@@ -542,3 +542,20 @@ def test_cli_writes_the_html_plan(plan_cli, tmp_path):
     result = plan_cli("--budget", "1MiB", "--html", "plan.html", "--no-peak")
     assert result.exit_code == 0 and "HTML plan: plan.html" in result.output
     assert "Memory against recompute" in (tmp_path / "plan.html").read_text()
+
+
+def test_plan_for_a_cuda_target_on_meta(torchvision):
+    # cuDNN batch norm (target="cuda") in the planned blocks, also in backward's recomputation
+    # (which runs with the emulation's modes entered again): the re-audit equals the plan, and the
+    # peak step runs (checkpoint compares what the recomputation saves with what the forward saved)
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(num_classes=10).train()
+    x = torch.randn(2, 3, 64, 64, device="meta")
+    unplanned = gradaudit.audit(model, x, target="cuda")
+    assert {n.name for n in unplanned.nodes if "BatchNorm" in n.name} == {"CudnnBatchNormBackward0"}
+    chosen = plan(model, x, int(unplanned.saved_bytes * 0.7), target="cuda")
+    assert chosen.target == "cuda" and chosen.to_dict()["target"] == "cuda"
+    assert chosen.peak_bytes is not None and chosen.peak_bytes < chosen.unplanned_peak_bytes
+    with chosen.apply(model):
+        assert gradaudit.audit(model, x, target="cuda").saved_bytes == chosen.held_bytes

@@ -68,6 +68,7 @@ class Plan:
 
     model: str  # class name of the planned model
     device: str
+    target: str  # the device type the figures are for (Report.target: on meta, what it stands for)
     budget: int
     held_bytes: int  # held after the forward under the plan: what an audit of the planned model counts
     unplanned_held_bytes: int  # the same without the plan (the audit's saved_bytes)
@@ -114,6 +115,7 @@ class Plan:
             "kind": "plan",
             "model": self.model,
             "device": self.device,
+            "target": self.target,
             "budget": self.budget,
             "fits": self.fits,
             "held_bytes": self.held_bytes,
@@ -207,24 +209,24 @@ def _on_meta(model: nn.Module, inputs: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _as_audited(model: nn.Module, inputs: Any, trainable: Any, frozen: Any) -> Iterator[None]:
-    """The requires_grad what-if applied and, on meta, the CPU kernel choices and autocast emulation
-    the audit uses; the model is left as found afterwards (gradients, buffers, RNG state included)."""
+def _as_audited(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str) -> Iterator[None]:
+    """The requires_grad what-if applied and, on meta, the kernel choices and autocast of the
+    target device, as the audit has them; the model is left as found afterwards (gradients,
+    buffers, RNG state included)."""
     from ..auditing import ModelState, apply_trainable
-    from ..meta import AutocastOnMeta, CpuKernelChoices
+    from ..meta import standing_for
 
-    on_meta = _on_meta(model, inputs)
     state = ModelState(model)
     try:
         apply_trainable(model, trainable, frozen)
-        with CpuKernelChoices() if on_meta else contextlib.nullcontext(), \
-                AutocastOnMeta() if on_meta else contextlib.nullcontext():
+        with standing_for(target) if _on_meta(model, inputs) else contextlib.nullcontext():
             yield
     finally:
         state.restore()
 
 
-def _flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, paths: Sequence[str]) -> tuple[dict[str, int], int]:
+def _flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
+           paths: Sequence[str]) -> tuple[dict[str, int], int]:
     """Forward FLOPs of each module in ``paths`` (all its calls) and of one whole step (forward
     and backward), as torch.utils.flop_counter counts them; the model is left as found."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -232,7 +234,7 @@ def _flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, paths: Se
     from ..tensors import iter_tensors, split_inputs, unique
 
     args, kwargs = split_inputs(inputs)
-    with _as_audited(model, inputs, trainable, frozen):
+    with _as_audited(model, inputs, trainable, frozen, target):
         with FlopCounterMode(display=False) as forward:
             output = model(*args, **kwargs)
         outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
@@ -246,7 +248,8 @@ def _flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, paths: Se
     return per_module, step
 
 
-def _step(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, paths: Sequence[str]) -> tuple[int, int]:
+def _step(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
+          paths: Sequence[str]) -> tuple[int, int]:
     """(held after the forward less the outputs, peak through forward and backward) of one step with ``paths``
     checkpointed, measured on the model's device: the storage tracker on CPU and meta (where it
     follows the meta tensors the step would allocate), the allocator on CUDA. Left as found."""
@@ -254,7 +257,7 @@ def _step(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, paths: Seq
     from ..tensors import split_inputs
 
     args, kwargs = split_inputs(inputs)
-    with _as_audited(model, inputs, trainable, frozen):
+    with _as_audited(model, inputs, trainable, frozen, target):
         with PlanHandle(model, tuple(paths)):
             return forward_backward(model, args, kwargs)
 
@@ -267,6 +270,7 @@ def plan(
     trainable: Optional[Sequence[str]] = None,
     frozen: Optional[Sequence[str]] = None,
     blocks: Optional[Sequence[str]] = None,
+    target: Optional[str] = None,
     measure_peak: bool = True,
     progress: Optional[Callable[[str], None]] = None,
 ) -> Plan:
@@ -276,6 +280,8 @@ def plan(
     budget: bytes (int) or a size such as "8GiB", "500MB".
     trainable / frozen: what-if requires_grad patterns, as for ``audit``.
     blocks: glob patterns over module paths to consider (default: ``repeated_blocks(model)``).
+    target: on the meta device, the device type the figures are for ("cpu", the default, or "cuda"),
+        as for ``audit``.
     measure_peak: run the chosen plan's step, the unplanned step and the baselines' once each on the
         model's device to measure their peaks (``Plan.peak_bytes``; on meta nothing is computed).
 
@@ -295,7 +301,7 @@ def plan(
     paths = _candidates(model, blocks)
     if progress:
         progress(f"auditing the forward ({len(paths)} candidate blocks)")
-    report = audit(model, inputs, trainable=trainable, frozen=frozen, watch=paths)
+    report = audit(model, inputs, trainable=trainable, frozen=frozen, watch=paths, target=target)
     now = _checkpointed_now(report)
     current_held = None
     if now:
@@ -304,7 +310,7 @@ def plan(
         if progress:
             progress("auditing the forward without the model's own checkpointing")
         with torchapi.checkpointing_off():
-            report = audit(model, inputs, trainable=trainable, frozen=frozen, watch=paths)
+            report = audit(model, inputs, trainable=trainable, frozen=frozen, watch=paths, target=target)
         if _checkpointed_now(report):
             raise GradauditError(f"the model checkpoints ({_few(now)}) in a way gradaudit cannot turn off to plan "
                                  f"from what it would hold; turn it off and plan again")
@@ -320,7 +326,7 @@ def plan(
     if progress:
         progress("counting FLOPs")
     with own_checkpointing_off():
-        flops, step_flops = _flops(model, inputs, trainable, frozen, paths)
+        flops, step_flops = _flops(model, inputs, trainable, frozen, report.target, paths)
 
     nbytes = {s.id: s.nbytes for s in report.storages if s.kind in HELD_KINDS}
     held = counted(report.tensors)
@@ -379,7 +385,7 @@ def plan(
                         f"applying it (Hugging Face: model.gradient_checkpointing_disable())")
 
     def make(point: Point) -> Plan:
-        return Plan(model=type(model).__name__, device=report.device, budget=budget_bytes,
+        return Plan(model=type(model).__name__, device=report.device, target=report.target, budget=budget_bytes,
                     held_bytes=point.held_bytes, unplanned_held_bytes=report.saved_bytes,
                     extra_flops=point.extra_flops, step_flops=step_flops,
                     checkpointed=tuple(chain_blocks[i].path for i in sorted(point.chosen)), blocks=info,
@@ -396,7 +402,7 @@ def plan(
                 if progress:
                     progress(f"measuring the peak of a step ({k + 1} of {len(steps)})")
                 with own_checkpointing_off():
-                    measured[paths_run] = _step(model, inputs, trainable, frozen, paths_run)
+                    measured[paths_run] = _step(model, inputs, trainable, frozen, report.target, paths_run)
         result.peak_bytes = measured[result.checkpointed][1]
         result.unplanned_peak_bytes = measured[()][1]
         result.baselines = tuple(dataclasses.replace(b, peak_bytes=measured[b.checkpointed][1])

@@ -52,13 +52,17 @@ def _checkpointed(module: nn.Module, forward: Callable[..., Any]) -> Callable[..
             return forward(*args, **kwargs)
         tensors, fill, _ = flatten((args, kwargs))
         runs = [0]
+        # gradaudit's own meta-device emulation (kernel choices, autocast) applies to the
+        # recomputation too: backward, called through torch.autograd.backward, runs with the mode
+        # stack set aside (torch restores autocast and the device itself, not such modes)
+        modes = [m for m in torchapi.function_modes() if getattr(m, "reenter_on_recompute", False)]
 
         def run(*inputs: torch.Tensor) -> Any:
             call_args, call_kwargs = fill(inputs)
             runs[0] += 1
             if runs[0] == 1:
                 return forward(*call_args, **call_kwargs)
-            with _statistics_kept(norms):  # backward's recomputation
+            with _statistics_kept(norms), torchapi.function_modes_entered(modes):  # backward's recomputation
                 return forward(*call_args, **call_kwargs)
 
         setattr(run, torchapi.KEEP_CHECKPOINTING, True)  # a plan's own checkpoint, even where the model's are off
