@@ -244,6 +244,15 @@ def audit(
     if emulated is not None:
         report.notes.extend(emulated.notes)
     report.notes.extend(_compiled_notes(model, report))
+    from .trimming import is_trimmed
+
+    if is_trimmed(model):
+        # trim stands aside while gradaudit audits (its hooks would hide the saves from the audit)
+        report.notes.append(
+            f"gradaudit.trim is installed on this model; the audit sees the forward without it, so its figures "
+            f"are untrimmed. With trim, autograd holds saved_bytes - reclaimable_with_bitpacking_bytes = "
+            f"{report.saved_bytes - report.reclaimable_with_bitpacking_bytes} bytes (trim drops and bit-packs what "
+            f"that figure counts)")
     return report
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import gradaudit
+from gradaudit.measure import held_bytes_after_forward
 from gradaudit.errors import GradauditError
 from gradaudit.knowledge import Bit
 from gradaudit import torchapi
@@ -533,6 +534,13 @@ def test_audit_of_a_trimmed_model_sees_the_untrimmed_graph():
         trimmed = gradaudit.audit(model, x)
     assert trimmed.saved_bytes == plain.saved_bytes
     assert trimmed.reclaimable_bytes == plain.reclaimable_bytes > 0
+    # and says so, with what the trimmed forward holds, which the independent tracker confirms
+    with trim(model):
+        held = held_bytes_after_forward(model, x)
+    kept = plain.saved_bytes - plain.reclaimable_with_bitpacking_bytes
+    assert held == kept and any(f"= {kept} bytes" in note and "gradaudit.trim is installed" in note
+                                for note in trimmed.notes)
+    assert not any("gradaudit.trim" in note for note in plain.notes)
 
 
 def test_compare_leaves_model_and_inputs_as_found():

@@ -379,6 +379,11 @@ def plan(
                   "internal_bytes": sum(nbytes[s] for s in b.internal),
                   "input_bytes": sum(nbytes[s] for s in b.inputs)} for b in chain_blocks)
 
+    from ..trimming import is_trimmed
+
+    if is_trimmed(model):
+        notes.append("gradaudit.trim is installed on this model: the plan's figures are without it (planning on top "
+                     "of trim is not supported yet); trim with the plan applied holds less than held_bytes")
     if now:
         notes.insert(0, f"the model checkpoints {_few(now)} itself and so holds {current_held} bytes; the plan "
                         f"replaces that (its figures are without it): turn the model's own checkpointing off before "

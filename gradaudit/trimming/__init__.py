@@ -22,6 +22,6 @@ Modules: ``codec`` (bits and stand-ins), ``plan`` (decisions from the op knowled
 (the hooks during a forward), ``handle`` (``trim``, ``TrimHandle``, ``compare``).
 """
 
-from .handle import TrimHandle, compare, trim
+from .handle import TrimHandle, compare, is_trimmed, trim
 
-__all__ = ["trim", "TrimHandle", "compare"]
+__all__ = ["trim", "TrimHandle", "compare", "is_trimmed"]

@@ -17,6 +17,12 @@ from .session import Session
 _TRIMMED: "weakref.WeakKeyDictionary[nn.Module, TrimHandle]" = weakref.WeakKeyDictionary()
 
 
+def is_trimmed(model: nn.Module) -> bool:
+    """Whether ``trim`` is installed on ``model`` now."""
+    handle = _TRIMMED.get(model)
+    return handle is not None and handle.installed
+
+
 class TrimHandle:
     """Returned by ``trim``: ``remove()`` (or leaving the ``with`` block) restores the model."""
 
