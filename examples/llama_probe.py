@@ -16,6 +16,8 @@ The answers the scan gives:
 
     gradaudit scan examples/llama_probe.py:build --device meta
     python examples/llama_probe.py        # prints the per-layer answer
+    gradaudit plan examples/llama_probe.py:build --budget 16GiB --budget 8GiB --budget 4GiB
+                                          # which layers to recompute to fit each budget
 
 Layer numbers in prose count from 1; module paths count from 0 (layer 40 is ``model.layers.39``).
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import fnmatch
+import sys
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -244,9 +245,7 @@ def audit(
     if emulated is not None:
         report.notes.extend(emulated.notes)
     report.notes.extend(_compiled_notes(model, report))
-    from .trimming import is_trimmed
-
-    if is_trimmed(model):
+    if trimmed_now(model):
         # trim stands aside while gradaudit audits (its hooks would hide the saves from the audit)
         report.notes.append(
             f"gradaudit.trim is installed on this model; the audit sees the forward without it, so its figures "
@@ -254,6 +253,12 @@ def audit(
             f"{report.saved_bytes - report.reclaimable_with_bitpacking_bytes} bytes (trim drops and bit-packs what "
             f"that figure counts)")
     return report
+
+
+def trimmed_now(model: nn.Module) -> bool:
+    """Whether gradaudit.trim is installed on ``model`` (only possible once its module is imported)."""
+    trimming = sys.modules.get("gradaudit.trimming")
+    return trimming is not None and trimming.is_trimmed(model)
 
 
 def _target(target: Optional[str], on_meta: bool, tensors: Sequence[torch.Tensor]) -> str:

@@ -13,7 +13,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import click
 
@@ -460,7 +460,7 @@ Exit codes:
 """
 
 
-def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], peak: bool = True,
+def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[str, ...], peak: bool = True,
              html_path: Optional[str] = None) -> int:
     from . import loading
     from .auditing import check_patterns
@@ -476,7 +476,10 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], pe
         _check_writable(options.json, "--json")
     if html_path:
         _check_writable(html_path, "--html")
-    budget = loading.parse_size(budget_text)
+    budgets = [loading.parse_size(text) for text in budget_texts]
+    if len(budgets) > 1 and html_path:
+        raise ScanFailed("--html draws one plan: give one --budget (several make a sweep table)")
+    budget = budgets[0]
     if options.target != "cpu" and options.device in ("cpu", "cuda"):
         raise ScanFailed(_target_needs_meta(options.target, options.device))
     model, inputs = prepare(options)
@@ -488,11 +491,14 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], pe
     code = EXIT_OK
     try:
         chosen = plan(model, inputs, budget, trainable=list(options.trainable) if options.trainable else None,
-                      frozen=list(options.freeze), blocks=list(blocks) or None, measure_peak=peak,
+                      frozen=list(options.freeze), blocks=list(blocks) or None,
+                      measure_peak=peak and len(budgets) == 1,
                       target=options.target if where == "meta" else None, progress=options.progress)
     except BudgetError as error:
         chosen, code = error.smallest_plan, EXIT_ERROR
     options.progress.done()
+    if len(budgets) > 1:
+        return _sweep(chosen, budgets, options, out)
     if options.json:
         import json
 
@@ -545,10 +551,45 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], pe
     return code
 
 
+def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callable[[str], None]) -> int:
+    """One line per budget, from one audit: what to checkpoint and at what extra compute."""
+    from .planning import BudgetError
+    from .report.units import human_bytes, path_ranges
+
+    plans, code = [], EXIT_OK
+    for budget in budgets:
+        try:
+            plans.append(first.for_budget(budget))
+        except BudgetError as error:
+            plans.append(error.smallest_plan)
+            code = EXIT_ERROR
+    if options.json:
+        import json
+
+        document = json.dumps({"plans": [p.to_dict() for p in plans]}, indent=2) + "\n"
+        if options.json == "-":
+            sys.stdout.write(document)
+        else:
+            _write(options.json, document, "--json")
+    on = f"meta as {first.target}" if first.device == "meta" else first.device
+    out(f"gradaudit plan: {first.model} on {on}, {len(budgets)} budgets, unplanned "
+        f"{human_bytes(first.unplanned_held_bytes)} held after the forward")
+    out(f"  {'BUDGET':>10}  {'HELD':>10}  {'EXTRA COMPUTE':>13}  {'BLOCKS':>6}  CHECKPOINT")
+    for p in plans:
+        extra = f"+{100 * p.extra_compute:.1f}%"
+        what = path_ranges(p.checkpointed) or "(nothing)"
+        out(f"  {human_bytes(p.budget):>10}  {human_bytes(p.held_bytes):>10}  {extra:>13}  {len(p.checkpointed):>6}  "
+            f"{what if p.fits else 'no plan fits: ' + what}")
+    if options.json and options.json != "-":
+        out(f"JSON plans: {options.json}")
+    return code
+
+
 @cli.command("plan", epilog=PLAN_EXIT_CODES_HELP, short_help="Choose what to checkpoint for a memory budget.")
 @click.argument("spec", metavar="SPEC")
-@click.option("--budget", required=True, metavar="SIZE", help="Bytes autograd may hold after the forward, "
-              "e.g. 8GiB, 500MB or a number of bytes.")
+@click.option("--budget", required=True, multiple=True, metavar="SIZE", help="Bytes autograd may hold after "
+              "the forward, e.g. 8GiB, 500MB or a number of bytes; repeat it for a sweep (one line per budget, "
+              "from one audit).")
 @click.option("--inputs", "inputs", metavar="SPEC", help="Factory returning the inputs (as for scan).")
 @click.option("--input-shape", metavar="SHAPE", help="One random input of this shape, e.g. 8,3,224,224.")
 @click.option("--dtype", default="float32", show_default=True, help="dtype for --input-shape.")
@@ -571,7 +612,7 @@ def run_plan(options: ScanOptions, budget_text: str, blocks: tuple[str, ...], pe
               "measure their peaks (on a real device each costs a training step).")
 @click.option("-q", "--quiet", is_flag=True, help="Print one summary line.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks.")
-def plan_command(spec: str, budget: str, inputs: Optional[str], input_shape: Optional[str], dtype: str,
+def plan_command(spec: str, budget: tuple[str, ...], inputs: Optional[str], input_shape: Optional[str], dtype: str,
                  input_requires_grad: bool, trainable: tuple[str, ...], freeze: tuple[str, ...],
                  mode: Optional[bool], device: str, target: str, blocks: tuple[str, ...], json_path: Optional[str],
                  html_path: Optional[str], no_peak: bool, quiet: bool, debug: bool) -> None:
@@ -585,6 +626,7 @@ def plan_command(spec: str, budget: str, inputs: Optional[str], input_shape: Opt
     \b
     Examples:
       gradaudit plan examples/llama_probe.py:build --budget 8GiB
+      gradaudit plan examples/llama_probe.py:build --budget 16GiB --budget 8GiB --budget 4GiB
       gradaudit plan mymodel.py:make --input-shape 8,3,224,224 --budget 2GiB --json plan.json
     """
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)

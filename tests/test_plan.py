@@ -559,3 +559,29 @@ def test_plan_for_a_cuda_target_on_meta(torchvision):
     assert chosen.peak_bytes is not None and chosen.peak_bytes < chosen.unplanned_peak_bytes
     with chosen.apply(model):
         assert gradaudit.audit(model, x, target="cuda").saved_bytes == chosen.held_bytes
+
+
+def test_for_budget_reads_other_budgets_off_the_same_frontier():
+    model, x = mlp_stack(), torch.randn(32, 64)
+    first = plan(model, x, "1MiB", measure_peak=False)
+    for budget in (12 * 8192, 9 * 8192, 6 * 8192, 5 * 8192):
+        again = first.for_budget(budget)
+        fresh = plan(model, x, budget, measure_peak=False)
+        assert (again.held_bytes, again.extra_flops, again.checkpointed) == \
+            (fresh.held_bytes, fresh.extra_flops, fresh.checkpointed)
+        assert again.budget == budget and again.peak_bytes is None
+    with pytest.raises(BudgetError, match="no plan fits 100 bytes"):
+        first.for_budget(100)
+
+
+def test_cli_sweep_prints_one_line_per_budget(plan_cli, tmp_path):
+    # 12, 9, 5 and 4 times 8192 bytes: the last is below what any plan holds (5 * 8192)
+    result = plan_cli(*[a for b in (12, 9, 5, 4) for a in ("--budget", str(b * 8192))], "--json", "plans.json")
+    assert result.exit_code == 2
+    lines = result.output.splitlines()
+    assert lines[0].endswith("4 budgets, unplanned 96 KiB held after the forward")
+    assert [line.split()[:2] for line in lines[2:6]] == [["96", "KiB"], ["72", "KiB"], ["40", "KiB"], ["32", "KiB"]]
+    assert "(nothing)" in lines[2] and "no plan fits" in lines[5]
+    data = json.loads((tmp_path / "plans.json").read_text())
+    assert [p["held_bytes"] for p in data["plans"]] == [12 * 8192, 9 * 8192, 5 * 8192, 5 * 8192]
+    assert plan_cli("--budget", "1MiB", "--budget", "2MiB", "--html", "x.html").exit_code == 2

@@ -90,6 +90,26 @@ class Plan:
     # and what the model holds with it
     replaces: tuple[str, ...] = ()
     current_held_bytes: Optional[int] = None
+    # the solver's frontier and chain, for for_budget (not part of the plan's data)
+    _solved: Any = field(default=None, repr=False, compare=False)
+
+    def for_budget(self, budget: Union[int, str]) -> "Plan":
+        """The plan for another budget, from the same audit and frontier (instant: nothing runs
+        again; its peak is not measured). Raises BudgetError when nothing fits."""
+        from ..loading import parse_size
+
+        budget_bytes = _budget_bytes(budget, parse_size)
+        chain, points = self._solved
+        point = cheapest_within(points, budget_bytes)
+        chosen = point if point is not None else points[-1]
+        other = dataclasses.replace(
+            self, budget=budget_bytes, held_bytes=chosen.held_bytes, extra_flops=chosen.extra_flops,
+            checkpointed=tuple(chain.blocks[i].path for i in sorted(chosen.chosen)),
+            baselines=_baselines(chain, budget_bytes), peak_bytes=None, unplanned_peak_bytes=None,
+            notes=list(self.notes))
+        if point is None:
+            raise _budget_error(other, len(chain.blocks))
+        return other
 
     @property
     def fits(self) -> bool:
@@ -181,6 +201,21 @@ def _candidates(model: nn.Module, blocks: Optional[Sequence[str]]) -> list[str]:
     # the outermost of nested matches: checkpointing a module already recomputes what is inside
     paths = sorted(set(paths))
     return [p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p)]
+
+
+def _budget_bytes(budget: Any, parse_size: Callable[[str], int]) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise GradauditError(f"budget must be bytes (an int) or a size such as '8GiB', not {budget!r}")
+    budget_bytes = parse_size(budget) if isinstance(budget, str) else budget
+    if budget_bytes < 0:
+        raise GradauditError(f"budget must not be negative, got {budget_bytes}")
+    return budget_bytes
+
+
+def _budget_error(least: "Plan", blocks: int) -> "BudgetError":
+    return BudgetError(f"no plan fits {least.budget} bytes: checkpointing the {blocks} candidate blocks holds at "
+                       f"least {least.held_bytes} bytes (of {least.unplanned_held_bytes} unplanned); raise the "
+                       f"budget or consider more modules (blocks=...)", least.held_bytes, least)
 
 
 def _checkpointed_now(report: Any) -> list[str]:
@@ -293,11 +328,7 @@ def plan(
 
     if not isinstance(model, nn.Module):
         raise GradauditError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
-        raise GradauditError(f"budget must be bytes (an int) or a size such as '8GiB', not {budget!r}")
-    budget_bytes = parse_size(budget) if isinstance(budget, str) else budget
-    if budget_bytes < 0:
-        raise GradauditError(f"budget must not be negative, got {budget_bytes}")
+    budget_bytes = _budget_bytes(budget, parse_size)
     paths = _candidates(model, blocks)
     if progress:
         progress(f"auditing the forward ({len(paths)} candidate blocks)")
@@ -379,9 +410,9 @@ def plan(
                   "internal_bytes": sum(nbytes[s] for s in b.internal),
                   "input_bytes": sum(nbytes[s] for s in b.inputs)} for b in chain_blocks)
 
-    from ..trimming import is_trimmed
+    from ..auditing import trimmed_now
 
-    if is_trimmed(model):
+    if trimmed_now(model):
         notes.append("gradaudit.trim is installed on this model: the plan's figures are without it (planning on top "
                      "of trim is not supported yet); trim with the plan applied holds less than held_bytes")
     if now:
@@ -395,7 +426,8 @@ def plan(
                     extra_flops=point.extra_flops, step_flops=step_flops,
                     checkpointed=tuple(chain_blocks[i].path for i in sorted(point.chosen)), blocks=info,
                     frontier=frontier, baselines=_baselines(chain, budget_bytes), optimal=optimal,
-                    notes=list(notes), replaces=tuple(now), current_held_bytes=current_held)
+                    notes=list(notes), replaces=tuple(now), current_held_bytes=current_held,
+                    _solved=(chain, points))
 
     chosen = cheapest_within(points, budget_bytes)
     result = make(chosen if chosen is not None else points[-1])
@@ -413,11 +445,7 @@ def plan(
         result.baselines = tuple(dataclasses.replace(b, peak_bytes=measured[b.checkpointed][1])
                                  for b in result.baselines)
     if chosen is None:
-        least = result
-        raise BudgetError(f"no plan fits {budget_bytes} bytes: checkpointing the {len(chain_blocks)} candidate "
-                          f"blocks holds at least {least.held_bytes} bytes (of {report.saved_bytes} unplanned); "
-                          f"raise the budget or consider more modules (blocks=...)",
-                          least.held_bytes, least)
+        raise _budget_error(result, len(chain_blocks))
     return result
 
 
