@@ -585,3 +585,13 @@ def test_cli_sweep_prints_one_line_per_budget(plan_cli, tmp_path):
     data = json.loads((tmp_path / "plans.json").read_text())
     assert [p["held_bytes"] for p in data["plans"]] == [12 * 8192, 9 * 8192, 5 * 8192, 5 * 8192]
     assert plan_cli("--budget", "1MiB", "--budget", "2MiB", "--html", "x.html").exit_code == 2
+
+
+def test_readme_documents_every_field_of_the_plan_json():
+    from pathlib import Path
+
+    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    table = readme.split("### The plan's JSON")[1].split("## How it works")[0]
+    model, x = mlp_stack(), torch.randn(8, 64)
+    for key in plan(model, x, "1MiB", measure_peak=False).to_dict():
+        assert f"`{key}`" in table, key
