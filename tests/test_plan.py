@@ -595,3 +595,50 @@ def test_readme_documents_every_field_of_the_plan_json():
     model, x = mlp_stack(), torch.randn(8, 64)
     for key in plan(model, x, "1MiB", measure_peak=False).to_dict():
         assert f"`{key}`" in table or f"`{key}[]`" in table, key
+
+
+def _random_stack(rng: random.Random) -> tuple[nn.Module, torch.Tensor]:
+    width = rng.choice([8, 16])
+    kinds = [
+        lambda: nn.Sequential(nn.Linear(width, width), nn.ReLU()),
+        lambda: nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(0.2)),
+        lambda: nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.Tanh()),
+        lambda: nn.Sequential(nn.Linear(width, 2 * width), nn.SiLU(), nn.Linear(2 * width, width)),
+        lambda: nn.Sequential(nn.Linear(width, width, bias=False), nn.BatchNorm1d(width), nn.Sigmoid()),
+    ]
+    torch.manual_seed(rng.randrange(1000))
+    model = nn.Sequential(*[rng.choice(kinds)() for _ in range(rng.randint(2, 6))])
+    for p in model.parameters():
+        p.requires_grad_(rng.random() < 0.6)
+    model.train(rng.random() < 0.7)
+    x = torch.randn(rng.choice([4, 8]), width, requires_grad=rng.random() < 0.5)
+    return model, x
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_stacks_and_freezing_patterns(seed):
+    rng = random.Random(seed)
+    model, x = _random_stack(rng)
+    if not x.requires_grad and not any(p.requires_grad for p in model.parameters()):
+        next(model.parameters()).requires_grad_(True)
+    unplanned = gradaudit.audit(model, x).saved_bytes
+    first = plan(model, x, unplanned, measure_peak=False)
+    least = first.frontier[-1][0]
+    held = []
+    for budget in sorted({unplanned, least, *(rng.randint(least, unplanned) for _ in range(3))}, reverse=True):
+        chosen = first.for_budget(budget)
+        assert chosen.held_bytes <= budget
+        held.append(chosen.held_bytes)
+        with chosen.apply(model):
+            assert gradaudit.audit(model, x).saved_bytes == chosen.held_bytes
+    assert held == sorted(held, reverse=True)  # never more as the budget shrinks
+    # one step under the tightest plan: gradients and buffers bit-identical to the unplanned step
+    tightest = first.for_budget(least)
+    state = copy.deepcopy(model.state_dict())
+    expected_grads, expected_buffers = step(model, x)
+    model.load_state_dict(state)
+    with tightest.apply(model):
+        grads, buffers = step(model, x)
+    model.load_state_dict(state)
+    assert grads.keys() == expected_grads.keys() and all(torch.equal(grads[k], expected_grads[k]) for k in grads)
+    assert all(torch.equal(buffers[k], expected_buffers[k]) for k in buffers)
