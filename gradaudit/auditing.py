@@ -6,6 +6,7 @@ import contextlib
 import difflib
 import fnmatch
 import sys
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -201,7 +202,10 @@ def audit(
         # is emulated (entered last: its casts come first)
         emulation = standing_for(target) if on_meta else contextlib.nullcontext()
         stance = torchapi.force_eager("audit(eager=True)") if eager else contextlib.nullcontext()
-        with recorder, emulation as emulated, stance:
+        with recorder, emulation as emulated, stance, warnings.catch_warnings():
+            # gradaudit's own saved-tensor hooks are what torch warns about around a selective
+            # checkpoint (its cache bypasses them: the recorder reads the cache itself)
+            warnings.filterwarnings("ignore", message="A saved_tensors_hooks context", category=FutureWarning)
             try:
                 output = model(*args, **kwargs)
             except GradauditError:

@@ -98,6 +98,9 @@ class LiveRegion:
     # non-reentrant: aliases of the tensors it keeps by plain reference (inside non-tensor arguments,
     # keyword arguments): held as long as its packed inputs are, seen by no hook
     kept: list[torch.Tensor] = field(default_factory=list)
+    # non-reentrant with a selective-checkpoint policy: the cache of op outputs it keeps (a dict
+    # torch fills while the block runs), held as long as its packed inputs are, seen by no hook
+    cache: Any = None
     run_modules: list[tuple[str, str]] = field(default_factory=list)  # the module(s) its block function is
     closure_modules: list[tuple[str, str]] = field(default_factory=list)  # modules its function's closure holds
     node_pos: Optional[int] = None  # reentrant: its node's position in Recording.nodes, when reached
@@ -115,6 +118,11 @@ class LiveRegion:
     def site(self) -> "NodeSite":
         path, cls = self.module
         return NodeSite(path, cls, self.source)
+
+    def cache_reason(self) -> str:
+        path = self.module[0]
+        return (f"kept by the selective checkpoint of {path or 'model'}: an op output its policy saves, which backward "
+                f"reuses instead of recomputing it")
 
     def reason(self) -> str:
         path = self.module[0]
@@ -515,6 +523,7 @@ class Recorder:
                 packed = {id(a) for a in args if isinstance(a, torch.Tensor)}  # these come as packs
                 region.kept = [t.detach() for t in unique(list(iter_tensors((args, kwargs))))
                                if id(t) not in packed]
+            region.cache = torchapi.checkpoint_cache(frame)
             self.regions.append(region)
         self._saving = (id(frame), (index, self._announced, self._entered), region)
         region.packs.append(index)
@@ -663,6 +672,11 @@ class Recorder:
             for tensor in region.kept:  # held by the checkpoint's references, as long as its inputs are
                 saves.append(LiveSave(-1, region.node_pos, f"inputs[{len(live.saves)}]", tensor,
                                       Manager.AUTOGRAD, live.site, verdict=NEEDED, reason=region.reason()))
+                live.saves.append(len(saves) - 1)
+            cached = torchapi.cached_tensors(region.cache) if region.cache is not None else []
+            for k, tensor in enumerate(unique(cached)):
+                saves.append(LiveSave(-1, region.node_pos, f"cached[{k}]", tensor.detach(), Manager.AUTOGRAD,
+                                      live.site, verdict=NEEDED, reason=region.cache_reason()))
                 live.saves.append(len(saves) - 1)
 
     def _reentrant_region(self, node: Any, site: NodeSite) -> LiveRegion:

@@ -408,6 +408,39 @@ def function_modes_entered(modes: Sequence[Any]) -> Iterator[None]:
         yield
 
 
+_SAC_MODE = getattr(_CHECKPOINT, "_CachingTorchDispatchMode", None)
+FEATURES["selective checkpoint cache"] = _SAC_MODE is not None
+
+
+def checkpoint_cache(frame: Any) -> Optional[Any]:
+    """The cache of a selective (op-level) non-reentrant checkpoint, from the frame of a pack that
+    saves its inputs: the dict its caching dispatch mode fills with the outputs the policy keeps
+    (``create_selective_checkpoint_contexts``), held until backward and seen by no saved-tensor
+    hook. None for a plain checkpoint."""
+    for _ in range(6):
+        if frame is None:
+            return None
+        if frame.f_code in _GENERATOR_CODES and "args" in frame.f_locals:
+            context = frame.f_locals.get("forward_context")
+            if _SAC_MODE is not None and isinstance(context, _SAC_MODE):
+                return getattr(context, "storage", None)
+            return None
+        frame = frame.f_back
+    return None
+
+
+def cached_tensors(cache: Any) -> list[torch.Tensor]:
+    """The tensors a selective checkpoint's cache holds (each op output it keeps, in its wrapper)."""
+    found = []
+    for entries in list(cache.values()) if isinstance(cache, dict) else []:
+        for tree in list(entries.values()) if isinstance(entries, dict) else list(entries):
+            for leaf in tree_flatten(tree)[0]:
+                value = getattr(leaf, "val", None)
+                if isinstance(value, torch.Tensor):
+                    found.append(value)
+    return found
+
+
 def reentrant_checkpoint_frames(frame: Any) -> Iterator[tuple[Any, Any]]:
     """(frame, ctx) of every reentrant ``CheckpointFunction.forward`` running at ``frame`` or
     below it, innermost first (``ctx``: the node being built)."""

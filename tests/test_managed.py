@@ -367,3 +367,46 @@ def test_peft_lora_with_hf_checkpointing_and_autocast_equals_the_tracker(tiny_hf
     report = gradaudit.audit(wrapped, ids)
     assert report.saved_bytes == held_bytes_after_forward(wrapped, ids)
     assert any(t.node == "CheckpointInputs" and t.shape == (1, 32) for t in report.held_tensors)  # position ids
+
+
+def test_selective_checkpoint_cache_is_counted():
+    # torch.utils.checkpoint with a selective policy keeps the outputs of the ops it saves in a
+    # cache outside the graph: held until backward, seen by no saved-tensor hook
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def keep_matmuls(ctx, op, *args, **kwargs):
+        keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x):
+            return x + self.b(torch.nn.functional.gelu(self.a(x)))
+
+    class Stack(nn.Module):
+        def __init__(self, selective):
+            super().__init__()
+            self.blocks, self.selective = nn.ModuleList([Block() for _ in range(3)]), selective
+
+        def forward(self, x):
+            for block in self.blocks:
+                options = {"context_fn": functools.partial(create_selective_checkpoint_contexts, keep_matmuls)} \
+                    if self.selective else {}
+                x = ckpt.checkpoint(block, x, use_reentrant=False, **options)
+            return x
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 32, requires_grad=True)
+    plain, selective = gradaudit.audit(Stack(False), x), gradaudit.audit(Stack(True), x)
+    # plain: the inputs of blocks 1 and 2 (block 0's is the caller's): 2 x 16x32 float32 = 4096 B
+    assert plain.saved_bytes == 4096 == held_bytes_after_forward(Stack(False), x)
+    # selective: also each block's two linear outputs, 16x64 and 16x32 float32 = 6144 B, three times
+    assert selective.saved_bytes == 4096 + 3 * 6144 == held_bytes_after_forward(Stack(True), x)
+    cached = [t for t in selective.held_tensors if t.attr.startswith("cached[")]
+    assert sorted(t.shape for t in cached) == [(16, 32)] * 3 + [(16, 64)] * 3
+    assert all(t.verdict == "needed" and t.node == "CheckpointInputs" for t in cached)
