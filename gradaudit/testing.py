@@ -39,6 +39,7 @@ def assert_no_waste(
     verify: bool = False,
     max_reclaimable_bytes: int = 0,
     trainable: Optional[Sequence[str]] = None,
+    target: Optional[str] = None,
 ) -> Report:
     """Fail when autograd holds memory for ``model(inputs)`` that fixing the findings would free.
 
@@ -53,14 +54,16 @@ def assert_no_waste(
     code, name, module path, source line, bytes and fix. ``verify=True`` also runs the empirical
     proof, which finds waste in custom autograd Functions (needs real tensors, not the meta
     device). ``trainable``: glob patterns over parameter names that require grad during the check
-    (as in ``gradaudit.audit``). Returns the report on success.
+    (as in ``gradaudit.audit``). ``target``: on the meta device, the device type to check for
+    ("cpu" or "cuda", as in ``gradaudit.audit``: e.g. cuDNN batch norm for "cuda"). Returns the
+    report on success.
     """
     __tracebackhide__ = True  # pytest shows the caller's line and the message, not these frames
     from .auditing import audit
     from .rules.registry import check_codes
 
     allow = check_codes(allow, "allow entry")
-    report = audit(model, inputs, verify=verify, trainable=trainable, ignore=allow)
+    report = audit(model, inputs, verify=verify, trainable=trainable, ignore=allow, target=target)
     freed = report.reclaimable_with_all_fixes_bytes
     if freed <= max_reclaimable_bytes:
         return report

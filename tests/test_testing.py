@@ -345,3 +345,16 @@ def test_loading_the_plugin_does_not_import_torch():
             "assert callable(gradaudit.audit) and 'torch' in sys.modules")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_assert_no_waste_checks_for_a_cuda_target_on_meta():
+    # eval-mode batch norm behind a frozen convolution, as cuDNN would run it on a GPU: its input is
+    # held only for a weight gradient nobody wants (GA201), on the CudnnBatchNormBackward0 node
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).eval()
+    model[1].requires_grad_(False)
+    x = torch.randn(2, 3, 16, 16, device="meta")
+    with pytest.raises(AssertionError, match="GA201"):
+        gradaudit.assert_no_waste(model, x, target="cuda", allow=["GA4"])
+    report = gradaudit.assert_no_waste(model, x, target="cuda", allow=["GA2", "GA4"])
+    assert report.target == "cuda" and any(n.name == "CudnnBatchNormBackward0" for n in report.nodes)
