@@ -180,6 +180,11 @@ def audit(
         trainable = [trainable]
     if isinstance(frozen, str):
         frozen = [frozen]
+    scripted = next((path or "the model" for path, m in model.named_modules()
+                     if isinstance(m, torch.jit.ScriptModule)), None)
+    if scripted is not None:
+        raise GradauditError(f"{scripted} is a TorchScript module (torch.jit.script or trace): gradaudit audits "
+                             f"eager PyTorch modules; audit the module before scripting it")
     if eager and torchapi.compiled_original(model) is not None:
         model = torchapi.compiled_original(model)  # its module paths, without "_orig_mod."
     args, kwargs = split_inputs(inputs)

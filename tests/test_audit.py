@@ -220,3 +220,13 @@ def test_young_only_measurement_matches_a_full_collection(tiny_hf_model):
             young = held_bytes_after_forward(model, inputs, young_only=True)
         assert young == full > 0
         assert gc.get_freeze_count() == 0
+
+
+def test_a_torchscript_module_is_refused_with_what_to_do():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.script is deprecated
+        scripted = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    with pytest.raises(GradauditError, match=r"^0 is a TorchScript module .*audit the module before scripting it"):
+        gradaudit.audit(nn.Sequential(scripted), torch.randn(2, 4, requires_grad=True))
