@@ -165,8 +165,8 @@ def audit(
         ``CompiledFunctionBackward`` node whose saves the compiler chose; the report says so.
     target: the device type an audit on the meta device stands for, "cpu" (the default) or
         "cuda": the forward takes the kernels that device would take where they save different
-        tensors (for "cuda": cuDNN batch norm where ATen picks it; attention still follows the CPU's
-        choice) and ``torch.autocast`` is emulated as that device's. An audit on a real device
+        tensors (for "cuda": cuDNN batch norm where ATen picks it, the attention backend CUDA would
+        pick on an H100, fused dropout) and ``torch.autocast`` is emulated as that device's. An audit on a real device
         audits that device: a target other than its device type raises GradauditError.
         ``Report.target`` records it.
 
@@ -202,8 +202,8 @@ def audit(
         if progress:
             progress("running the forward")
         recorder = Recorder(model, watch=_watched(model, watch))
-        # on meta, attention (and for target cuda batch norm) must take the kernel the target device
-        # would take, or it saves different tensors; and autocast, which meta tensors do not reach,
+        # on meta, attention (and for target cuda batch norm and dropout) must take the kernel the
+        # target device would take, or it saves different tensors; and autocast, which meta tensors do not reach,
         # is emulated (entered last: its casts come first)
         emulation = standing_for(target) if on_meta else contextlib.nullcontext()
         stance = torchapi.force_eager("audit(eager=True)") if eager else contextlib.nullcontext()

@@ -6,9 +6,16 @@ attention probabilities). A meta scan of a 70B model would then report gigabytes
 holds. While auditing on meta, gradaudit asks the CPU dispatcher which kernel it would pick for the
 same shapes, dtypes and flags, and calls that kernel's meta implementation directly.
 
-For ``target="cuda"`` (``CudaKernelChoices``) batch norm takes the kernel CUDA would take: cuDNN
-wherever ATen's ``_select_batch_norm_backend`` picks it, so the node is ``CudnnBatchNormBackward0``
-with cuDNN's saves. Attention keeps the CPU kernel choice there (CUDA's is not emulated yet).
+For ``target="cuda"`` (``CudaKernelChoices``) the forward takes the kernels CUDA would take where they
+save other tensors: batch norm goes to cuDNN wherever ATen's ``_select_batch_norm_backend`` picks it
+(``CudnnBatchNormBackward0``, cuDNN's saves); attention takes the backend CUDA's ``select_sdp_backend``
+would pick on the assumed GPU (``cuda_choices.py``: an H100 with the cuDNN torch loads), so the node is
+the flash, memory-efficient or cuDNN attention node with its saves, or the math decomposition; and
+dropout in training runs CUDA's fused ``native_dropout`` (a bool mask).
+
+Each emulated attention call goes through ``emulated_sdpa``, a function a TorchFunctionMode below the
+kernel choices (the recorder's) sees with the kernel chosen, so the report's attention records name
+the target's kernel.
 
 Autocast works through dispatch keys meta tensors do not carry, so ``torch.autocast`` inside a forward
 run on meta would change nothing: ``AutocastOnMeta`` casts the arguments of the ops autocast's lists
@@ -21,13 +28,15 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from typing import Any, Iterator, Optional
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from . import torchapi
+from . import cuda_choices, torchapi
 
 
 def _cpu_twin(t: Any) -> Any:
@@ -78,8 +87,51 @@ class WithoutAttentionDropout(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@dataclass(frozen=True)
+class SdpaChoice:
+    """The kernel an emulated ``F.scaled_dot_product_attention`` call takes on the target device."""
+
+    kernel: str  # "flash", "efficient", "cudnn" or "math"
+    kernel_without_dropout: str  # what the same call takes with dropout_p = 0
+    device: str  # the device type the choice stands for ("cpu", "cuda")
+    # (backend, why) for every fused backend tried before the chosen one (CUDA's choice only)
+    passed_over: tuple[tuple[str, str], ...] = ()
+
+
+def emulated_sdpa(choice: SdpaChoice, run: Callable[..., torch.Tensor], query: Any, key: Any, value: Any,
+                  attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None,
+                  enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` as the kernel choices run it on meta: ``run`` (the chosen
+    kernel) on the arguments. A TorchFunctionMode below the one that calls it receives this function
+    with ``choice`` as its first argument (the recorder notes the call and its kernel from it)."""
+    relevant = tuple(t for t in (query, key, value, attn_mask) if isinstance(t, torch.Tensor))
+    if torch.overrides.has_torch_function(relevant):
+        return torch.overrides.handle_torch_function(emulated_sdpa, relevant, choice, run, query, key, value,
+                                                     attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _as_sdpa(bound: dict[str, Any]) -> tuple:
+    return tuple(bound[n] for n in ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                                    "enable_gqa"))
+
+
+def _meta_query(bound: dict[str, Any]) -> bool:
+    query = bound["query"]
+    return isinstance(query, torch.Tensor) and query.device.type == "meta"
+
+
+# Python composites that call F.scaled_dot_product_attention (or dropout) inside: a TorchFunctionMode
+# receives the composite as one call and is off while it runs, so the kernel choices run it with the
+# mode pushed again, and its inner calls take the target's kernels
+_KERNEL_COMPOSITES = (F.multi_head_attention_forward,)
+
+
 class CpuKernelChoices(TorchFunctionMode):
-    """Redirects meta-device SDPA calls to the kernel CPU would choose (only flash differs)."""
+    """Sends meta-device SDPA calls to the kernel the CPU would choose (its flash kernel, or the math
+    composite the meta device runs anyway), through ``emulated_sdpa``; Python composites that call
+    SDPA inside (``F.multi_head_attention_forward``) run with the mode on inside. Subclasses choose
+    for another device (``sdpa_choice``, ``sdpa_runner``)."""
 
     # a checkpoint's recomputation in backward runs under it again, as the forward did (planning/apply.py)
     reenter_on_recompute = True
@@ -87,14 +139,32 @@ class CpuKernelChoices(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            a = sdpa_arguments(args, kwargs)
-            query = a["query"]
-            if isinstance(query, torch.Tensor) and query.device.type == "meta":
-                if sdpa_backend(a) == torchapi.SDP_FLASH:
-                    # the CPU flash kernel takes grouped key/value heads as they are (no repeat)
-                    return torchapi.cpu_flash_attention(query, a["key"], a["value"], a["dropout_p"],
-                                                        a["is_causal"], attn_mask=a["attn_mask"], scale=a["scale"])
+            bound = sdpa_arguments(args, kwargs)
+            if _meta_query(bound):
+                choice = self.sdpa_choice(bound)
+                if choice is not None:
+                    return emulated_sdpa(choice, self.sdpa_runner(bound, choice), *_as_sdpa(bound))
+        elif func in _KERNEL_COMPOSITES:
+            return run_with_mode_inside(self, func, args, kwargs)
         return func(*args, **kwargs)
+
+    def sdpa_choice(self, bound: dict[str, Any]) -> Optional[SdpaChoice]:
+        """The kernel the CPU dispatcher picks for these arguments (asked with CPU twins); None where
+        it cannot be asked (torch's own call then runs, and raises where it should)."""
+        try:
+            kernel = torchapi.sdp_backend_name(sdpa_backend(bound))
+            without = torchapi.sdp_backend_name(sdpa_backend(bound, dropout_p=0.0)) if bound["dropout_p"] else kernel
+        except (RuntimeError, TypeError, ValueError):
+            return None
+        return SdpaChoice(kernel, without, "cpu")
+
+    def sdpa_runner(self, bound: dict[str, Any], choice: SdpaChoice) -> Callable[..., torch.Tensor]:
+        if choice.kernel == "flash":
+            # the CPU flash kernel takes grouped key/value heads as they are (no repeat)
+            return lambda q, k, v, mask, p, causal, scale, gqa: torchapi.cpu_flash_attention(
+                q, k, v, p, causal, attn_mask=mask, scale=scale)
+        return lambda q, k, v, mask, p, causal, scale, gqa: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
 # -- batch norm as CUDA runs it -----------------------------------------------------------------------
@@ -163,12 +233,26 @@ def _verify_batch_size(input: torch.Tensor) -> None:
 
 
 class CudaKernelChoices(CpuKernelChoices):
-    """On meta, batch norm takes the kernel CUDA would choose (cuDNN where ATen picks it); attention
-    takes the CPU's choice, as under CpuKernelChoices. ``notes``: what differs from a CUDA run."""
+    """On meta, the forward takes the kernels CUDA would choose on ``gpu`` (default: an H100 with the
+    cuDNN the installed torch loads, ``cuda_choices.assumed_gpu``): cuDNN batch norm where ATen picks
+    it, the attention backend ``select_sdp_backend`` picks, and fused dropout in training.
+    ``notes``: what the report should say about it (the assumed GPU, what is not emulated)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpu: Optional[cuda_choices.Gpu] = None) -> None:
         super().__init__()
-        self.notes: list[str] = []
+        self.gpu = gpu or cuda_choices.assumed_gpu()
+        self.attention_kernels: Counter = Counter()  # kernel -> emulated attention calls
+        self._notes: list[str] = []
+
+    @property
+    def notes(self) -> list[str]:
+        notes = list(self._notes)
+        if self.attention_kernels:
+            taken = ", ".join(f"{kernel} x{count}" for kernel, count in sorted(self.attention_kernels.items()))
+            notes.insert(0, f"target cuda: scaled_dot_product_attention took the kernels torch {torch.__version__} "
+                            f"would choose on {self.gpu.describe()} ({taken}); another GPU generation or cuDNN "
+                            f"version may choose differently (README, Known limits)")
+        return notes
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -182,21 +266,33 @@ class CudaKernelChoices(CpuKernelChoices):
                     _verify_batch_size(x)  # F.batch_norm's own check, which this call replaces
                 return self._cudnn(bound)
             return func(*args, **kwargs)
-        if func is F.scaled_dot_product_attention:
-            self._note("target cuda: F.scaled_dot_product_attention takes the kernel CPU would choose (gradaudit "
-                       "does not emulate CUDA's choice among its flash, memory-efficient and cuDNN kernels yet): a "
-                       "GPU's fused kernel saves slightly different tensors (its logsumexp layout, random-number "
-                       "state for dropout)")
-        elif (func is F.dropout and _argument(args, kwargs, 2, "training", True)
-              and not _argument(args, kwargs, 3, "inplace", False) and 0 < _argument(args, kwargs, 1, "p", 0.5) < 1):
-            self._note("target cuda: dropout in training runs CUDA's fused native_dropout, which saves a bool mask "
-                       "(1 byte per element); on meta it keeps the CPU's mask in the input's dtype "
-                       "(MulBackward0.other), so dropout's held bytes are overstated (not emulated yet)")
-        elif func is F.instance_norm and _argument(args, kwargs, 3, "weight", None) is not None:
+        dropout = _dropout_arguments(func, args, kwargs)
+        if dropout is not None and cuda_choices.fused_dropout_applies(*dropout):
+            return torchapi.native_dropout(dropout[0], float(dropout[1]))
+        if func is F.instance_norm and _argument(args, kwargs, 3, "weight", None) is not None:
             self._note("target cuda: F.instance_norm runs batch norm inside (in C++), which CUDA sends to cuDNN "
                        "when the instance norm is affine; on meta it keeps the native kernel's node "
                        "(NativeBatchNormBackward0)")
         return super().__torch_function__(func, types, args, kwargs)
+
+    def sdpa_choice(self, bound: dict[str, Any]) -> Optional[SdpaChoice]:
+        """CUDA's choice on the assumed GPU; None for calls it does not take (cuda_choices.emulable).
+        Raises RuntimeError where the GPU would find no kernel."""
+        call = cuda_choices.SdpaCall.of(bound)
+        if not cuda_choices.emulable(call):
+            return None
+        chosen = cuda_choices.choose(call, self.gpu)
+        without = chosen
+        if call.dropout_p:
+            try:
+                without = cuda_choices.choose(cuda_choices.SdpaCall.of(bound, dropout_p=0.0), self.gpu)
+            except RuntimeError:
+                without = chosen
+        self.attention_kernels[chosen.kernel] += 1
+        return SdpaChoice(chosen.kernel, without.kernel, "cuda", chosen.passed_over)
+
+    def sdpa_runner(self, bound: dict[str, Any], choice: SdpaChoice) -> Callable[..., torch.Tensor]:
+        return lambda *sdpa: cuda_choices.run(cuda_choices.SdpaCall(*sdpa), choice.kernel)
 
     @staticmethod
     def _cudnn(bound: dict[str, Any]) -> torch.Tensor:
@@ -207,8 +303,19 @@ class CudaKernelChoices(CpuKernelChoices):
                                          training, bound["momentum"], bound["eps"])
 
     def _note(self, text: str) -> None:
-        if text not in self.notes:
-            self.notes.append(text)
+        if text not in self._notes:
+            self._notes.append(text)
+
+
+def _dropout_arguments(func: Any, args: tuple, kwargs: dict) -> Optional[tuple[Any, Any, Any, Any]]:
+    """(input, p, training, inplace) of an ``F.dropout`` / ``torch.dropout`` call, else None."""
+    if func is F.dropout:
+        return (_argument(args, kwargs, 0, "input", None), _argument(args, kwargs, 1, "p", 0.5),
+                _argument(args, kwargs, 2, "training", True), _argument(args, kwargs, 3, "inplace", False))
+    if func is torch.dropout:
+        return (_argument(args, kwargs, 0, "input", None), _argument(args, kwargs, 1, "p", None),
+                _argument(args, kwargs, 2, "train", None), False)
+    return None
 
 
 # the devices an audit on meta can stand for, and the kernel choices each makes
@@ -479,23 +586,7 @@ class AutocastOnMeta(TorchFunctionMode):
 
     def _reenter(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run a Python composite with this mode on, so that autocast reaches its inner calls."""
-        names = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
-        scope = func.__globals__
-        saved = {n: scope[n] for n in names if n in scope}
-
-        def restore() -> None:
-            scope.update(saved)
-
-        def once(*_: Any) -> bool:  # the function's own check, once: it is being handled now
-            restore()
-            return False
-
-        scope.update({n: once for n in saved})
-        try:
-            with self:
-                return func(*args, **kwargs)
-        finally:
-            restore()
+        return run_with_mode_inside(self, func, args, kwargs)
 
     def _cast(self, value: Any, target: torch.dtype, lower: torch.dtype, cache: bool = True) -> Any:
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
@@ -521,6 +612,29 @@ class AutocastOnMeta(TorchFunctionMode):
                     f"the forward enabled torch.autocast({device!r}), which the meta device cannot emulate "
                     f"(gradaudit emulates {' and '.join(EMULATED_AUTOCAST)} autocast): its casts are missing "
                     f"from these figures; audit on {device} for them")
+
+
+def run_with_mode_inside(mode: TorchFunctionMode, func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run the Python composite ``func`` (a function of torch.nn.functional) with ``mode`` pushed again,
+    so that its inner calls reach the mode: the composite's own has_torch_function check is skipped
+    once (the mode is handling that call now)."""
+    names = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+    scope = func.__globals__
+    saved = {n: scope[n] for n in names if n in scope}
+
+    def restore() -> None:
+        scope.update(saved)
+
+    def once(*_: Any) -> bool:  # the function's own check, once: it is being handled now
+        restore()
+        return False
+
+    scope.update({n: once for n in saved})
+    try:
+        with mode:
+            return func(*args, **kwargs)
+    finally:
+        restore()
 
 
 def _any_autocast_enabled() -> bool:

@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
 from . import torchapi
-from .meta import sdpa_arguments, sdpa_backend
+from .meta import SdpaChoice, emulated_sdpa, sdpa_arguments, sdpa_backend
 from .records import NEEDED, AttentionCall, Leaf, Manager
 from .tensors import flatten, iter_tensors, storage_key, tensor_attributes, unique
 from .torchapi import NO_SEQUENCE, node_scalars, raw_saved_slots
@@ -148,7 +148,7 @@ class AttentionCalls(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
+        if func is not F.scaled_dot_product_attention and func is not emulated_sdpa:
             # the name of the function running, for saves hidden inside CopySlices (their node
             # is never exposed); the mode is off inside func, so this is the outermost call
             self.current = getattr(func, "__name__", None)
@@ -156,19 +156,25 @@ class AttentionCalls(TorchFunctionMode):
                 return func(*args, **kwargs)
             finally:
                 self.current = None
-        bound = sdpa_arguments(args, kwargs)
+        if func is emulated_sdpa:  # a call the meta kernel choices run for a target device: its kernel is given
+            choice, bound = args[0], sdpa_arguments(args[2:], kwargs)
+        else:
+            choice, bound = None, sdpa_arguments(args, kwargs)
         query = bound["query"]
         call = None
         if isinstance(query, torch.Tensor):
             try:
-                kernel = sdpa_backend(bound)
-                without = sdpa_backend(bound, dropout_p=0.0) if bound["dropout_p"] else kernel
+                if choice is None:
+                    kernel = torchapi.sdp_backend_name(sdpa_backend(bound))
+                    without = (torchapi.sdp_backend_name(sdpa_backend(bound, dropout_p=0.0)) if bound["dropout_p"]
+                               else kernel)
+                    choice = SdpaChoice(kernel, without, "cpu" if query.device.type == "meta" else query.device.type)
                 batch_heads_queries = query.numel() // query.shape[-1] if query.dim() else 0
                 call = AttentionCall(
-                    index=len(self.calls), logsumexp_bytes=batch_heads_queries * 4, kernel=torchapi.sdp_backend_name(kernel), kernel_without_dropout=torchapi.sdp_backend_name(without),
+                    index=len(self.calls), logsumexp_bytes=batch_heads_queries * 4, kernel=choice.kernel,
+                    kernel_without_dropout=choice.kernel_without_dropout,
                     dropout_p=float(bound["dropout_p"]), masked=bound["attn_mask"] is not None,
-                    causal=bool(bound["is_causal"]),
-                    device="cpu" if query.device.type == "meta" else query.device.type)
+                    causal=bool(bound["is_causal"]), device=choice.device, passed_over=choice.passed_over)
             except Exception:  # the choice cannot be asked for these arguments: say nothing
                 call = None
         start = torchapi.sequence_number()

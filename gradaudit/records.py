@@ -224,11 +224,14 @@ class AttentionCall:
     dropout_p: float
     masked: bool  # an attn_mask was passed
     causal: bool
-    device: str  # the device type the kernel was chosen for ("cpu" for an audit on meta)
+    device: str  # the device type the kernel was chosen for (on meta: the audit's target)
     # what a fused kernel would keep instead: the storages of query, key, value and output as
     # (Report.storages id, or -1 when no save refers to it; bytes), and its float32 logsumexp
     fused_keeps: tuple[tuple[int, int], ...] = ()
     logsumexp_bytes: int = 0
+    # (backend, why) for each fused backend tried before the chosen one: known where gradaudit chose
+    # the kernel itself (target="cuda" on meta), empty otherwise
+    passed_over: tuple[tuple[str, str], ...] = ()
 
     @property
     def math_fallback(self) -> bool:

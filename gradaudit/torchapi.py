@@ -460,12 +460,9 @@ def checkpoint_run_function(node: Any) -> Any:
 
 
 # -- kernels ----------------------------------------------------------------------------------------
-def _flash_backend() -> Optional[int]:
-    backend = getattr(getattr(torch.nn, "attention", None), "SDPBackend", None)
-    return int(backend.FLASH_ATTENTION) if backend is not None else None
-
-
-SDP_FLASH = _flash_backend()
+# gradaudit's backend names -> the name in torch._C's _get_<name>_sdp_enabled
+_SDP_FLAGS = {"flash": "flash", "efficient": "mem_efficient", "cudnn": "cudnn", "math": "math",
+              "overrideable": "overrideable", "fa3": "fa3"}
 
 
 def sdp_backend_name(choice: int) -> str:
@@ -481,6 +478,82 @@ def cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """The output of the CPU flash-attention kernel (its meta implementation on meta tensors)."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+# CUDA's attention kernels and fused dropout, called on meta tensors (gradaudit/cuda_choices.py): each
+# op's meta implementation returns outputs of the GPU kernel's shapes and dtypes, and autograd builds the
+# node the GPU builds, with its saves (logsumexp, random-number state).
+_ATEN = torch.ops.aten
+FEATURES["CUDA attention kernels"] = all(
+    hasattr(_ATEN, name) for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                                      "_scaled_dot_product_cudnn_attention", "_safe_softmax", "native_dropout"))
+FEATURES["SDPA settings"] = all(hasattr(torch._C, f"_get_{flag}_sdp_enabled")
+                                for flag in ("flash", "mem_efficient", "cudnn", "math")) \
+    and hasattr(torch._C, "_get_sdp_priority_order")
+
+
+def cuda_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
+                         is_causal: bool, scale: Optional[float]) -> torch.Tensor:
+    """The output of CUDA's flash-attention op (ScaledDotProductFlashAttentionBackward0)."""
+    return _ATEN._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                     scale=scale)[0]
+
+
+def cuda_efficient_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: Optional[torch.Tensor],
+                             logsumexp: bool, dropout_p: float, is_causal: bool,
+                             scale: Optional[float]) -> torch.Tensor:
+    """The output of CUDA's memory-efficient attention op (ScaledDotProductEfficientAttentionBackward0)."""
+    return _ATEN._scaled_dot_product_efficient_attention(query, key, value, bias, logsumexp, dropout_p, is_causal,
+                                                         scale=scale)[0]
+
+
+def cuda_cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: Optional[torch.Tensor],
+                         logsumexp: bool, dropout_p: float, is_causal: bool, scale: Optional[float]) -> torch.Tensor:
+    """The output of cuDNN's attention op (ScaledDotProductCudnnAttentionBackward0)."""
+    return _ATEN._scaled_dot_product_cudnn_attention(query, key, value, bias, logsumexp, dropout_p, is_causal, False,
+                                                     scale=scale)[0]
+
+
+def safe_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """ATen's ``_safe_softmax`` (the softmax of SDPA's math kernel: rows masked entirely give 0)."""
+    return _ATEN._safe_softmax(x, dim)
+
+
+def native_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """The output of ATen's fused dropout in training (NativeDropoutBackward0, which saves a bool mask)."""
+    return _ATEN.native_dropout(x, p, True)[0]
+
+
+def mul_scalar(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x * factor`` as C++ multiplies by a Scalar (MulBackward1, which saves no tensor)."""
+    return _ATEN.mul.Scalar(x, factor)
+
+
+def sdp_enabled() -> dict[str, bool]:
+    """Which attention backends torch's global settings (``torch.backends.cuda.enable_*_sdp``,
+    ``torch.nn.attention.sdpa_kernel``) leave enabled, by gradaudit's names, and "fa3" (FlashAttention-3)."""
+    # a flag this torch does not have (FlashAttention-3's, the overrideable backend's) is off
+    return {name: bool(getattr(torch._C, f"_get_{flag}_sdp_enabled", lambda: False)())
+            for name, flag in _SDP_FLAGS.items()}
+
+
+def sdp_priority_order() -> tuple[str, ...]:
+    """The order in which torch tries the attention backends (``sdpa_kernel(..., set_priority=True)``
+    changes it), by gradaudit's names."""
+    return tuple(sdp_backend_name(choice) for choice in torch._C._get_sdp_priority_order())
+
+
+def math_sdp_low_precision_reduction() -> bool:
+    """Whether SDPA's math kernel may reduce in float16/bfloat16 (else it computes in float32)."""
+    return bool(torch._C._get_math_sdp_allow_fp16_bf16_reduction())
+
+
+def cudnn_version() -> Optional[int]:
+    """The cuDNN version the installed torch loads (9.24.0 is 92400), None where it has none."""
+    try:
+        return torch.backends.cudnn.version()
+    except Exception:  # a build without cuDNN
+        return None
 
 
 def cudnn_batch_norm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, running_mean: Any,

@@ -156,6 +156,8 @@ CASES = {
     "SelectBackward0": (lambda x: x[1], [_float(4, 8)], (0,)),
     "ViewBackward0": (lambda x: x.view(8, 4), [_float(4, 8)], (0,)),
     "UnsafeViewBackward0": (lambda x, w: x @ w, [_float(2, 3, 4), _float(4, 5)], (0, 1)),
+    # CUDA's dropout (target="cuda" builds it on meta); the CPU runs the op too, so it is proven here
+    "NativeDropoutBackward0": (lambda x: torch.native_dropout(x, 0.5, True)[0], [_float(4, 8)], (0,)),
 }
 
 # Nodes made only by kernels this machine cannot run (CUDA) or by dispatch paths a CPU forward
@@ -165,6 +167,8 @@ META_CASES = {
     "ScaledDotProductEfficientAttentionBackward0": lambda q: torch.ops.aten._scaled_dot_product_efficient_attention(
         q, q, q, None, True)[0],
     "ScaledDotProductFlashAttentionBackward0": lambda q: torch.ops.aten._scaled_dot_product_flash_attention(q, q, q)[0],
+    "ScaledDotProductCudnnAttentionBackward0": lambda q: torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, q, q, None, True)[0],
 }
 
 # cuDNN batch norm (what CUDA runs for most batch norms, and gradaudit's target="cuda" on meta):

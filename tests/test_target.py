@@ -1,10 +1,13 @@
 """``target="cuda"``: an audit on the meta device that stands for a GPU.
 
 Batch norm takes cuDNN wherever ATen's ``_select_batch_norm_backend`` would (so the node is
-CudnnBatchNormBackward0, with cuDNN's saves), ``torch.autocast("cuda")`` inside the forward is
-followed, and the report records what it stands for. The proof of the cuDNN declarations needs a
-GPU (tests/test_knowledge.py runs it where one is); here everything is static, on meta, and compared
-with CPU audits where the two kernels keep the same tensors.
+CudnnBatchNormBackward0, with cuDNN's saves), ``F.scaled_dot_product_attention`` takes the backend
+CUDA's ``select_sdp_backend`` would pick on the assumed GPU (an H100 with the installed torch's cuDNN),
+dropout in training runs the fused ``native_dropout`` (a bool mask), ``torch.autocast("cuda")`` inside
+the forward is followed, and the report records what it stands for. The proof of the cuDNN declarations
+needs a GPU (tests/test_knowledge.py runs it where one is); here everything is static, on meta, and
+compared with CPU audits where the kernels keep the same tensors. No GPU confirmed the attention
+choices: they follow torch's checks as read in its source (gradaudit/cuda_choices.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradaudit
-from gradaudit import GradauditError, torchapi
+from gradaudit import GradauditError, cuda_choices, torchapi
+from gradaudit.cuda_choices import Gpu, SdpaCall
 from gradaudit.meta import CudaKernelChoices
 from gradaudit.records import NEEDED, NOT_NEEDED, UNKNOWN
 from gradaudit.report import jsonout, text
@@ -232,25 +236,425 @@ def test_target_is_checked_and_recorded():
     assert ", meta as cpu," in text.render(gradaudit.audit(model, x))
 
 
-def test_attention_follows_the_cpu_choice_and_says_so():
-    class Attention(nn.Module):
-        def forward(self, q):
-            return F.scaled_dot_product_attention(q, q * 2, q * 3)
-
-    q = torch.randn(1, 2, 16, 8, device="meta", requires_grad=True)
-    cpu, cuda = gradaudit.audit(Attention(), q), gradaudit.audit(Attention(), q, target="cuda")
-    assert [t.node for t in cuda.tensors] == [t.node for t in cpu.tensors]
-    assert cuda.saved_bytes == cpu.saved_bytes
-    assert any("takes the kernel CPU would choose" in n for n in cuda.notes)
-    assert not any("takes the kernel CPU would choose" in n for n in cpu.notes)
-
-
 def test_what_is_not_emulated_is_noted():
-    # CUDA's fused dropout (a bool mask) and the cuDNN batch norm inside F.instance_norm (C++)
+    # the cuDNN batch norm inside F.instance_norm (C++) is not emulated; CUDA's fused dropout is
     with torch.device("meta"):
         model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, affine=True), nn.Dropout(0.1)).train()
     x = torch.randn(2, 3, 8, 8, device="meta")
     notes = gradaudit.audit(model, x, target="cuda").notes
-    assert any("native_dropout" in n for n in notes) and any("F.instance_norm" in n for n in notes)
+    assert any("F.instance_norm" in n for n in notes) and not any("dropout" in n for n in notes)
     assert not any("target cuda" in n for n in gradaudit.audit(model, x).notes)
-    assert not any("native_dropout" in n for n in gradaudit.audit(model.eval(), x, target="cuda").notes)
+
+
+# -- dropout: CUDA runs the fused native_dropout in training, which saves a bool mask ---------------
+
+
+def test_dropout_keeps_a_bool_mask_on_cuda():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.Linear(32, 4)).train()
+    x = torch.randn(8, 16, device="meta")
+    cuda, cpu = gradaudit.audit(model, x, target="cuda"), gradaudit.audit(model, x)
+    (mask,) = [t for t in cuda.tensors if t.node == "NativeDropoutBackward0"]
+    (cpu_mask,) = [t for t in cpu.tensors if t.node == "MulBackward0" and t.attr == "other"]
+    # the 8 x 32 mask: 256 elements, one byte each as bool on CUDA, four as the CPU's float32 mask
+    assert (mask.attr, mask.dtype, mask.shape, mask.view_nbytes) == ("result1", "bool", (8, 32), 256)
+    assert (mask.verdict, mask.rule) == (NEEDED, None)  # the backward is grad * mask * 1/(1-p)
+    assert cpu_mask.view_nbytes == 256 * 4 and cpu.saved_bytes - cuda.saved_bytes == 256 * 3
+    # GA402 (a float mask holding two values) is the CPU's: CUDA's mask is already bool
+    assert "GA402" in {f.code for f in cpu.findings} and "GA402" not in {f.code for f in cuda.findings}
+    # what stays as on the meta device: eval mode, p = 0, in place, and the feature dropouts
+    for module in (model.eval(), nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.0)).to("meta").train(),
+                   nn.Sequential(nn.Linear(16, 32), nn.Dropout1d(0.1)).to("meta").train()):
+        assert "NativeDropoutBackward0" not in {n.name for n in gradaudit.audit(module, x, target="cuda").nodes}
+    with CudaKernelChoices():
+        y = torch.randn(8, 16, device="meta", requires_grad=True)
+        assert type(torch.dropout(y, 0.5, True).grad_fn).__name__ == "NativeDropoutBackward0"
+        assert type(F.dropout(y * 1, 0.5, training=True, inplace=True).grad_fn).__name__ != "NativeDropoutBackward0"
+
+
+def test_native_dropout_is_declared_and_trim_keeps_its_mask():
+    """NativeDropoutBackward0 (what CUDA's dropout builds; CPU runs the op too): its mask is read, so
+    the audit calls it needed and trim keeps it; the gradients stay bit-identical."""
+    class FusedDropout(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.native_dropout(self.lin(x), 0.5, True)[0]
+
+    torch.manual_seed(0)
+    model, x = FusedDropout(), torch.randn(4, 8)
+    (mask,) = [t for t in gradaudit.audit(model, x, verify=True).tensors if t.node == "NativeDropoutBackward0"]
+    assert (mask.verdict, mask.proven, mask.bitpackable) == (NEEDED, True, False)
+
+    def gradient(trimmed):
+        model.zero_grad()
+        torch.manual_seed(1)
+        if trimmed:
+            with gradaudit.trim(model):
+                model(x).square().sum().backward()
+        else:
+            model(x).square().sum().backward()
+        return model.lin.weight.grad.clone()
+
+    assert torch.equal(gradient(False), gradient(True))
+
+
+# -- attention: CUDA's choice among flash, memory-efficient, cuDNN and math ----------------------
+
+H100, A100 = Gpu("H100", (9, 0), 92400), Gpu("A100", (8, 0), 92400)
+B, H, L, D = 2, 4, 24, 64
+
+
+@pytest.fixture(autouse=True)
+def _an_h100_with_cudnn_9_24(monkeypatch):
+    """The audits below stand for the GPU the defaults assume with torch 2.14.1+cu130 (its cuDNN
+    9.24), whatever cuDNN the installed torch has, and torch's cuDNN preference left on."""
+    monkeypatch.setattr(cuda_choices, "assumed_gpu", lambda: H100)
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
+
+
+def test_the_assumed_gpu_is_an_h100_with_the_installed_cudnn(monkeypatch):
+    monkeypatch.undo()
+    gpu = cuda_choices.assumed_gpu()
+    assert (gpu.name, gpu.capability, gpu.cudnn) == ("H100", (9, 0), torch.backends.cudnn.version() or 92400)
+
+
+def _qkv(d=D, dtype=torch.bfloat16, heads=H, kv_heads=H, keys=L):
+    return (torch.randn(B, heads, L, d, device="meta", dtype=dtype, requires_grad=True),
+            torch.randn(B, kv_heads, keys, d, device="meta", dtype=dtype, requires_grad=True),
+            torch.randn(B, kv_heads, keys, d, device="meta", dtype=dtype, requires_grad=True))
+
+
+def _mask(*shape, dtype=torch.bool, requires_grad=False):
+    return torch.zeros(*shape, device="meta", dtype=dtype).requires_grad_(requires_grad)
+
+
+CHOICES = {
+    # sdp_utils.cpp on an H100 (sm90) with cuDNN 9.24: cuDNN first (it is newer than 9.15), then
+    # flash, memory-efficient, math
+    "bf16": (lambda: SdpaCall(*_qkv()), H100, "cudnn"),
+    "bf16 on an A100 (cuDNN not preferred)": (lambda: SdpaCall(*_qkv()), A100, "flash"),
+    "fp16 causal": (lambda: SdpaCall(*_qkv(dtype=torch.float16), is_causal=True), H100, "cudnn"),
+    "fp32: only memory-efficient takes it": (lambda: SdpaCall(*_qkv(dtype=torch.float32)), H100, "efficient"),
+    "fp64: no fused kernel": (lambda: SdpaCall(*_qkv(dtype=torch.float64)), H100, "math"),
+    "4-D bool mask": (lambda: SdpaCall(*_qkv(), _mask(B, 1, L, L)), H100, "cudnn"),
+    "mask and dropout 0.1 (cuDNN: multiples of 1/16; flash: no mask)": (
+        lambda: SdpaCall(*_qkv(), _mask(B, 1, L, L), 0.1), H100, "efficient"),
+    "dropout 1/8": (lambda: SdpaCall(*_qkv(), dropout_p=0.125), H100, "cudnn"),
+    "dropout 0.1": (lambda: SdpaCall(*_qkv(), dropout_p=0.1), H100, "flash"),
+    "3-D mask (cuDNN: 2-D or 4-D)": (lambda: SdpaCall(*_qkv(), _mask(B, L, L)), H100, "efficient"),
+    "mask that requires grad": (lambda: SdpaCall(*_qkv(), _mask(L, L, dtype=torch.bfloat16, requires_grad=True)),
+                                H100, "efficient"),
+    "head dim 12: flash pads it to 16": (lambda: SdpaCall(*_qkv(d=12)), H100, "flash"),
+    "head dim 12 and a mask": (lambda: SdpaCall(*_qkv(d=12), _mask(L, L)), H100, "math"),
+    "fp32 head dim 9": (lambda: SdpaCall(*_qkv(d=9, dtype=torch.float32)), H100, "math"),
+    "head dim 160 (cuDNN: 128)": (lambda: SdpaCall(*_qkv(d=160)), H100, "flash"),
+    "head dim 288 (flash: 256)": (lambda: SdpaCall(*_qkv(d=288)), H100, "efficient"),
+    "grouped key/value heads": (lambda: SdpaCall(*_qkv(kv_heads=2), enable_gqa=True), H100, "cudnn"),
+    "causal, more keys than queries, A100": (lambda: SdpaCall(*_qkv(keys=32), is_causal=True), A100, "efficient"),
+    "a transposed head dim (stride != 1)": (
+        lambda: SdpaCall(*(t.transpose(-1, -2) for t in _qkv(d=L))), H100, "math"),
+    "key/value length 1 (cuDNN)": (lambda: SdpaCall(*_qkv(keys=1)), H100, "flash"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHOICES))
+def test_attention_takes_the_backend_cuda_would(case):
+    call, gpu, kernel = CHOICES[case]
+    chosen = cuda_choices.choose(call(), gpu)
+    assert chosen.kernel == kernel, chosen
+    # every fused backend ahead of it in the priority order says why it passed
+    ahead = cuda_choices.priority(gpu)[:cuda_choices.priority(gpu).index(kernel)]
+    assert [name for name, _ in chosen.passed_over] == [name for name in ahead if name in cuda_choices.FUSED]
+    assert all(why for _, why in chosen.passed_over)
+
+
+def test_settings_that_change_the_choice_are_followed(monkeypatch):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    call = SdpaCall(*_qkv())
+    assert cuda_choices.choose(call, H100).kernel == "cudnn"
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+        assert cuda_choices.choose(call, H100).kernel == "flash"
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        assert cuda_choices.choose(call, H100).kernel == "efficient"
+    with sdpa_kernel(SDPBackend.MATH):
+        assert cuda_choices.choose(call, H100).kernel == "math"
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION], set_priority=True):
+        assert cuda_choices.choose(call, H100).kernel == "efficient"
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        assert cuda_choices.choose(call, H100).kernel == "flash"
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert cuda_choices.choose(call, H100).kernel == "flash"  # cuDNN attention is not deterministic
+    finally:
+        torch.use_deterministic_algorithms(False)
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+    assert cuda_choices.choose(call, H100).kernel == "flash"
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED")
+    # no kernel at all: a GPU raises, and so does the audit
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), pytest.raises(RuntimeError, match="flash: an attn_mask"):
+        cuda_choices.choose(SdpaCall(*_qkv(), _mask(L, L)), H100)
+    x = torch.randn(B, H, L, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), pytest.raises(GradauditError, match="flash: an attn_mask"):
+        gradaudit.audit(_Attention(_mask(L, L)), x, target="cuda")
+
+
+@pytest.mark.parametrize("case, node", [
+    ("bf16", "ScaledDotProductCudnnAttentionBackward0"),
+    ("dropout 0.1", "ScaledDotProductFlashAttentionBackward0"),
+    ("fp32: only memory-efficient takes it", "ScaledDotProductEfficientAttentionBackward0"),
+    ("fp64: no fused kernel", "SafeSoftmaxBackward0"),
+])
+def test_the_chosen_kernel_builds_its_node(case, node):
+    call = CHOICES[case][0]()
+    with CudaKernelChoices(H100):
+        out = F.scaled_dot_product_attention(call.query, call.key, call.value, attn_mask=call.attn_mask,
+                                             dropout_p=call.dropout_p, is_causal=call.is_causal)
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        n = stack.pop()
+        if n is not None and n not in seen:
+            seen.add(n)
+            stack.extend(f for f, _ in n.next_functions)
+    assert node in {n.name() for n in seen} and out.shape == call.query.shape and out.dtype == call.query.dtype
+
+
+def _saves(report, node):
+    return {t.attr: t for t in report.tensors if t.node == node}
+
+
+class _Attention(nn.Module):
+    def __init__(self, mask=None, p=0.0, head_slice=None):
+        super().__init__()
+        self.mask, self.p, self.head_slice = mask, p, head_slice
+
+    def forward(self, x):
+        q, k, v = x * 1, x * 2, x * 3
+        if self.head_slice is not None:
+            q, k, v = (t[..., self.head_slice:] for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, dropout_p=self.p)
+
+
+def test_flash_pads_a_head_dim_to_a_multiple_of_8():
+    # attention.cpp pads query, key and value with zeros to head dim 16 before the flash kernel and
+    # slices the output back: the kernel saves the padded copies
+    x = torch.randn(B, H, L, 12, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    report = gradaudit.audit(_Attention(), x, target="cuda")
+    saves = _saves(report, "ScaledDotProductFlashAttentionBackward0")
+    padded = B * H * L * 16 * 2  # 2 * 4 * 24 * 16 bf16 = 6144 bytes each
+    assert {(a, t.shape, t.view_nbytes) for a, t in saves.items() if a in ("query", "key", "value", "output")} == {
+        (a, (B, H, L, 16), padded) for a in ("query", "key", "value", "output")}
+    assert saves["logsumexp"].view_nbytes == B * H * L * 4  # float32 per (batch, head, query): 768
+    (call,) = {n.attention for n in report.nodes if n.attention is not None}
+    assert (call.kernel, call.device, call.passed_over[0][0]) == ("flash", "cuda", "cudnn")
+
+
+def test_efficient_copies_a_mask_whose_rows_are_not_aligned():
+    # preprocess_mask: a float mask whose key dimension (20) is not a multiple of 8 is copied into a
+    # buffer padded to 24 keys, which the node keeps (as a B x H x L x S broadcast view of it)
+    x = torch.randn(B, H, L, 16, device="meta", dtype=torch.float32, requires_grad=True)
+    keys = torch.randn(B, H, 20, 16, device="meta", requires_grad=True)
+
+    class Cross(nn.Module):
+        def forward(self, q):
+            mask = torch.zeros(B, 1, L, 20, device="meta")
+            return F.scaled_dot_product_attention(q, keys * 1, keys * 2, attn_mask=mask)
+
+    report = gradaudit.audit(Cross(), x, target="cuda")
+    bias = _saves(report, "ScaledDotProductEfficientAttentionBackward0")["attn_bias"]
+    assert bias.shape == (B, H, L, 20) and bias.stride == (L * 24, 0, 24, 1)
+    assert report.storages[bias.storage_id].nbytes == B * 1 * L * 24 * 4  # 4608 bytes
+    # the logsumexp is padded to a multiple of 32 queries: 2 * 4 * 32 floats = 1024 bytes
+    assert _saves(report, "ScaledDotProductEfficientAttentionBackward0")["log_sumexp"].view_nbytes == B * H * 32 * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask, causal, gqa, scale", [
+    (None, False, False, None), ("bool", False, False, None), ("float", False, False, -0.3),
+    (None, True, False, None), (None, False, True, 0.5), (None, True, True, None)])
+def test_math_with_dropout_is_the_composite_with_cudas_dropout(dtype, mask, causal, gqa, scale, monkeypatch):
+    """With dropout, CUDA's math kernel is ATen's composite whose at::dropout is native_dropout: the
+    emulation runs it in Python. With the meta device's dropout in its place, it must build the very
+    graph torch's composite builds (node by node, the same saves), so only the dropout node differs."""
+    def graph(out):
+        found, stack, seen = [], [out.grad_fn], set()
+        while stack:
+            n = stack.pop()
+            if n is None or n in seen:
+                continue
+            seen.add(n)
+            saved = [(a, tuple(getattr(n, a).shape), getattr(n, a).dtype) for a in sorted(dir(n))
+                     if a.startswith("_saved_") and isinstance(getattr(n, a), torch.Tensor)]
+            found.append((n.name(), saved))
+            stack.extend(f for f, _ in n.next_functions)
+        return found
+
+    q, k, v = _qkv(d=8, dtype=dtype, kv_heads=2 if gqa else H)
+    attn_mask = {None: None, "bool": _mask(L, L), "float": _mask(B, 1, L, L, dtype=dtype)}[mask]
+    call = SdpaCall(q, k, v, attn_mask, 0.25, causal, scale, gqa)
+    composite = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=0.25, is_causal=causal,
+                                               scale=scale, enable_gqa=gqa)
+    fused = graph(cuda_choices.run(call, "math"))
+    monkeypatch.setattr(torchapi, "native_dropout", lambda x, p: torch.dropout(x, p, True))
+    assert graph(cuda_choices.run(call, "math")) == graph(composite)
+    differs = [(a, b) for a, b in zip(fused, graph(composite)) if a != b]
+    (((cuda_node, cuda_saves), (meta_node, meta_saves)),) = differs
+    assert (cuda_node, meta_node) == ("NativeDropoutBackward0", "MulBackward0")
+    assert [s[2] for s in cuda_saves] == [torch.bool] and [s[2] for s in meta_saves] == [torch.float32]
+
+
+# -- Hugging Face models on meta, bf16, target cuda -----------------------------------------------
+
+SEQ = 24  # differs from every head dim below, so an L x L save is recognised by its last two dims
+
+
+def _hf_on_meta(transformers, config):
+    from conftest import TINY_HF
+
+    with torch.device("meta"):
+        model = getattr(transformers, TINY_HF[config.model_type][1])(config)
+    return model.to(torch.bfloat16).train()
+
+
+def _ids():
+    return {"input_ids": torch.zeros(2, SEQ, dtype=torch.long, device="meta")}
+
+
+def _probabilities(report):
+    """Float saves whose last two dims are SEQ x SEQ: attention probabilities, dropped or not (the
+    value matmul keeps them as B*H x L x L)."""
+    return [t for t in report.tensors if t.held and len(t.shape) >= 3 and t.shape[-2:] == (SEQ, SEQ)
+            and t.dtype in ("float32", "bfloat16", "float16")]
+
+
+def _attention_nodes(report):
+    return [n for n in report.nodes if n.name.startswith("ScaledDotProduct")]
+
+
+@pytest.mark.parametrize("dropout, kernel, node", [(0.1, "flash", "ScaledDotProductFlashAttentionBackward0"),
+                                                   (0.125, "cudnn", "ScaledDotProductCudnnAttentionBackward0")])
+def test_bert_in_bf16_holds_no_probabilities_on_cuda(dropout, kernel, node, transformers, tiny_hf_config):
+    # BERT's SDPA call: no mask (no padding), attention dropout in training, head dim 32 / 2 = 16.
+    # cuDNN takes dropout only in multiples of 1/16: 0.1 goes to flash, 0.125 to cuDNN
+    config = tiny_hf_config("bert", attn_implementation="sdpa", attention_probs_dropout_prob=dropout)
+    model = _hf_on_meta(transformers, config)
+    cuda, cpu = gradaudit.audit(model, _ids(), target="cuda"), gradaudit.audit(model, _ids())
+    nodes = _attention_nodes(cuda)
+    assert [n.name for n in nodes] == [node] * 2
+    assert {(n.attention.kernel, n.attention.device, n.attention.dropout_p) for n in nodes} == {
+        (kernel, "cuda", dropout)}
+    assert not _probabilities(cuda)
+    saves = [t for t in cuda.tensors if t.node == node]
+    # per layer: query, key, value and output, 2 x 2 heads x 24 x 16 bf16 = 3072 bytes each, and a
+    # float32 logsumexp per (batch, head, query): 2 * 2 * 24 * 4 = 384 bytes
+    assert sorted(t.view_nbytes for t in saves if t.attr in ("query", "key", "value", "output")) == [3072] * 8
+    assert sorted(t.view_nbytes for t in saves if "logsumexp" in t.attr) == [384] * 2
+    # the CPU's choice is its math kernel (it takes no dropout on CPU): the probabilities in float32
+    # (its math upcasts bf16), 2 * 2 * 24 * 24 * 4 = 9216 bytes, its float dropout mask and the dropped
+    # probabilities the value matmul keeps, per layer
+    assert {t.view_nbytes for t in _probabilities(cpu)} == {9216} and len(_probabilities(cpu)) == 6
+    # dropout: the embeddings', and after the attention output and the feed-forward of both layers:
+    # five masks of 2 x 24 x 32, one byte per element on CUDA: 1536 bytes each
+    masks = [t for t in cuda.tensors if t.node == "NativeDropoutBackward0"]
+    assert [(t.dtype, t.view_nbytes) for t in masks] == [("bool", 2 * SEQ * 32)] * 5
+    assert "GA402" not in {f.code for f in cuda.findings} and "GA801" not in {f.code for f in cuda.findings}
+    assert any("took the kernels" in n and "H100" in n for n in cuda.notes)
+
+
+def test_llama_in_bf16_takes_cudnn_on_cuda(transformers, tiny_hf_config):
+    # Llama's SDPA call: causal flag, no mask, 4 query heads sharing 2 key/value heads (enable_gqa),
+    # head dim 32 / 4 = 8, no attention dropout: cuDNN takes it on an H100
+    model = _hf_on_meta(transformers, tiny_hf_config("llama", attn_implementation="sdpa"))
+    cuda = gradaudit.audit(model, _ids(), target="cuda")
+    nodes = _attention_nodes(cuda)
+    assert [n.name for n in nodes] == ["ScaledDotProductCudnnAttentionBackward0"] * 2
+    assert {(n.attention.kernel, n.attention.causal) for n in nodes} == {("cudnn", True)}
+    assert not _probabilities(cuda)
+    saves = [t for t in cuda.tensors if t.node == "ScaledDotProductCudnnAttentionBackward0"]
+    # per layer: query and output 2 x 4 x 24 x 8 bf16 = 3072 bytes, key and value (2 heads) 1536
+    # bytes, logsumexp 2 * 4 * 24 * 1 float32 = 768 bytes
+    assert sorted((t.attr, t.view_nbytes) for t in saves if t.attr in ("query", "key", "value", "output",
+                                                                        "logsumexp")) == sorted(
+        [("query", 3072), ("output", 3072), ("key", 1536), ("value", 1536), ("logsumexp", 768)] * 2)
+    # standing for the CPU, the meta run takes the CPU's flash kernel: no probabilities either
+    assert not _probabilities(gradaudit.audit(model, _ids()))
+
+
+def _register_padded_attention(transformers, mask):
+    """An attention function that hands SDPA a padding mask (``mask``) the model would build from an
+    attention_mask: on meta, Hugging Face's own mask helpers read values (.item())."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def padded(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+
+    AttentionInterface.register("gradaudit_test_padded_sdpa", padded)
+    return "gradaudit_test_padded_sdpa"
+
+
+def test_bert_with_a_mask_the_fused_kernels_refuse_holds_probabilities(transformers, tiny_hf_config):
+    # hidden 48, 4 heads: head dim 12. Without a mask flash takes it (padded to 16). With a padding
+    # mask: flash takes no mask, the memory-efficient kernel needs head dims that are multiples of 8
+    # in bf16, cuDNN too (and dropout 0.1 is no multiple of 1/16): the math kernel runs
+    mask = torch.ones(2, 1, SEQ, SEQ, dtype=torch.bool, device="meta")
+    masked = tiny_hf_config("bert", hidden_size=48, num_attention_heads=4,
+                            attn_implementation=_register_padded_attention(transformers, mask))
+    report = gradaudit.audit(_hf_on_meta(transformers, masked), _ids(), target="cuda")
+    assert not _attention_nodes(report)
+    calls = {n.attention for n in report.nodes if n.attention is not None}
+    assert {(c.kernel, c.masked) for c in calls} == {("math", True)}
+    (call, *_) = calls
+    assert [name for name, _ in call.passed_over] == ["cudnn", "flash", "efficient"]
+    # per layer: the probabilities (float32: math upcasts bf16) 2 x 4 x 24 x 24 x 4 = 18432 bytes,
+    # CUDA's bool dropout mask of them 4608 bytes, the dropped probabilities the value matmul keeps
+    # 18432 bytes
+    held = sorted((t.node, t.dtype, t.view_nbytes) for t in _probabilities(report))
+    assert held == sorted([("SafeSoftmaxBackward0", "float32", 18432), ("BmmBackward0", "float32", 18432)] * 2)
+    masks = [t for t in report.tensors if t.node == "NativeDropoutBackward0" and t.shape[-2:] == (SEQ, SEQ)]
+    assert [(t.dtype, t.view_nbytes) for t in masks] == [("bool", 4608)] * 2
+    # GA801 explains it per layer (no fused CUDA kernel takes these arguments, with or without
+    # dropout) and promises no bytes
+    findings = [f for f in report.findings if f.code == "GA801"]
+    assert len(findings) == 2
+    for finding in findings:
+        assert "no fused cuda kernel takes these arguments" in finding.message
+        assert "flash: an attn_mask" in finding.message and "efficient: head dims not multiples of 8" in finding.message
+        assert finding.severity == "info" and finding.bytes == 0 and "can_use_flash_attention" in finding.fix
+
+    unmasked = tiny_hf_config("bert", hidden_size=48, num_attention_heads=4, attn_implementation="sdpa")
+    fused = gradaudit.audit(_hf_on_meta(transformers, unmasked), _ids(), target="cuda")
+    assert [n.name for n in _attention_nodes(fused)] == ["ScaledDotProductFlashAttentionBackward0"] * 2
+    assert not _probabilities(fused)
+
+
+def test_ga801_names_the_cuda_kernel_dropout_rules_out():
+    # query, key and value start 4 elements into their storage (not a multiple of 8 for bf16: the
+    # memory-efficient kernel refuses them), a mask rules out flash, and cuDNN, the one fused kernel
+    # left, takes dropout only in multiples of 1/16: with dropout 0.1 the math kernel runs
+    x = torch.randn(B, H, L, 20, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    mask = torch.zeros(L, L, device="meta", dtype=torch.bfloat16)
+    report = gradaudit.audit(_Attention(mask, 0.1, head_slice=4), x, target="cuda")
+    (finding,) = [f for f in report.findings if f.code == "GA801"]
+    assert "dropout_p=0.1 rules out the CUDA cudnn kernel (dropout 0.1 is not a multiple of 1/16)" \
+        in finding.message and "1/16" in finding.fix and finding.severity == "waste"
+    # measured, the forward without dropout (cuDNN) against this one (math):
+    # math keeps the scaled query and key in float32 for the first matmul (8 x 24 x 16 x 4 = 12288
+    # bytes each), the probabilities (2 x 4 x 24 x 24 float32 = 18432), CUDA's bool dropout mask
+    # (4608), the value in float32 (12288) and the dropped probabilities (18432) for the second
+    # matmul, and three 8-byte scalars: 78360 bytes.
+    # cuDNN keeps query, key and value (views into 2 x 4 x 24 x 20 bf16 storages, 7680 bytes each),
+    # logsumexp (2 x 4 x 24 float32 = 768), the output (2 x 4 x 24 x 16 bf16 = 6144), seed and offset
+    # (16) and the three scalars (24): 29992 bytes (the mask is the module's own tensor: not counted)
+    without = gradaudit.audit(_Attention(mask, 0.0, head_slice=4), x, target="cuda")
+    assert [n.name for n in _attention_nodes(without)] == ["ScaledDotProductCudnnAttentionBackward0"]
+    assert (report.saved_bytes, without.saved_bytes) == (78360, 29992)
+    assert finding.bytes == 78360 - 29992
+    assert not [f for f in gradaudit.audit(_Attention(mask, 0.125, head_slice=4), x, target="cuda").findings
+                if f.code == "GA801"]

@@ -220,6 +220,13 @@ declare("MulBackward0", edges=("self", "other"), source="derivatives.yaml mul.Te
                           why="read by the gradient of the other factor"),
         })
 
+# -- CUDA's dropout in training (Dropout.cpp: out-of-place F.dropout with 0 < p < 1 on a CUDA tensor runs
+# the fused native_dropout; gradaudit/meta.py builds it on meta for target="cuda"): the node saves only
+# the keep-mask, as bool (one byte per element), and the input gradient is grad * mask * 1/(1-p)
+declare("NativeDropoutBackward0", edges=("input",),
+        source="derivatives.yaml native_dropout: native_dropout_backward(grad, result1, scale)",
+        saves={"result1": Read(why="the keep-mask says which elements of the gradient pass")})
+
 # -- matrix products: codegen saves each operand only when the other's gradient is wanted
 _MATMUL_WHY = "read by the gradient formula of an input that needs a gradient"
 declare("AddmmBackward0", edges=("self", "mat1", "mat2"), weight="mat2", source="derivatives.yaml addmm",
@@ -279,6 +286,7 @@ declare(
     "SqrtBackward0", "RsqrtBackward0", "SinBackward0", "CosBackward0",
     "EmbeddingBackward0", "IndexBackward0", "MeanBackward1", "NormBackward1",
     "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductFlashAttentionBackward0",
+    "ScaledDotProductCudnnAttentionBackward0",
     "MseLossBackward0", "LinalgVectorNormBackward0", "ReciprocalBackward0", "NegBackward0",
     "AbsBackward0", "ClampBackward1", "ClampMinBackward0", "ClampMaxBackward0", "WhereBackward0",
     "MaxBackward0", "MinBackward0", "MaxBackward1", "MinBackward1",

@@ -484,6 +484,20 @@ ATTENTION_DIAGNOSIS_SNIPPET = """
     params = SDPAParams(q, k, v, mask, dropout_p, is_causal, enable_gqa)
     can_use_flash_attention(params, debug=True)       # warns with the reason it cannot
 """
+# torch has no public "why not" for the CPU kernel: its constraints (sdp_utils_cpp.cpp), in words
+CPU_ATTENTION_SNIPPET = """
+    # the CPU flash kernel takes: 4-D query, key and value of one floating dtype and one head dim,
+    # no dropout, an attn_mask that is 2-D or 4-D (broadcast over batch and heads) and needs no grad
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+"""
+
+
+def _passed_over(call, kernel: str = "") -> str:
+    """Why the fused kernels were passed over ("flash: ...; efficient: ..."), or why ``kernel`` was,
+    as the kernel choice said ("" where it said nothing)."""
+    if kernel:
+        return next((why for name, why in call.passed_over if name == kernel), "")
+    return "; ".join(f"{name}: {why}" for name, why in call.passed_over)
 
 
 @rule("GA801", "eager-attention-saves-probabilities",
@@ -518,7 +532,8 @@ def eager_attention_saves_probabilities(ctx: RuleContext):  # noqa: C901 (two ca
         ``attn_implementation="sdpa"``. Where SDPA already runs but falls back to its math kernel
         because of attention dropout on CPU: train with attention dropout 0 there (Hugging Face:
         ``attention_probs_dropout_prob=0.0`` / ``attention_dropout=0.0``); CUDA's fused kernels
-        apply dropout themselves.
+        apply dropout themselves (cuDNN's only in multiples of 1/16: where it is the one fused
+        kernel the arguments leave, such a probability keeps it).
     Fix safety:
         Not bit-identical: fused kernels sum in a different order (differences at rounding level);
         dropping attention dropout changes training.
@@ -553,12 +568,16 @@ def eager_attention_saves_probabilities(ctx: RuleContext):  # noqa: C901 (two ca
         else:
             # no fused kernel takes these arguments: what it would keep instead is not measured,
             # so this explains and promises no bytes
+            why = _passed_over(call) or "mask, dtype or head size"
+            on_cuda = call.device == "cuda"
             yield Flag(node, inside,
                        f"{result.module or 'model'}: scaled_dot_product_attention ran its math kernel (no fused "
-                       f"{call.device} kernel takes these arguments: mask, dtype or head size), which keeps {matrix}",
-                       fix="Pass arguments a fused kernel takes (torch.backends.cuda.can_use_flash_attention "
-                           "and can_use_efficient_attention say why not, with debug=True)",
-                       fix_code=ATTENTION_DIAGNOSIS_SNIPPET, severity=Severity.INFO, bytes=0)
+                       f"{call.device} kernel takes these arguments: {why}), which keeps {matrix}",
+                       fix=("Pass arguments a fused kernel takes (torch.backends.cuda.can_use_flash_attention "
+                            "and can_use_efficient_attention say why not, with debug=True)" if on_cuda else
+                            "Pass arguments the CPU flash kernel takes (see the snippet)"),
+                       fix_code=ATTENTION_DIAGNOSIS_SNIPPET if on_cuda else CPU_ATTENTION_SNIPPET,
+                       severity=Severity.INFO, bytes=0)
     if dropout_calls:
         # one cause, one fix for the whole model: attention dropout sends every call to the math
         # kernel. The bytes are measured: the same forward with dropout_p=0 in every call
@@ -567,13 +586,22 @@ def eager_attention_saves_probabilities(ctx: RuleContext):  # noqa: C901 (two ca
         saved = sum(ctx.storages[s].nbytes for s in {t.storage_id for t in ctx.held() if t.storage_id >= 0}
                     if ctx.storages[s].kind in HELD_KINDS)
         modules = sorted({c[0].module for c in dropout_calls})
-        yield Flag(node, [t for c in dropout_calls for t in c[2]],
-                   f"{len(dropout_calls)} scaled_dot_product_attention call{'s' if len(dropout_calls) > 1 else ''} "
-                   f"({', '.join(modules[:3])}{', ...' if len(modules) > 3 else ''}) ran the math kernel because "
-                   f"dropout_p={call.dropout_p:g} (the {call.device} {call.kernel_without_dropout} kernel takes no "
-                   f"dropout), keeping {matrix} each",
-                   fix=f"Train without attention dropout on {call.device.upper()} (the fused kernel then runs); "
-                       f"on CUDA the fused kernels apply dropout themselves",
+        calls = (f"{len(dropout_calls)} scaled_dot_product_attention call{'s' if len(dropout_calls) > 1 else ''} "
+                 f"({', '.join(modules[:3])}{', ...' if len(modules) > 3 else ''})")
+        fused = call.kernel_without_dropout
+        if call.device == "cuda":
+            # CUDA's fused kernels apply dropout themselves; one that refuses this probability
+            # (cuDNN: multiples of 1/16) can leave the math kernel as the only one left
+            why = _passed_over(call, fused) or "it does not take this dropout"
+            message = (f"{calls} ran the math kernel because dropout_p={call.dropout_p:g} rules out the CUDA "
+                       f"{fused} kernel ({why}), which takes these arguments without dropout, keeping {matrix} each")
+            fix = f"Use an attention dropout the CUDA {fused} kernel takes, or none ({why})"
+        else:
+            message = (f"{calls} ran the math kernel because dropout_p={call.dropout_p:g} (the {call.device} "
+                       f"{fused} kernel takes no dropout), keeping {matrix} each")
+            fix = (f"Train without attention dropout on {call.device.upper()} (the fused kernel then runs); "
+                   f"on CUDA the fused kernels apply dropout themselves")
+        yield Flag(node, [t for c in dropout_calls for t in c[2]], message, fix=fix,
                    fix_code=ATTENTION_DROPOUT_SNIPPET, module=modules[0] if len(modules) == 1 else "",
                    bytes=max(0, saved - without) if without is not None else None)
 
