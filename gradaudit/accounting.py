@@ -48,7 +48,9 @@ class Accountant:
         self.storages = storages
         self.scope = None if scope is None else set(scope)
         self.refs: dict[int, list[SavedTensor]] = defaultdict(list)
-        for t in counted(tensors):
+        # which saves count is fixed with the refs (held and storage known); verdicts are read per call
+        self._counted = counted(tensors)
+        for t in self._counted:
             self.refs[t.storage_id].append(t)
 
     @classmethod
@@ -86,12 +88,12 @@ class Accountant:
         return result
 
     def not_needed(self) -> set[int]:
-        return self._in_scope({t.index for t in counted(self.tensors) if t.verdict == NOT_NEEDED})
+        return self._in_scope({t.index for t in self._counted if t.verdict == NOT_NEEDED})
 
     def bitpackable(self) -> set[int]:
         # the flag, not the verdict: a proven sign-only save whose values take three signs
         # (-, 0, +) needs more than one bit, and the proof clears the flag for it
-        return self._in_scope({t.index for t in counted(self.tensors) if t.bitpackable})
+        return self._in_scope({t.index for t in self._counted if t.bitpackable})
 
     def reclaimable_bytes(self) -> int:
         return self.freed(self.not_needed())
@@ -129,31 +131,39 @@ def roll_up(own: dict[str, int]) -> dict[str, int]:
 
 
 def module_totals(tensors: list[SavedTensor], storages: list[Storage], accountant: Accountant,
-                  module_classes: dict[str, str]) -> list[ModuleTotal]:
+                  module_classes: dict[str, str], reclaimable: Optional[dict[int, int]] = None) -> list[ModuleTotal]:
     """Held and reclaimable bytes per module, own and including children.
 
     Each storage counts once, for the module of the first save that referenced it, so the root's
-    total equals the report's saved_bytes.
+    total equals the report's saved_bytes. ``reclaimable``: ``accountant.freed_by_storage(
+    accountant.not_needed())`` when the caller has it.
     """
     own: dict[str, int] = defaultdict(int)
     own_reclaimable: dict[str, int] = defaultdict(int)
-    reclaimable = accountant.freed_by_storage(accountant.not_needed())
+    if reclaimable is None:
+        reclaimable = accountant.freed_by_storage(accountant.not_needed())
     for storage_id in accountant.refs:
         storage = storages[storage_id]
         if storage.kind not in HELD_KINDS:
             continue
         own[storage.module] += storage.nbytes
         own_reclaimable[storage.module] += reclaimable.get(storage_id, 0)
-    paths = set(own)
-    for path in list(paths):  # every ancestor gets a row
+    # roll_up(own) and roll_up(own_reclaimable) in one pass (both have the same paths); every
+    # ancestor gets a row, the root ("") always
+    totals: dict[str, int] = defaultdict(int)
+    totals_reclaimable: dict[str, int] = defaultdict(int)
+    for path, held in own.items():
+        freed = own_reclaimable[path]
         parts = path.split(".") if path else []
-        for i in range(len(parts)):
-            paths.add(".".join(parts[:i]))
+        for i in range(len(parts) + 1):
+            ancestor = ".".join(parts[:i])
+            totals[ancestor] += held
+            totals_reclaimable[ancestor] += freed
+    paths = set(totals)
     paths.add("")
-    totals, totals_reclaimable = roll_up(own), roll_up(own_reclaimable)
     return [
         ModuleTotal(path, module_classes.get(path, ""), own.get(path, 0), totals.get(path, 0),
                     own_reclaimable.get(path, 0), totals_reclaimable.get(path, 0))
-        for path in sorted(paths, key=lambda p: (p != "", p))
+        for path in sorted(paths)  # the root ("") first
     ]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from typing import Any, Callable, Optional, Sequence
 
@@ -17,32 +18,39 @@ from .records import (
     StorageKind, ModuleCall,
 )
 from .rules.registry import Flag, RuleContext, all_rules, selected
-from .tensors import dtype_name, itemsize, storage_key, tensor_attributes
+from .tensors import ModelTree, dtype_name, itemsize, storage_key, tensor_attributes
+from .torchapi import storage_id
 
 
 class KnownStorages:
     """Storages that are alive anyway: parameters, buffers, the caller's inputs; plus outputs."""
 
     def __init__(self, model: torch.nn.Module, inputs: Sequence[torch.Tensor],
-                 outputs: Sequence[torch.Tensor], attributes_before: set[int] = frozenset()) -> None:
+                 outputs: Sequence[torch.Tensor], attributes_before: set[int] = frozenset(),
+                 tree: Optional[ModelTree] = None) -> None:
+        tree = tree or ModelTree(model)
         self.kind: dict[int, str] = {}
         # an unregistered tensor kept on a module lives with the module: one that was there before
         # the forward (``self.mask = ...`` in __init__) is like a buffer; one the forward stored
         # (``self.cache = h``) is an activation the module keeps (StorageKind.MODULE)
         self.module_attributes: dict[int, tuple[str, torch.Tensor]] = {}
-        attributes = tensor_attributes(model)
+        attributes = tensor_attributes(model, tree.modules)
+        strided = torch.strided
         for path, t in attributes:
-            if t.layout == torch.strided and storage_key(t) not in attributes_before:
-                self.module_attributes.setdefault(storage_key(t), (path, t))
+            if t.layout == strided:
+                key = storage_key(t)
+                if key not in attributes_before:
+                    self.module_attributes.setdefault(key, (path, t))
         # (sparse and other non-strided tensors have no single storage: not classified)
-        for kind, tensors in [(StorageKind.OUTPUT, outputs), (StorageKind.INPUT, inputs),
-                              (StorageKind.BUFFER, model.buffers()),
-                              (StorageKind.BUFFER, [t for _, t in attributes]),
-                              (StorageKind.MODULE, [t for _, t in self.module_attributes.values()]),
-                              (StorageKind.PARAMETER, model.parameters())]:
+        kind = self.kind
+        for label, tensors in [(StorageKind.OUTPUT, outputs), (StorageKind.INPUT, inputs),
+                               (StorageKind.BUFFER, tree.buffers),
+                               (StorageKind.BUFFER, [t for _, t in attributes]),
+                               (StorageKind.MODULE, [t for _, t in self.module_attributes.values()]),
+                               (StorageKind.PARAMETER, [p for _, p in tree.parameters])]:
             for t in tensors:
-                if t.layout == torch.strided:
-                    self.kind[storage_key(t)] = kind
+                if t.layout == strided:
+                    kind[storage_key(t)] = label
 
     def kept_on_modules(self) -> tuple[int, list[str]]:
         """Bytes of the storages the forward stored on modules, and where (module.attribute)."""
@@ -65,9 +73,13 @@ def build_report(
     notes: Sequence[str] = (),
     measured: Optional[dict[str, int]] = None,
     target: Optional[str] = None,
+    tree: Optional[ModelTree] = None,
 ) -> Report:
-    """``target``: the device type the audit stands for (default: the device it ran on, CPU for meta)."""
-    alive = KnownStorages(model, inputs, recording.outputs, recording.attributes_before)
+    """The Report of one recorded forward. ``target``: the device type the audit stands for
+    (default: the device it ran on, CPU for meta). ``tree``: the model's ModelTree as the forward
+    left it, when the caller has one (default: one taken here)."""
+    tree = tree or ModelTree(model)
+    alive = KnownStorages(model, inputs, recording.outputs, recording.attributes_before, tree)
 
     # -- plain-data nodes ---------------------------------------------------------------------
     nodes = [
@@ -78,35 +90,38 @@ def build_report(
     ]
 
     # -- saved tensors and storages, in the order autograd saved them -------------------------
-    order = sorted(range(len(recording.saves)),
-                   key=lambda k: (recording.saves[k].index < 0, recording.saves[k].index, k))
+    order = [k for _, _, k in sorted([(s.index < 0, s.index, k) for k, s in enumerate(recording.saves)])]
     tensors: list[SavedTensor] = []
     storages: list[Storage] = []
     storage_ids: dict[int, int] = {}
     live_tensors: list[Optional[torch.Tensor]] = []
     preset: dict[int, tuple[str, str]] = {}  # verdicts known from what holds the save
+    strided, device_names = torch.strided, {}  # device -> str(device): one per device, not per save
     for k in order:
         save = recording.saves[k]
         t = save.tensor
-        if t is not None and t.layout != torch.strided:
+        if t is not None and t.layout != strided:
             # a sparse (or other non-strided) save holds several storages: its bytes are unknown
             sid, shape, dtype = -1, tuple(t.shape), t.dtype
             offset, stride, device = 0, (), str(t.device)
         elif t is not None:
-            key = storage_key(t)
+            storage = t.untyped_storage()
+            key = storage_id(storage)  # storage_key(t)
             sid = storage_ids.get(key)
             if sid is None:
                 sid = storage_ids[key] = len(storages)
-                storages.append(Storage(id=sid, nbytes=t.untyped_storage().nbytes(),
+                storages.append(Storage(id=sid, nbytes=storage.nbytes(),
                                         kind=alive.classify(key), module=save.site.module))
             shape, dtype = tuple(t.shape), t.dtype
-            offset, stride, device = t.storage_offset(), tuple(t.stride()), str(t.device)
+            device = t.device
+            name = device_names.get(device)
+            if name is None:
+                name = device_names[device] = str(device)
+            offset, stride, device = t.storage_offset(), tuple(t.stride()), name
         else:
             sid, shape, dtype = -1, save.shape or (), save.dtype
             offset, stride, device = 0, (), "unknown"
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         if t is None and save.shape is None:
             numel = 0
         saved = SavedTensor(
@@ -158,15 +173,23 @@ def build_report(
         module_calls.append(ModuleCall(path, cls, tuple(storages_in.values()), uncounted, tuple(opaque)))
 
     # -- verdicts from op knowledge -----------------------------------------------------------
+    # an outcome depends on its arguments only, and most saves repeat another's (every ReLU's
+    # result): each is worked out once per report
+    outcomes: dict[tuple, Any] = {}
     for node in nodes:
         if not node.saved:
             continue
         known = declaration(node.name, node.scalars)
         if known is None:
             continue
+        mask = tuple(node.edge_mask)
         for i in node.saved:
             t = tensors[i]
-            outcome = known.outcome(t.attr, node.edge_mask, t.module_class, t.dtype)
+            asked = (id(known), t.attr, mask, t.module_class, t.dtype)
+            if asked in outcomes:
+                outcome = outcomes[asked]
+            else:
+                outcome = outcomes[asked] = known.outcome(t.attr, node.edge_mask, t.module_class, t.dtype)
             if outcome is not None:
                 t.verdict, t.reason, t.bitpackable = outcome.verdict, outcome.reason, outcome.bitpackable
                 t.explained_by = outcome.rule
@@ -181,11 +204,11 @@ def build_report(
 
     # -- findings -------------------------------------------------------------------------------
     accountant = Accountant(tensors, storages)
-    params = {name: p.requires_grad for name, p in model.named_parameters()}
-    classes = {path: type(m).__name__ for path, m in model.named_modules()}
+    params = {name: p.requires_grad for name, p in tree.parameters}
+    classes = {path: type(m).__name__ for path, m in tree.modules}
     ctx = RuleContext(tensors=tensors, nodes=nodes, storages=storages, parameter_names=params,
                       training=model.training, accountant=accountant, measured=dict(measured or {}),
-                      module_classes=classes, checkpoints=checkpoint_regions(model, recording))
+                      module_classes=classes, checkpoints=checkpoint_regions(model, recording, tree))
     findings, scoped = run_rules(ctx, accountant, select, ignore)
     for finding in findings:
         for i in finding.tensors:
@@ -193,7 +216,8 @@ def build_report(
                 tensors[i].rule = finding.code
 
     # -- accounting: every figure counts the fixes of the (selected) findings -----------------------
-    modules = module_totals(tensors, storages, scoped, classes)
+    reclaimable = scoped.freed_by_storage(scoped.not_needed())  # scoped.reclaimable_bytes(), by storage
+    modules = module_totals(tensors, storages, scoped, classes, reclaimable)
     notes = list(notes) + _unreported(accountant, scoped.scope, ctx.covered, select, ignore)
 
     unexplained = blind_spots(tensors, storages)
@@ -209,14 +233,14 @@ def build_report(
     if any(t.managed_by == Manager.CHECKPOINT for t in tensors):
         notes.append("some saves are managed by torch.utils.checkpoint: they are recomputed in backward, "
                      "not held, and their sizes are not known without recomputing (gradaudit does not)")
-    device = _device_of(model, inputs)
+    device = _device_of(tree, inputs)
     if target is None:
         target = "cpu" if device == "meta" else torch.device(device).type
     return Report(
         model=type(model).__name__, torch_version=torch.__version__, device=device, target=target,
         training=model.training, verified=bool(verify), tensors=tensors, storages=storages, nodes=nodes,
         modules=modules, findings=findings, saved_bytes=accountant.saved_bytes(),
-        reclaimable_bytes=scoped.reclaimable_bytes(),
+        reclaimable_bytes=sum(reclaimable.values()),
         reclaimable_with_bitpacking_bytes=scoped.reclaimable_with_bitpacking_bytes(),
         rewrite_bytes=sum(f.bytes_together for f in findings if f.rewrite and f.severity == Severity.WASTE),
         select=tuple(select), ignore=tuple(ignore),
@@ -265,12 +289,13 @@ def _unreported(accountant: Accountant, scope: set[int], covered: set[int], sele
             f"(the op knowledge names {', '.join(named) or 'no rule'} for them): no figure counts them"]
 
 
-def checkpoint_regions(model: torch.nn.Module, recording: Recording) -> list[CheckpointRegion]:
+def checkpoint_regions(model: torch.nn.Module, recording: Recording,
+                       tree: Optional[ModelTree] = None) -> list[CheckpointRegion]:
     """The recording's checkpoint calls as plain data; a reentrant one lists the trainable
     parameters of the modules that ran inside it (recursively) or that its function names."""
     if not recording.regions:
         return []
-    names = {id(p): name for name, p in model.named_parameters()}
+    names = {id(p): name for name, p in (tree.parameters if tree is not None else model.named_parameters())}
     regions = []
     for region in recording.regions:
         parameters: set[str] = set()
@@ -293,8 +318,8 @@ def checkpoint_regions(model: torch.nn.Module, recording: Recording) -> list[Che
     return regions
 
 
-def _device_of(model: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> str:
-    first = next(iter(model.parameters()), None)  # not a list of them all: only the first counts
+def _device_of(tree: ModelTree, inputs: Sequence[torch.Tensor]) -> str:
+    first = tree.parameters[0][1] if tree.parameters else None  # only the first counts
     if first is None:
         first = next(iter(inputs), None)
     return str(first.device) if first is not None else "cpu"
@@ -323,8 +348,10 @@ def run_rules(ctx: RuleContext, accountant: Accountant, select: Sequence[str] = 
     # frees what its rule states, not what dropping or bit-packing its saves would
     scoped = Accountant(ctx.tensors, ctx.storages,
                         {t.index for _, flag in flagged if flag.bytes is None for t in flag.tensors})
+    if not flagged:  # nothing to attach bytes to
+        return [], scoped
     together = scoped.freed_by_all_fixes()
-    unselected = accountant.freed_by_all_fixes()  # every save's fix, selected or not
+    unselected = None  # every save's fix, selected or not: accountant.freed_by_all_fixes(), when asked
     shares = _shares(ctx, flagged, together)
     findings: list[Finding] = []
     for k, (r, flag) in enumerate(flagged):
@@ -339,6 +366,8 @@ def run_rules(ctx: RuleContext, accountant: Accountant, select: Sequence[str] = 
             # True, but no combination of the selected fixes frees a byte of it: keep it visible as
             # information, never as waste that fails a check.
             severity = Severity.INFO
+            if unselected is None:
+                unselected = accountant.freed_by_all_fixes()
             if sids & unselected.keys():
                 message += ("; nothing would be freed by the selected rules: a save of a rule not selected "
                             "(select/ignore) shares its storage")

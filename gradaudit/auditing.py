@@ -20,24 +20,30 @@ from .meta import TARGETS, WithoutAttentionDropout, standing_for
 from .recorder import Recorder
 from .records import Leaf, Manager, Report
 from .rules.registry import check_codes
-from .tensors import iter_tensors, split_inputs, unique
+from .tensors import ModelTree, iter_tensors, split_inputs, unique
 
 
-def matching_parameters(model: nn.Module, patterns: Sequence[str]) -> set[str]:
-    names = [n for n, _ in model.named_parameters()]
+def matching_parameters(model: nn.Module, patterns: Sequence[str],
+                        names: Optional[Sequence[str]] = None) -> set[str]:
+    """The parameter names (``names``, default ``named_parameters()``'s) matching any pattern."""
+    if names is None:
+        names = [n for n, _ in model.named_parameters()]
     return {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
 
 
-def check_patterns(model: nn.Module, patterns: Optional[Sequence[str]], label: str) -> None:
+def check_patterns(model: nn.Module, patterns: Optional[Sequence[str]], label: str,
+                   names: Optional[Sequence[str]] = None) -> None:
     """Raise NoMatchingParameterError for the first pattern that matches no parameter name.
 
     A pattern that matches nothing (a typo, ``fc`` for ``fc.*``, a name from another model) would
     silently audit a different freezing pattern than the one asked for; the error names up to
     three real names closest to it. ``label`` names the option (``--trainable``, ``trainable``).
+    ``names``: the model's parameter names when the caller has them (default: ``named_parameters()``).
     """
     if not patterns:
         return
-    names = [n for n, _ in model.named_parameters()]
+    if names is None:
+        names = [n for n, _ in model.named_parameters()]
     for pattern in patterns:
         if any(fnmatch.fnmatchcase(n, pattern) for n in names):
             continue
@@ -55,17 +61,21 @@ def check_patterns(model: nn.Module, patterns: Optional[Sequence[str]], label: s
             f"nearest: {', '.join(near)}")
 
 
-def apply_trainable(model: nn.Module, trainable: Optional[Sequence[str]], frozen: Optional[Sequence[str]]) -> None:
+def apply_trainable(model: nn.Module, trainable: Optional[Sequence[str]], frozen: Optional[Sequence[str]],
+                    tree: Optional[ModelTree] = None) -> None:
     """The what-if: with ``trainable``, exactly the matching parameters require grad; parameters
     matching ``frozen`` do not. No patterns: the flags stay as they are. A pattern that matches no
-    parameter raises NoMatchingParameterError (before any flag changes)."""
+    parameter raises NoMatchingParameterError (before any flag changes). ``tree``: the model's
+    ModelTree when the caller has one (default: one taken here)."""
     if trainable is None and not frozen:
         return
-    check_patterns(model, trainable, "trainable")
-    check_patterns(model, frozen, "frozen")
-    chosen = matching_parameters(model, trainable) if trainable is not None else None
-    blocked = matching_parameters(model, frozen) if frozen else set()
-    for name, p in model.named_parameters():
+    named = (tree or ModelTree(model)).parameters
+    names = [n for n, _ in named]
+    check_patterns(model, trainable, "trainable", names)
+    check_patterns(model, frozen, "frozen", names)
+    chosen = matching_parameters(model, trainable, names) if trainable is not None else None
+    blocked = matching_parameters(model, frozen, names) if frozen else set()
+    for name, p in named:
         want = (name in chosen) if chosen is not None else p.requires_grad
         if name in blocked:
             want = False
@@ -81,34 +91,40 @@ class ModelState:
     Buffers are copied because a train-mode forward updates BatchNorm running statistics (in
     place, without bumping their version counter, so values are compared, not versions).
     Submodule slots are kept too: a forward may replace a submodule.
+
+    ``tree``: the model's ModelTree when the caller has one (default: one taken here).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, tree: Optional[ModelTree] = None) -> None:
         self.model = model
-        self.modules = list(model.modules())
+        tree = tree or ModelTree(model)
+        self.modules = tree.module_list
         self.training = [m.training for m in self.modules]
-        self.slots = [(m, *(dict(slots) for slots in torchapi.module_slots(m))) for m in self.modules]
-        params = list(model.parameters())
-        self.flags = [(p, p.requires_grad, p.grad, torchapi.version_counter(p)) for p in params]
+        slots = torchapi.module_slots
+        self.slots = [(m, *map(dict, slots(m))) for m in self.modules]
+        version = torchapi.version_counter
+        self.flags = [(p, p.requires_grad, p.grad, version(p)) for _, p in tree.parameters]
         # meta buffers have no values to restore (and cloning them would be free anyway)
-        self.buffer_values = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
+        self.buffer_values = [(b, b.detach().clone()) for b in tree.buffers if not b.is_meta]
         self.hook_counts = self._hook_counts()
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = (torch.cuda.get_rng_state_all()
                          if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
 
     def _hook_counts(self) -> list[tuple[int, ...]]:
-        return [torchapi.hook_counts(m) for m in self.modules]
+        return torchapi.hook_counts_of(self.modules)
 
     def restore(self) -> list[str]:
         """Put everything back; returns notes about what could not be restored exactly."""
         notes = []
         for m, flag in zip(self.modules, self.training):
-            m.training = flag
+            if m.training is not flag:  # nn.Module.__setattr__ is slow, and most flags are as they were
+                m.training = flag
         for m, *saved in self.slots:
             for live, slots in zip(torchapi.module_slots(m), saved):
-                live.clear()
-                live.update(slots)
+                if live or slots:  # most are empty, and stayed so
+                    live.clear()
+                    live.update(slots)
         with torch.no_grad():
             for buffer, value in self.buffer_values:
                 # compared by value: native_batch_norm updates running statistics without bumping
@@ -117,12 +133,13 @@ class ModelState:
                     # through .data, which does not bump the version either: a graph the caller
                     # built before the audit (it may have saved this buffer) can still run backward
                     buffer.data.copy_(value)
+        version_counter = torchapi.version_counter
         for p, requires_grad, grad, version in self.flags:
             if p.requires_grad != requires_grad:
                 p.requires_grad_(requires_grad)
             if p.grad is not grad:
                 p.grad = grad
-            if torchapi.version_counter(p) != version:
+            if version_counter(p) != version:
                 notes.append("the forward modified a parameter in place; gradaudit cannot undo that")
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
@@ -189,19 +206,21 @@ def audit(
         model = torchapi.compiled_original(model)  # its module paths, without "_orig_mod."
     args, kwargs = split_inputs(inputs)
     input_tensors = unique(list(iter_tensors((args, kwargs))))
-    first_parameter = next(iter(model.parameters()), None)  # only the first is looked at
+    # one walk of the module tree serves every stage before the forward, another every stage after it
+    tree = ModelTree(model)
+    first_parameter = tree.parameters[0][1] if tree.parameters else None  # only the first is looked at
     on_meta = any(t.device.type == "meta"
                   for t in input_tensors + ([first_parameter] if first_parameter is not None else []))
     if verify and on_meta:
         raise GradauditError("verify=True needs real values; it cannot run on the meta device "
                              "(audit on CPU or GPU, or drop verify)")
     target = _target(target, on_meta, ([first_parameter] if first_parameter is not None else []) + input_tensors)
-    state = ModelState(model)
+    state = ModelState(model, tree)
     try:
-        apply_trainable(model, trainable, frozen)
+        apply_trainable(model, trainable, frozen, tree)
         if progress:
             progress("running the forward")
-        recorder = Recorder(model, watch=_watched(model, watch))
+        recorder = Recorder(model, watch=_watched(model, watch, tree), modules=tree.modules)
         # on meta, attention (and for target cuda batch norm and dropout) must take the kernel the
         # target device would take, or it saves different tensors; and autocast, which meta tensors do not reach,
         # is emulated (entered last: its casts come first)
@@ -222,7 +241,8 @@ def audit(
             raise NothingRequiresGradError(
                 "nothing requires grad: no output of the forward has a grad_fn. Unfreeze parameters "
                 "(trainable=[...] / --trainable GLOB) or pass inputs with requires_grad=True")
-        leaf_names = {id(p): Leaf("param", n) for n, p in model.named_parameters()}
+        after = ModelTree(model)  # as the forward left it (a lazy module has parameters now)
+        leaf_names = {id(p): Leaf("param", n) for n, p in after.parameters}
         for i, t in enumerate(input_tensors):
             leaf_names.setdefault(id(t), Leaf("input", str(i)))
         if progress:
@@ -243,10 +263,11 @@ def audit(
             with standing_for(target, also=WithoutAttentionDropout()) if on_meta else WithoutAttentionDropout():
                 measured["held_without_attention_dropout"] = held_bytes_after_forward(model, inputs,
                                                                                     young_only=True)
+                after = ModelTree(model)
         if progress:
             progress("analysing saved tensors")
         report = build_report(model, recording, inputs=input_tensors, verify=verify, select=select,
-                              ignore=ignore, prove=prove, measured=measured, target=target)
+                              ignore=ignore, prove=prove, measured=measured, target=target, tree=after)
         del recording, output, outputs
     finally:
         notes = state.restore()
@@ -284,10 +305,12 @@ def _target(target: Optional[str], on_meta: bool, tensors: Sequence[torch.Tensor
     return target
 
 
-def _watched(model: nn.Module, watch: Sequence[str]) -> tuple[str, ...]:
+def _watched(model: nn.Module, watch: Sequence[str], tree: Optional[ModelTree] = None) -> tuple[str, ...]:
     if isinstance(watch, str):
         watch = [watch]
-    paths = {path for path, _ in model.named_modules()}
+    if not watch:
+        return ()
+    paths = {path for path, _ in (tree.modules if tree is not None else model.named_modules())}
     missing = [path for path in watch if path not in paths]
     if missing:
         raise GradauditError(f"watch: the model has no module {missing[0]!r} (names as in named_modules())")

@@ -19,7 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import torchapi
 from .tensors import iter_tensors, split_inputs, storage_key, strided_parts, unique
-from .torchapi import TorchDispatchMode, tree_flatten
+from .torchapi import TorchDispatchMode, storage_id, tree_flatten
 
 
 class StorageTracker(TorchDispatchMode):
@@ -31,17 +31,32 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
+        storages = self.storages
+        for t in _leaves(out):
             if isinstance(t, torch.Tensor):
                 for part in strided_parts(t):
                     storage = part.untyped_storage()
-                    ref = StorageWeakRef(storage)
-                    self.storages.setdefault(ref.cdata, (ref, storage.nbytes()))
+                    key = storage_id(storage)  # a StorageWeakRef's cdata: made only for a new storage
+                    if key not in storages:
+                        storages[key] = (StorageWeakRef(storage), storage.nbytes())
         return out
 
     def live_bytes(self, exclude: set[int]) -> int:
         return sum(nbytes for cdata, (ref, nbytes) in self.storages.items()
                    if not ref.expired() and cdata not in exclude)
+
+
+def _leaves(out: Any) -> Any:
+    """``tree_flatten(out)[0]`` for an op's output: a tensor, or a plain tuple or list of tensors
+    (and numbers, None) as they are; anything nested through pytree."""
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if type(out) in (tuple, list) and not any(isinstance(v, _NESTED) for v in out):
+        return out
+    return tree_flatten(out)[0]
+
+
+_NESTED = (tuple, list, dict)
 
 
 def held_bytes_after_forward(model: torch.nn.Module, inputs: Any, *, young_only: bool = False) -> int:
@@ -58,7 +73,7 @@ def held_bytes_after_forward(model: torch.nn.Module, inputs: Any, *, young_only:
     forward made unreachable). Unused while the process has frozen objects of its own.
     """
     args, kwargs = split_inputs(inputs)
-    exclude = {StorageWeakRef(t.untyped_storage()).cdata
+    exclude = {storage_key(t)  # a StorageWeakRef's cdata, without making one
                for t in [*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs))]}
     tracker = StorageTracker()
     freeze = young_only and gc.get_freeze_count() == 0

@@ -266,11 +266,14 @@ def _is_internal(code: Any) -> bool:
     return hit
 
 
-def short_path(filename: str) -> str:
-    """A path readable and stable across machines: relative to cwd or to site-packages."""
+def short_path(filename: str, cwd: Optional[str] = None) -> str:
+    """A path readable and stable across machines: relative to cwd or to site-packages.
+
+    ``cwd``: the working directory to take it relative to (default: the current one).
+    """
     if not os.path.isabs(filename):
         return filename
-    cwd = os.getcwd() + os.sep
+    cwd = (os.getcwd() if cwd is None else cwd) + os.sep
     if filename.startswith(cwd):
         return filename[len(cwd):]
     marker = os.sep + "site-packages" + os.sep
@@ -289,9 +292,21 @@ def user_source_line(frame: Any = None, stop: Any = None) -> Optional[str]:
     """
     if frame is None:
         frame = sys._getframe(1)
+    frame = _user_frame(frame, stop)
+    return None if frame is None else f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def _user_frame(frame: Any, stop: Any) -> Any:
+    """The innermost frame from ``frame`` outwards, before ``stop``, that ``_is_internal`` does not
+    rule out; None if there is none (``user_source_line``'s walk, run for every node recorded)."""
+    known = _internal_cache
     while frame is not None and frame is not stop:
-        if not _is_internal(frame.f_code):
-            return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
+        code = frame.f_code
+        internal = known.get(code.co_filename)
+        if internal is None:
+            internal = _is_internal(code)
+        if not internal:
+            return frame
         frame = frame.f_back
     return None
 
@@ -384,20 +399,23 @@ class ModuleTracker:
     is pushed (the recorder notes which modules run inside a checkpoint).
     """
 
-    def __init__(self, model: nn.Module, on_boundary: Optional[Any] = None, on_enter: Optional[Any] = None) -> None:
+    def __init__(self, model: nn.Module, on_boundary: Optional[Any] = None, on_enter: Optional[Any] = None,
+                 modules: Optional[Sequence[tuple[str, nn.Module]]] = None) -> None:
         self.model = model
         self.stack: list[tuple[str, str]] = [("", type(model).__name__)]
         self.on_boundary = on_boundary
         self.on_enter = on_enter
         self._handles: list[Any] = []
+        # ``list(model.named_modules())`` when the caller has it (taken again on entry otherwise)
+        self._named_modules = modules
 
     def __enter__(self) -> "ModuleTracker":
-        for path, module in self.model.named_modules():
+        modules = self._named_modules if self._named_modules is not None else self.model.named_modules()
+        post, add = self._post, torchapi.add_forward_hooks
+        for path, module in modules:
             if module is self.model:
                 continue
-            entry = (path, type(module).__name__)
-            self._handles.append(module.register_forward_pre_hook(self._make_pre(entry)))
-            self._handles.append(module.register_forward_hook(self._post, always_call=True))
+            self._handles.append(add(module, self._make_pre((path, type(module).__name__)), post))
         return self
 
     def _make_pre(self, entry: tuple[str, str]):
@@ -430,8 +448,9 @@ class ModuleTracker:
         del self.stack[1:]
 
     def __exit__(self, *exc: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
+        remove = torchapi.remove_forward_hooks
+        for added in self._handles:
+            remove(added)
         self._handles.clear()
 
 
@@ -442,9 +461,12 @@ class ModuleTracker:
 class Recorder:
     """Context manager around a forward pass; ``collect(outputs)`` returns the Recording."""
 
-    def __init__(self, model: nn.Module, watch: Sequence[str] = ()) -> None:
+    def __init__(self, model: nn.Module, watch: Sequence[str] = (),
+                 modules: Optional[Sequence[tuple[str, nn.Module]]] = None) -> None:
         self.model = model
-        self.tracker = ModuleTracker(model, on_enter=self._on_enter)
+        # ``list(model.named_modules())`` before the forward, when the caller has it
+        self._named_modules = list(model.named_modules()) if modules is None else modules
+        self.tracker = ModuleTracker(model, modules=self._named_modules)  # told of _on_enter while entered
         # module paths whose calls' tensor inputs are kept (aliases) for Report.module_calls
         self.watch = tuple(watch)
         self.calls: list[tuple[str, str, list[torch.Tensor], list[str]]] = []
@@ -476,8 +498,10 @@ class Recorder:
         # torch's (nn.Sequential and the layers in it): known when the model was built under
         # noting_construction() (the command line), else those ops' source is unknown
         self._built: dict[str, str] = {}
+        self._short_paths: dict[str, str] = {}  # file name -> short_path(), for this recording's cwd
+        self._cwd: Optional[str] = None
         if _constructed:
-            for path, module in model.named_modules():
+            for path, module in self._named_modules:
                 site = construction_site(module)
                 if site is not None:
                     self._built[path] = site
@@ -488,11 +512,19 @@ class Recorder:
         code (a forward written by the user or a model library), else, when only torch ran inside
         the forward call (``nn.Sequential``, an ``nn.Linear`` called by it), the line that
         constructed the running module if known, else None (never the line that called the forward)."""
+        return self._site_from(sys._getframe(1))
+
+    def _site_from(self, frame: Any) -> NodeSite:
+        """``_site`` for the op whose innermost Python frame is ``frame``."""
         path, cls = self.tracker.stack[-1]
-        source = user_source_line(sys._getframe(1), self._caller)
-        if source is None:
-            source = self._built.get(path)
-        return NodeSite(path, cls, source)
+        frame = _user_frame(frame, self._caller)
+        if frame is None:
+            return NodeSite(path, cls, self._built.get(path))
+        filename = frame.f_code.co_filename
+        short = self._short_paths.get(filename)
+        if short is None:  # the working directory as the recording began (short_path's, once per file)
+            short = self._short_paths[filename] = short_path(filename, self._cwd)
+        return NodeSite(path, cls, f"{short}:{frame.f_lineno}")
 
     def _pack(self, tensor: torch.Tensor) -> Packed:
         # The box keeps a detached alias (same storage, strides, version counter; no grad_fn), never
@@ -570,7 +602,7 @@ class Recorder:
     def _on_node(self, node: Any) -> None:
         seq = torchapi.node_sequence_number(node)
         if seq != NO_SEQUENCE:
-            self.node_sites[seq] = self._site()
+            self.node_sites[seq] = self._site_from(sys._getframe(0))
             if type(node).__name__ == "CopySlices":
                 self._copy_slices.append((self._announced, seq))
         self._announced += 1
@@ -578,10 +610,12 @@ class Recorder:
     def __enter__(self) -> "Recorder":
         """Enter in the frame that then calls the model's forward (see ``user_source_line``)."""
         self._caller = sys._getframe(1)
-        self.attributes_before = {storage_key(t) for _, t in tensor_attributes(self.model)
+        self._cwd = os.getcwd()
+        self.attributes_before = {storage_key(t) for _, t in tensor_attributes(self.model, self._named_modules)
                                   if t.layout == torch.strided}
+        self.tracker.on_enter = self._on_enter
         self.tracker.__enter__()
-        modules = dict(self.model.named_modules()) if self.watch else {}
+        modules = dict(self._named_modules) if self.watch else {}
         for path in self.watch:
             self._watch_handles.append(modules[path].register_forward_pre_hook(
                 self._make_watcher(path, type(modules[path]).__name__), with_kwargs=True))
@@ -602,10 +636,14 @@ class Recorder:
             if self._hooks is not None:
                 self._hooks.__exit__(*exc)
         finally:
+            # nor through the bound methods the hooks and the tracker hold: the recorder, and all
+            # it noted, is freed as soon as the audit lets go of it, not by a garbage collection
+            self._hooks = None
             if self._node_hook_installed:
                 torchapi.pop_node_creation_hook()
             self.attention.__exit__(*exc)
             self.tracker.__exit__(*exc)
+            self.tracker.on_enter = None
             for handle in self._watch_handles:
                 handle.remove()
             self._watch_handles.clear()
@@ -631,6 +669,8 @@ class Recorder:
         """
         found = {s.index for s in saves if s.index >= 0}
         self._collect_checkpoint_inputs(nodes, saves, found)
+        if len(found) == len(self._boxes):  # every pack is a save the walk found: nothing hidden
+            return
         by_sequence = {}
         for pos, live in enumerate(nodes):
             if live.name == "CopySlices" and live.node is not None:
@@ -719,6 +759,8 @@ class Recorder:
         nodes: list[LiveNode] = []
         saves: list[LiveSave] = []
         order: list[Any] = []
+        earlier: list[LiveNode] = []  # nodes from before the audited forward
+        boxes = self._boxes
         unknown_site = NodeSite("", type(self.model).__name__, None)
 
         def visit(node: Any) -> int:
@@ -749,9 +791,10 @@ class Recorder:
                 live.attention = self.attention.call_of(seq)
             if not created_here:
                 # A node from before the audit (e.g. the inputs came out of an earlier graph): its
-                # saved tensors may be managed by hooks we do not own; do not touch them.
-                live.next_positions = [None for _ in node.next_functions]
+                # saved tensors may be managed by hooks we do not own; do not touch them. Its edges
+                # get the positions of the nodes the walk reaches otherwise, once it is over.
                 live.edge_mask = [fn is not None for fn, _ in node.next_functions]
+                earlier.append(live)
                 continue
             live.scalars = node_scalars(node)
             region = None
@@ -759,14 +802,15 @@ class Recorder:
                 region = self._reentrant_region(node, live.site)
                 region.node_pos = cursor - 1
                 live.site = site = region.site()
-            for fn, _ in node.next_functions:
-                live.next_positions.append(None if fn is None else visit(fn))
-                live.edge_mask.append(fn is not None)
+            edges = node.next_functions
+            live.next_positions = [None if fn is None else visit(fn) for fn, _ in edges]  # final already
+            live.edge_mask = [fn is not None for fn, _ in edges]
             for attr, raw in raw_saved_slots(node):
                 packed = raw.data
                 if packed is None:
                     continue  # an optional save that was not made
-                if self._owned(packed):
+                if isinstance(packed, Packed) and packed.index < len(boxes) and boxes[packed.index]() is packed:
+                    # self._owned(packed), inlined: asked for every save
                     tensor, managed = packed.tensor, Manager.AUTOGRAD
                     index = packed.index
                     if site is None and index < len(self.pack_sites):
@@ -788,7 +832,7 @@ class Recorder:
                 if region is not None:  # CheckpointFunction saves exactly the block's tensor inputs
                     saves[-1].verdict, saves[-1].reason = NEEDED, region.reason()
                 live.saves.append(len(saves) - 1)
-        for live in nodes:
+        for live in earlier:
             live.next_positions = [
                 None if fn is None else positions.get(fn) for fn, _ in live.node.next_functions
             ]

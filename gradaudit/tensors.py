@@ -8,14 +8,15 @@ identity and extent of storages: the recorder, the analysis, the proof, the meas
 from __future__ import annotations
 
 import dataclasses
+from itertools import repeat
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from .torchapi import sparse_coo_parts, storage_key
+from .torchapi import module_slots, sparse_coo_parts, storage_key
 
 __all__ = ["split_inputs", "iter_tensors", "flatten", "holds_tensors", "unique", "storage_key", "storage_span", "strided_parts",
-           "dtype_name", "itemsize", "tensor_attributes"]
+           "dtype_name", "itemsize", "tensor_attributes", "ModelTree"]
 
 
 def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -142,9 +143,17 @@ def strided_parts(t: torch.Tensor) -> list[torch.Tensor]:
     return []
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: Optional[torch.dtype]) -> str:
     """``torch.float32`` -> ``"float32"`` (``"unknown"`` for None)."""
-    return str(dtype).replace("torch.", "") if dtype is not None else "unknown"
+    if dtype is None:
+        return "unknown"
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:  # a few dtypes exist: each is named once
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 def itemsize(dtype: Optional[torch.dtype]) -> int:
@@ -152,23 +161,99 @@ def itemsize(dtype: Optional[torch.dtype]) -> int:
 
 
 _NOT_ATTRIBUTES = frozenset({"_parameters", "_buffers", "_modules"})  # registered state and submodules
+_PLAIN = frozenset({int, float, bool, str, type(None)})  # attribute values that hold no tensor
+_module_internals: Optional[frozenset] = None
 
 
-def tensor_attributes(model: "torch.nn.Module") -> list[tuple[str, torch.Tensor]]:
+def _internal_attributes() -> frozenset:
+    """The attributes ``nn.Module.__init__`` sets that never hold a tensor attribute: the flags and
+    the hook dictionaries (whose values are hooks), and the registered state (``_NOT_ATTRIBUTES``).
+    Most of every module's ``__dict__``; skipping them by one set difference is what makes
+    ``tensor_attributes`` cheap."""
+    global _module_internals
+    if _module_internals is None:
+        bare = vars(torch.nn.Module())
+        _module_internals = frozenset(name for name, value in bare.items()
+                                      if not isinstance(value, (torch.Tensor, list, tuple))) | _NOT_ATTRIBUTES
+    return _module_internals
+
+
+def tensor_attributes(model: "torch.nn.Module", modules: Optional[Sequence[tuple[str, "torch.nn.Module"]]] = None
+                      ) -> list[tuple[str, torch.Tensor]]:
     """(``module.attribute``, tensor) for the plain tensor attributes of the model's modules (also
-    inside a list, tuple or dict)."""
+    inside a list, tuple or dict), module by module and, within a module, in attribute order.
+
+    ``modules``: ``list(model.named_modules())`` when the caller has it already (``ModelTree``).
+    """
     found = []
-    tensor, containers = torch.Tensor, (list, tuple, dict)
-    for path, module in model.named_modules():
-        for name, value in vars(module).items():
-            # cheap type tests first: most attributes are neither tensors nor containers, and most
-            # containers (the hook dicts) are empty
+    tensor, plain, internal = torch.Tensor, _PLAIN, _internal_attributes()
+    for path, module in (model.named_modules() if modules is None else modules):
+        attributes = vars(module)
+        hits = None
+        # the module's own attributes only (a set: their order is restored below when it matters)
+        for name in attributes.keys() - internal:
+            value = attributes[name]
+            if type(value) in plain:  # cheap type tests first: most attributes are numbers and flags
+                continue
             if isinstance(value, tensor):
-                found.append((f"{path}.{name}" if path else name, value))
-            elif isinstance(value, containers) and value and name not in _NOT_ATTRIBUTES:
+                held = (value,)
+            elif isinstance(value, (list, tuple, dict)) and value:
                 items = value.values() if isinstance(value, dict) else value
+                if not any(map(isinstance, items, repeat(tensor))):
+                    continue
                 held = [v for v in items if isinstance(v, tensor)]
-                if held:
-                    where = f"{path}.{name}" if path else name
-                    found.extend((where, v) for v in held)
+            else:
+                continue
+            if hits is None:
+                hits = []
+            hits.append((name, held))
+        if hits is None:
+            continue
+        if len(hits) > 1:  # attribute order, as vars() lists them
+            order = {name: i for i, name in enumerate(attributes)}
+            hits.sort(key=lambda hit: order[hit[0]])
+        for name, held in hits:
+            where = f"{path}.{name}" if path else name
+            found.extend((where, v) for v in held)
     return found
+
+
+# the methods whose default behaviour ModelTree reproduces from one named_modules() walk
+_WALK_METHODS = ("modules", "named_parameters", "parameters", "_named_members", "named_buffers", "buffers")
+
+
+class ModelTree:
+    """One walk of a model's module tree: ``named_modules()``, ``modules()``, ``named_parameters()``
+    and ``buffers()`` as lists, as they are when it is taken.
+
+    An audit takes one before the forward and one after it (a forward may replace a submodule or
+    materialise a lazy parameter), and its stages read those instead of walking the tree again.
+    Parameters and buffers come from the modules' own dictionaries in the order and with the
+    de-duplication of ``nn.Module._named_members``; a model class that overrides one of those
+    methods gets its own methods called instead.
+    """
+
+    def __init__(self, model: "torch.nn.Module") -> None:
+        self.modules: list[tuple[str, torch.nn.Module]] = list(model.named_modules())
+        cls, base = type(model), torch.nn.Module
+        if all(getattr(cls, name, None) is getattr(base, name) for name in _WALK_METHODS):
+            self.module_list: list[torch.nn.Module] = [m for _, m in self.modules]
+            self.parameters: list[tuple[str, torch.nn.Parameter]] = self._members(0)
+            self.buffers: list[torch.Tensor] = [b for _, b in self._members(1)]
+        else:
+            self.module_list = list(model.modules())
+            self.parameters = list(model.named_parameters())
+            self.buffers = list(model.buffers())
+
+    def _members(self, slot: int) -> list[tuple[str, Any]]:
+        """(name, tensor) from every module's parameters (slot 0) or buffers (slot 1), each object
+        once (torch compares them by identity too)."""
+        seen: set[int] = set()
+        found = []
+        for prefix, module in self.modules:
+            for name, value in module_slots(module)[slot].items():
+                if value is None or id(value) in seen:
+                    continue
+                seen.add(id(value))
+                found.append((f"{prefix}.{name}" if prefix else name, value))
+        return found

@@ -13,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+from itertools import repeat
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.utils.checkpoint  # noqa: F401  (its internals are recognised below)
+import torch.utils.hooks  # noqa: F401  (RemovableHandle's id counter: add_forward_hooks)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (the storage trackers' base)
 from torch.utils._pytree import tree_flatten  # noqa: F401
 
@@ -90,6 +92,48 @@ def hook_counts(module: torch.nn.Module) -> tuple[int, ...]:
             len(getattr(module, "_backward_pre_hooks", {})))
 
 
+_NO_HOOKS: dict = {}
+_REGISTER_PRE = torch.nn.Module.register_forward_pre_hook
+_REGISTER_POST = torch.nn.Module.register_forward_hook
+_Handle = torch.utils.hooks.RemovableHandle
+
+
+def add_forward_hooks(module: torch.nn.Module, pre: Callable, post: Callable) -> tuple:
+    """Give ``module`` a forward pre-hook and an always-called forward hook, as
+    ``register_forward_pre_hook(pre)`` and ``register_forward_hook(post, always_call=True)`` do:
+    the same dictionary entries under ids from torch's own counter, without the two handle
+    objects (an audit hooks every module of the model, every time). A class that overrides either
+    method gets its own method called. Returns what ``remove_forward_hooks`` takes."""
+    cls = type(module)
+    if cls.register_forward_pre_hook is not _REGISTER_PRE or cls.register_forward_hook is not _REGISTER_POST:
+        return (module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True))
+    key = _Handle.next_id
+    _Handle.next_id = key + 2
+    pres, posts, always = module._forward_pre_hooks, module._forward_hooks, module._forward_hooks_always_called
+    pres[key] = pre
+    posts[key + 1] = post
+    always[key + 1] = True
+    return (key, pres, posts, always)
+
+
+def remove_forward_hooks(added: tuple) -> None:
+    """Remove the hooks ``add_forward_hooks`` gave a module."""
+    if len(added) == 2:
+        for handle in added:
+            handle.remove()
+        return
+    key, pres, posts, always = added
+    pres.pop(key, None)
+    posts.pop(key + 1, None)
+    always.pop(key + 1, None)
+
+
+def hook_counts_of(modules: Iterable[torch.nn.Module]) -> list[tuple[int, ...]]:
+    """``hook_counts`` of every module, in one pass (an audit takes them twice for every module)."""
+    return [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
+             len(getattr(m, "_backward_pre_hooks", _NO_HOOKS))) for m in modules]
+
+
 # -- autograd nodes ---------------------------------------------------------------------------------
 NO_SEQUENCE = (1 << 64) - 1  # AccumulateGrad nodes report this sequence number
 
@@ -136,6 +180,21 @@ def slot_names(node: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return names
 
 
+_slot_attributes: dict[type, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]] = {}
+
+
+def _slot_attributes_of(node: Any) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    """``slot_names(node)`` with the node attribute each is read from: ((name, "_raw_saved_" +
+    name), ...) for the tensor slots, ((name, "_saved_" + name), ...) for the scalars; per type."""
+    kind = type(node)
+    found = _slot_attributes.get(kind)
+    if found is None:
+        tensors, scalars = slot_names(node)
+        found = _slot_attributes[kind] = (tuple((n, "_raw_saved_" + n) for n in tensors),
+                                          tuple((n, "_saved_" + n) for n in scalars))
+    return found
+
+
 def raw_slot(node: Any, attr: str) -> Any:
     """The raw SavedVariable (or list of them) behind tensor slot ``attr`` (reading it unpacks nothing)."""
     return getattr(node, "_raw_saved_" + attr)
@@ -149,8 +208,8 @@ def raw_saved_slots(node: Any) -> Iterator[tuple[str, Any]]:
             if raw is not None:
                 yield f"saved_tensors[{i}]", raw
         return
-    for attr in slot_names(node)[0]:
-        raw = raw_slot(node, attr)
+    for attr, name in _slot_attributes_of(node)[0]:
+        raw = getattr(node, name)  # raw_slot(node, attr)
         if isinstance(raw, (list, tuple)):
             for i, item in enumerate(raw):
                 if item is not None:
@@ -182,14 +241,16 @@ def node_scalars(node: Any, names: Optional[Iterable[str]] = None) -> dict[str, 
     if is_custom_function(node):
         return {}
     values: dict[str, Any] = {}
-    for attr in slot_names(node)[1] if names is None else names:
+    scalars = (_slot_attributes_of(node)[1] if names is None
+               else [(attr, "_saved_" + attr) for attr in names])
+    for attr, name in scalars:
         try:
-            value = getattr(node, "_saved_" + attr)
+            value = getattr(node, name)
         except Exception:  # some symbolic-size attributes cannot be read on every device
             continue
         if isinstance(value, _SCALAR_TYPES) or value is None:
             values[attr] = value
-        elif isinstance(value, (tuple, list)) and all(isinstance(v, _SCALAR_TYPES) for v in value):
+        elif isinstance(value, (tuple, list)) and all(map(isinstance, value, repeat(_SCALAR_TYPES))):
             values[attr] = list(value)
     return values
 

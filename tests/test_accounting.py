@@ -190,3 +190,31 @@ def test_activations_a_forward_stores_on_a_module_are_named_not_dropped():
     assert any("cache" in note and "kept on modules" in note for note in report.notes)
     assert report.saved_bytes + report.kept_on_modules_bytes == held_bytes_after_forward(model, x)
     assert report.to_dict()["summary"]["kept_on_modules_bytes"] == 8192
+
+
+def test_model_tree_lists_what_the_module_methods_list():
+    # one walk serves every stage of an audit: it must list what torch's own methods list
+    from gradaudit.tensors import ModelTree
+
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.BatchNorm1d(3), nn.Sequential(shared, nn.Linear(3, 2)), nn.LazyLinear(2))
+    model[1].register_buffer("extra", None)
+    tree = ModelTree(model)
+    assert tree.modules == list(model.named_modules())
+    assert tree.module_list == list(model.modules())
+    assert [(n, id(p)) for n, p in tree.parameters] == [(n, id(p)) for n, p in model.named_parameters()]
+    assert [id(b) for b in tree.buffers] == [id(b) for b in model.buffers()]
+
+
+def test_tensor_attributes_keep_attribute_order_within_a_module():
+    from gradaudit.tensors import tensor_attributes
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    h = torch.randn(2)
+    model[0].z = h
+    model[0].a = [h, 1, torch.randn(1)]
+    model[0].m = {"k": h}
+    model.kernel = (3, 3)  # a tuple of numbers holds no tensor
+    found = tensor_attributes(model)
+    assert [(where, id(t)) for where, t in found] == [("0.z", id(h)), ("0.a", id(h)), ("0.a", id(model[0].a[2])),
+                                                       ("0.m", id(h))]

@@ -68,3 +68,40 @@ def test_trim_refuses_clearly_without_the_node_creation_hook(monkeypatch):
     with pytest.raises(GradauditError, match=r"node creation hook \(torch >= 2\.14\)"):
         gradaudit.trim(model)
     assert not model._forward_hooks and not model._forward_pre_hooks  # nothing was installed
+
+
+def test_forward_hooks_are_added_and_removed_as_register_does():
+    # the tracker's cheap path writes the entries register_forward_(pre_)hook would write
+    def pre(module, args):
+        return None
+
+    def post(module, args, output):
+        return None
+
+    registered, added = nn.Linear(2, 2), nn.Linear(2, 2)
+    handles = [registered.register_forward_pre_hook(pre), registered.register_forward_hook(post, always_call=True)]
+    token = torchapi.add_forward_hooks(added, pre, post)
+    for name in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called",
+                 "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs"):
+        assert list(getattr(added, name).values()) == list(getattr(registered, name).values()), name
+    assert list(added._forward_pre_hooks) == [token[0]] and list(added._forward_hooks) == [token[0] + 1]
+    for handle in handles:
+        handle.remove()
+    torchapi.remove_forward_hooks(token)
+    assert torchapi.hook_counts(added) == torchapi.hook_counts(registered) == (0, 0, 0, 0)
+    assert not added._forward_hooks_always_called
+
+
+def test_forward_hooks_of_a_class_that_registers_its_own_way_go_through_its_methods():
+    seen = []
+
+    class Own(nn.Linear):
+        def register_forward_pre_hook(self, hook, **kwargs):
+            seen.append("pre")
+            return super().register_forward_pre_hook(hook, **kwargs)
+
+    module = Own(2, 2)
+    token = torchapi.add_forward_hooks(module, lambda m, a: None, lambda m, a, o: None)
+    assert seen == ["pre"] and torchapi.hook_counts(module)[:2] == (1, 1)
+    torchapi.remove_forward_hooks(token)
+    assert torchapi.hook_counts(module) == (0, 0, 0, 0)

@@ -8,7 +8,7 @@ audit, ``verify=True``'s hints and ``gradaudit.trim`` then use it like the built
 from . import builtin  # noqa: F401  (declares torch's nodes on import)
 from . import registry  # noqa: F401  (the module, for tests that swap declarations)
 from .registry import (Bit, Declaration, Outcome, Read, Reads, declaration, declarations, declare, hidden_by,
-                      declare_function, declared_ops, scalars_read, weight_slots)
+                      declare_function, declared_ops, scalars_read, weight_slot, weight_slots)
 
 __all__ = ["Bit", "Declaration", "Outcome", "Read", "Reads", "declaration", "declarations", "declare", "hidden_by",
-           "declare_function", "declared_ops", "scalars_read", "weight_slots"]
+           "declare_function", "declared_ops", "scalars_read", "weight_slot", "weight_slots"]

@@ -291,6 +291,15 @@ def weight_slots() -> dict[str, str]:
     return {v.name: v.weight for v in declarations() if v.weight}
 
 
+def weight_slot(name: str) -> Optional[str]:
+    """``weight_slots().get(name)`` for one node type, without listing every declaration."""
+    slot = None
+    for variant in _DECLARED.get(name, ()):
+        if variant.weight:
+            slot = variant.weight  # the last variant naming one, as in weight_slots()
+    return slot
+
+
 def forget(names: Iterable[str]) -> None:
     """Remove declarations (tests that declare their own ops clean up with this)."""
     for name in names:

@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ..records import HELD_KINDS, NEEDED, NOT_NEEDED, SIGN_ONLY, GraphNode, Manager, Severity, StorageKind
-from ..knowledge import weight_slots
+from ..knowledge import weight_slot
 from .registry import Flag, RuleContext, rule
 
 
@@ -359,9 +361,15 @@ def saved_only_for_input_gradient(ctx: RuleContext):
     if not any(ctx.parameter_names.values()):
         return
     nodes = ctx.nodes
-    to_leaf = _reaches(nodes, lambda n: n.name == "AccumulateGrad"
-                       and (n.variable is None or n.variable.parameter is None))
-    if not any(to_leaf):  # the usual case: no leaf but parameters requires grad
+
+    def other_leaf(n: GraphNode) -> bool:
+        return n.name == "AccumulateGrad" and (n.variable is None or n.variable.parameter is None)
+
+    # the usual case: no leaf but parameters requires grad (asked without a call per node)
+    if not any(n.name == "AccumulateGrad" and (n.variable is None or n.variable.parameter is None) for n in nodes):
+        return
+    to_leaf = _reaches(nodes, other_leaf)
+    if not any(to_leaf):
         return
     to_param = _reaches(nodes, lambda n: (n.variable is not None and n.variable.parameter is not None)
                         or not n.created_here)
@@ -413,17 +421,19 @@ def saved_view_keeps_large_base(ctx: RuleContext):
     Known limits:
         The bytes assume nothing outside autograd's saves (your own references) keeps the base.
     """
-    seen: set[int] = set()
+    seen: set[int] = set()  # storages judged already (the judgement is the storage's, not the save's)
     for t in ctx.held():
         if t.storage_id < 0 or t.storage_id in seen or t.storage_kind != StorageKind.ACTIVATION:
             continue
+        seen.add(t.storage_id)
         storage = ctx.storages[t.storage_id]
+        if storage.nbytes < 4096:  # nothing to keep alive beyond the views
+            continue
         refs = ctx.storage_refs(t.storage_id)
         views = {(r.storage_offset, r.shape, r.stride): r.view_nbytes for r in refs}
         covered = sum(views.values())
         if covered * 2 > storage.nbytes or storage.nbytes - covered < 4096:
             continue
-        seen.add(t.storage_id)
         yield Flag(ctx.nodes[t.node_id], refs, f"{t.module or 'model'} saves a {_shape(t)} view "
                                                 f"({covered} bytes) that keeps a {storage.nbytes}-byte "
                                                 f"storage alive", bytes=storage.nbytes - covered)
@@ -461,9 +471,14 @@ def frozen_weight_cast_copy_saved(ctx: RuleContext):
         Recognised by module (``<module>.weight`` frozen) and node type; weights used outside
         their module are not seen.
     """
-    slots = weight_slots()
-    for node in ctx.nodes_named(*slots):
-        weight = ctx.saved(node).get(slots[node.name])
+    slots: dict[str, Optional[str]] = {}  # node type -> weight_slot(), asked once per type
+    for node in ctx.nodes:
+        if not node.created_here:
+            continue
+        slot = slots[node.name] if node.name in slots else slots.setdefault(node.name, weight_slot(node.name))
+        if slot is None:
+            continue
+        weight = ctx.saved(node).get(slot)
         if (weight is None or weight.managed_by != Manager.AUTOGRAD or weight.storage_kind != StorageKind.ACTIVATION
                 or weight.dtype not in LOW_PRECISION or weight.verdict == NOT_NEEDED):
             continue

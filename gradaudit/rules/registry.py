@@ -57,6 +57,11 @@ class RuleContext:
     # what-if measurements made by the audit (bytes held by a forward run otherwise), by name:
     #   "held_without_attention_dropout": every scaled_dot_product_attention call with dropout_p=0
     measured: dict[str, int] = field(default_factory=dict)
+    # built on first use from the plain data above, which rules only read: the held saves, and per
+    # rule code the nodes whose held saves the op knowledge explains by it (see ``claims``)
+    _held: Optional[list[SavedTensor]] = field(default=None, init=False, repr=False, compare=False)
+    _claimed: Optional[dict[str, list[tuple[GraphNode, list[SavedTensor]]]]] = field(
+        default=None, init=False, repr=False, compare=False)
 
     def nodes_named(self, *names: str) -> Iterator[GraphNode]:
         wanted = set(names)
@@ -66,21 +71,37 @@ class RuleContext:
                ) -> Iterator[tuple[GraphNode, list[SavedTensor]]]:
         """Per node: the held saves (activations or outputs) with ``verdict`` whose op knowledge
         names rule ``code`` as their explanation (``bitpackable``: only bit-packable ones)."""
+        if self._claimed is None:
+            self._claimed = self._claims_by_code()
+        for node, candidates in self._claimed.get(code, ()):
+            hits = [t for t in candidates if t.verdict == verdict and (t.bitpackable or not bitpackable)]
+            if hits:
+                yield node, hits
+
+    def _claims_by_code(self) -> dict[str, list[tuple[GraphNode, list[SavedTensor]]]]:
+        """Rule code -> (node, its held saves whose op knowledge names that rule) in node order,
+        saves in the node's order: every rule asks ``claims``, and most saves name no rule."""
+        claimed: dict[str, list[tuple[GraphNode, list[SavedTensor]]]] = {}
+        tensors = self.tensors
         for node in self.nodes:
             if not node.created_here:
                 continue
-            hits = [self.tensors[i] for i in node.saved]
-            hits = [t for t in hits if t.explained_by == code and t.verdict == verdict
-                    and t.held and t.storage_kind in HELD_KINDS
-                    and (t.bitpackable or not bitpackable)]
-            if hits:
-                yield node, hits
+            by_code: dict[str, list[SavedTensor]] = {}
+            for i in node.saved:
+                t = tensors[i]
+                if t.explained_by is not None and t.held and t.storage_kind in HELD_KINDS:
+                    by_code.setdefault(t.explained_by, []).append(t)
+            for code, hits in by_code.items():
+                claimed.setdefault(code, []).append((node, hits))
+        return claimed
 
     def saved(self, node: GraphNode) -> dict[str, SavedTensor]:
         return {self.tensors[i].attr: self.tensors[i] for i in node.saved}
 
     def held(self) -> Iterator[SavedTensor]:
-        return (t for t in self.tensors if t.held)
+        if self._held is None:
+            self._held = [t for t in self.tensors if t.held]
+        return iter(self._held)
 
     def freed_by_storage(self, indices: Iterable[int]) -> dict[int, int]:
         """Storage id -> bytes freed if the saves ``indices`` were gone (storage-aware: a storage
@@ -175,6 +196,8 @@ def parse_sections(doc: str) -> dict[str, str]:
 
 def selected(code: str, select: Sequence[str] = (), ignore: Sequence[str] = ()) -> bool:
     """Prefix selection, longest matching prefix wins; ties go to select."""
+    if not select and not ignore:  # the default: every rule
+        return True
     best_select = max((len(p) for p in select if code.startswith(p.upper())), default=-1)
     best_ignore = max((len(p) for p in ignore if code.startswith(p.upper())), default=-1)
     if not select:
@@ -200,6 +223,8 @@ def check_codes(codes: Union[str, Sequence[str], None], label: str) -> tuple[str
     one-line error (``--ignore``, ``allow entry``).
     """
     entries = code_prefixes(codes)
+    if not entries:  # nothing to check (the default)
+        return entries
     known = [r.code for r in all_rules()]
     for entry in entries:
         if any(code.startswith(entry) for code in known):
