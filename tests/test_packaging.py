@@ -61,3 +61,12 @@ def test_html_renders_from_a_checkout_that_is_not_installed(tmp_path):
     assert Path(out["file"]).resolve().is_relative_to(tmp_path.resolve())
     assert not out["templates_package"]  # so the templates came from tmp_path/templates
     assert out["document"].startswith("<!DOCTYPE html>") and "TanhBackward0" in out["document"]
+
+
+def test_every_subpackage_is_shipped():
+    # a package missing from this list installs without it: `pip install .` then fails at the
+    # first import of it (gradaudit.planning once did), while an editable install hides that
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    shipped = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "gradaudit").rglob("__init__.py")}
+    assert found <= shipped, sorted(found - shipped)
