@@ -87,6 +87,11 @@ CASES = {
     "AddmmBackward0": (torch.addmm, [_float(3, 5), _float(3, 4), _float(4, 5)], (0, 1, 2)),
     "MmBackward0": (torch.mm, [_float(3, 4), _float(4, 5)], (0, 1)),
     "BmmBackward0": (torch.bmm, [_float(2, 3, 4), _float(2, 4, 5)], (0, 1)),
+    # two groups of rows (0-2 and 3-7), one 8x8 matrix each; rows of 32 bytes (the kernel wants 16-byte strides)
+    "GroupedMmBackward0": (lambda a, b, offs: torch._grouped_mm(a, b, offs=offs),
+                           [_float(8, 8), _float(2, 8, 8), _const(torch.tensor([3, 8], dtype=torch.int32))], (0, 1)),
+    "TopkBackward0": (lambda x: torch.topk(x, 2).values, [_float(4, 6)], (0,)),
+    "SortBackward0": (lambda x: torch.sort(x, 1).values, [_float(4, 6)], (0,)),
     "AddbmmBackward0": (torch.addbmm, [_float(3, 5), _float(2, 3, 4), _float(2, 4, 5)], (0, 1, 2)),
     "BaddbmmBackward0": (torch.baddbmm, [_float(2, 3, 5), _float(2, 3, 4), _float(2, 4, 5)], (0, 1, 2)),
     "DivBackward0": (torch.div, [_float(4, 8), lambda: torch.rand(4, 8) + 0.5], (0, 1)),

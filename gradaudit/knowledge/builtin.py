@@ -233,6 +233,11 @@ declare("AddmmBackward0", edges=("self", "mat1", "mat2"), weight="mat2", source=
         saves={"mat1": Read(witness="mat2", why=_MATMUL_WHY), "mat2": Read(witness="mat1", why=_MATMUL_WHY)})
 declare("MmBackward0", "BmmBackward0", edges=("self", "mat2"), weight="mat2", source="derivatives.yaml mm/bmm",
         saves={"self": Read(witness="mat2", why=_MATMUL_WHY), "mat2": Read(witness="self", why=_MATMUL_WHY)})
+# mixture-of-experts layers: one matrix product per group of rows (torch._grouped_mm); codegen guards
+# its saves as for mm (checked: self is saved only when mat2 needs a gradient, and the reverse)
+declare("GroupedMmBackward0", edges=("self", "mat2", "bias"), source="derivatives.yaml _grouped_mm",
+        saves={"self": Read(witness="mat2", why=_MATMUL_WHY), "mat2": Read(witness="self", why=_MATMUL_WHY),
+               "offs": Read(why="the group boundaries: each gradient is computed group by group")})
 declare("LinearBackward0", edges=("input", "weight", "bias"), weight="weight", source="derivatives.yaml linear",
         saves={"input": Read(why=_MATMUL_WHY), "weight": Read(why=_MATMUL_WHY)})
 
@@ -293,6 +298,6 @@ declare(
     "UpsampleNearest2DBackward0", "MaskedFillBackward0", "ErfBackward0",
     "ProdBackward0", "ProdBackward1", "CumsumBackward0", "VarMeanBackward0", "StdMeanBackward0",
     "SliceBackward0", "SelectBackward0", "ViewBackward0", "UnsafeViewBackward0",
-    "SoftmaxBackwardDataBackward0",
+    "SoftmaxBackwardDataBackward0", "TopkBackward0", "SortBackward0",
     edges=(), default=Read(why=_MATMUL_WHY), source="derivatives.yaml (single-output formulas, guarded saves)",
 )
