@@ -661,3 +661,27 @@ def test_ga801_names_the_cuda_kernel_dropout_rules_out():
     assert finding.bytes == 78360 - 29992
     assert not [f for f in gradaudit.audit(_Attention(mask, 0.125, head_slice=4), x, target="cuda").findings
                 if f.code == "GA801"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["resnet18", "resnet50"])
+def test_resnets_in_the_five_scenarios_give_the_cpu_figures_as_cudnn_nodes(arch):
+    # the bar: on meta with target="cuda" every batch norm is cuDNN's, every held save has a
+    # verdict, and held, reclaimable and bit-packing figures equal a real CPU audit's in each
+    # selective-differentiation scenario (cuDNN's eval statistics and reserve space are empty)
+    torchvision = pytest.importorskip("torchvision")
+    from gradaudit.scenarios import SCENARIOS, apply_scenario
+
+    for scenario in SCENARIOS:
+        torch.manual_seed(0)
+        cpu, x = getattr(torchvision.models, arch)(num_classes=10), torch.randn(2, 3, 64, 64)
+        apply_scenario(cpu, scenario, x)
+        with torch.device("meta"):
+            meta = getattr(torchvision.models, arch)(num_classes=10)
+        x_meta = torch.randn(2, 3, 64, 64, device="meta")
+        apply_scenario(meta, scenario, x_meta)
+        on_cpu, as_cuda = gradaudit.audit(cpu, x), gradaudit.audit(meta, x_meta, target="cuda")
+        assert {n.name for n in as_cuda.nodes if "BatchNorm" in n.name} == {"CudnnBatchNormBackward0"}, scenario
+        assert not [t for t in as_cuda.held_tensors if t.verdict == "unknown"], scenario
+        figures = ("saved_bytes", "reclaimable_bytes", "reclaimable_with_bitpacking_bytes")
+        assert [getattr(as_cuda, f) for f in figures] == [getattr(on_cpu, f) for f in figures], scenario
