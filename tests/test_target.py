@@ -685,3 +685,28 @@ def test_resnets_in_the_five_scenarios_give_the_cpu_figures_as_cudnn_nodes(arch)
         assert not [t for t in as_cuda.held_tensors if t.verdict == "unknown"], scenario
         figures = ("saved_bytes", "reclaimable_bytes", "reclaimable_with_bitpacking_bytes")
         assert [getattr(as_cuda, f) for f in figures] == [getattr(on_cpu, f) for f in figures], scenario
+
+
+def test_trim_acts_on_cudnn_batch_norm_nodes_as_the_audit_says():
+    # trim decides from the same op knowledge: on meta under the CUDA emulation (cuDNN batch norm),
+    # a trimmed forward holds exactly what the audit's figures leave: saved - reclaimable with bit-packing
+    if not torchapi.has("node creation hook"):
+        pytest.skip("gradaudit.trim needs torch >= 2.14 (the node creation hook)")
+    torchvision = pytest.importorskip("torchvision")
+    from gradaudit.measure import held_bytes_after_forward
+    from gradaudit.meta import standing_for
+    from gradaudit.scenarios import apply_scenario
+
+    with torch.device("meta"):
+        model = torchvision.models.resnet18(num_classes=10)
+    x = torch.randn(2, 3, 64, 64, device="meta")
+    apply_scenario(model, "input-only-bn-eval", x)
+    report = gradaudit.audit(model, x, target="cuda")
+    assert report.reclaimable_with_bitpacking_bytes > 0.9 * report.saved_bytes
+    with standing_for("cuda"):
+        plain = held_bytes_after_forward(model, x)
+        with gradaudit.trim(model) as handle:
+            trimmed = held_bytes_after_forward(model, x)
+    assert plain == report.saved_bytes
+    assert trimmed == report.saved_bytes - report.reclaimable_with_bitpacking_bytes
+    assert handle.stats["dropped"] > 0
