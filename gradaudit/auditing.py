@@ -209,8 +209,7 @@ def audit(
     # one walk of the module tree serves every stage before the forward, another every stage after it
     tree = ModelTree(model)
     first_parameter = tree.parameters[0][1] if tree.parameters else None  # only the first is looked at
-    on_meta = any(t.device.type == "meta"
-                  for t in input_tensors + ([first_parameter] if first_parameter is not None else []))
+    on_meta = runs_on_meta(first_parameter, input_tensors)
     if verify and on_meta:
         raise GradauditError("verify=True needs real values; it cannot run on the meta device "
                              "(audit on CPU or GPU, or drop verify)")
@@ -283,6 +282,13 @@ def audit(
             f"{report.saved_bytes - report.reclaimable_with_bitpacking_bytes} bytes (trim drops and bit-packs what "
             f"that figure counts)")
     return report
+
+
+def runs_on_meta(first_parameter: Optional[torch.Tensor], input_tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether an audit runs on the meta device: an input or the model's first parameter (only the
+    first is looked at) is a meta tensor."""
+    tensors = [*input_tensors, *([first_parameter] if first_parameter is not None else [])]
+    return any(t.device.type == "meta" for t in tensors)
 
 
 def trimmed_now(model: nn.Module) -> bool:

@@ -184,13 +184,7 @@ def run_scan(options: ScanOptions) -> int:
     if options.verify and options.device == "meta":
         raise ScanFailed("--verify needs real values and cannot run on --device meta; use --device cpu "
                          "(or cuda), or drop --verify")
-    if options.target != "cpu" and options.device in ("cpu", "cuda"):
-        raise ScanFailed(_target_needs_meta(options.target, options.device))
-
-    model, inputs = prepare(options)
-    where = _device_type(model, inputs)
-    if options.target != "cpu" and where != "meta":  # --device auto, and the model is not on meta
-        raise ScanFailed(_target_needs_meta(options.target, where))
+    model, inputs, where = _prepare_for_target(options)
 
     from .auditing import audit, check_patterns
 
@@ -255,6 +249,19 @@ def run_scan(options: ScanOptions) -> int:
         out(f"{what}: {path}")
 
     return _thresholds(report, options, limit)
+
+
+def _prepare_for_target(options: ScanOptions) -> tuple[Any, Any, str]:
+    """``prepare``, refusing a --target other than cpu unless the model and inputs end up on meta
+    (checked before building where --device already says, after it for --device auto). Returns the
+    model, the inputs and the device type the audit will run on."""
+    if options.target != "cpu" and options.device in ("cpu", "cuda"):
+        raise ScanFailed(_target_needs_meta(options.target, options.device))
+    model, inputs = prepare(options)
+    where = _device_type(model, inputs)
+    if options.target != "cpu" and where != "meta":  # --device auto, and the model is not on meta
+        raise ScanFailed(_target_needs_meta(options.target, where))
+    return model, inputs, where
 
 
 def _target_needs_meta(target: str, device: str) -> str:
@@ -480,12 +487,7 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     if len(budgets) > 1 and html_path:
         raise ScanFailed("--html draws one plan: give one --budget (several make a sweep table)")
     budget = budgets[0]
-    if options.target != "cpu" and options.device in ("cpu", "cuda"):
-        raise ScanFailed(_target_needs_meta(options.target, options.device))
-    model, inputs = prepare(options)
-    where = _device_type(model, inputs)
-    if options.target != "cpu" and where != "meta":
-        raise ScanFailed(_target_needs_meta(options.target, where))
+    model, inputs, where = _prepare_for_target(options)
     check_patterns(model, options.trainable, "--trainable")
     check_patterns(model, options.freeze, "--freeze")
     code = EXIT_OK

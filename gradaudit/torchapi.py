@@ -396,18 +396,27 @@ def checkpoint_arguments(frame: Any) -> Optional[tuple[Any, Any]]:
     saves its inputs (``saving_checkpoint_inputs``): the checkpoint keeps all of them until backward
     (its tensor arguments through saved-tensor hooks; tensors inside other arguments and keyword
     arguments through plain references, which no hook sees). None when not found."""
+    frame = _checkpoint_generator_frame(frame)
+    if frame is None:
+        return None
+    local = frame.f_locals
+    args, kwargs = local["args"], local.get("kwargs") or {}
+    function = local.get("fn")
+    # arguments bound into the block (Hugging Face checkpoints partial(layer.__call__, **kwargs))
+    while isinstance(function, functools.partial):
+        args, kwargs = (*function.args, *args), {**function.keywords, **kwargs}
+        function = function.func
+    return args, kwargs
+
+
+def _checkpoint_generator_frame(frame: Any) -> Any:
+    """The frame of the non-reentrant checkpoint generator a few frames above ``frame`` (the pack
+    that saves its inputs), whose locals hold the call's arguments and context; None if not found."""
     for _ in range(6):
         if frame is None:
             return None
         if frame.f_code in _GENERATOR_CODES and "args" in frame.f_locals:
-            local = frame.f_locals
-            args, kwargs = local["args"], local.get("kwargs") or {}
-            function = local.get("fn")
-            # arguments bound into the block (Hugging Face checkpoints partial(layer.__call__, **kwargs))
-            while isinstance(function, functools.partial):
-                args, kwargs = (*function.args, *args), {**function.keywords, **kwargs}
-                function = function.func
-            return args, kwargs
+            return frame
         frame = frame.f_back
     return None
 
@@ -478,15 +487,10 @@ def checkpoint_cache(frame: Any) -> Optional[Any]:
     saves its inputs: the dict its caching dispatch mode fills with the outputs the policy keeps
     (``create_selective_checkpoint_contexts``), held until backward and seen by no saved-tensor
     hook. None for a plain checkpoint."""
-    for _ in range(6):
-        if frame is None:
-            return None
-        if frame.f_code in _GENERATOR_CODES and "args" in frame.f_locals:
-            context = frame.f_locals.get("forward_context")
-            if _SAC_MODE is not None and isinstance(context, _SAC_MODE):
-                return getattr(context, "storage", None)
-            return None
-        frame = frame.f_back
+    frame = _checkpoint_generator_frame(frame)
+    context = frame.f_locals.get("forward_context") if frame is not None else None
+    if _SAC_MODE is not None and isinstance(context, _SAC_MODE):
+        return getattr(context, "storage", None)
     return None
 
 

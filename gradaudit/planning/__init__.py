@@ -28,6 +28,7 @@ from torch import nn
 from .. import torchapi
 from ..accounting import counted
 from ..errors import GradauditError
+from ..recorder import CHECKPOINT_INPUTS
 from ..records import HELD_KINDS, Manager
 from .apply import PlanHandle
 from .solve import Block, Chain, Point, cheapest_within, solve
@@ -221,7 +222,7 @@ def _budget_error(least: "Plan", blocks: int) -> "BudgetError":
 def _checkpointed_now(report: Any) -> list[str]:
     """The modules the audited forward checkpointed itself (torch.utils.checkpoint regions)."""
     regions = {n.module or "the model" for n in report.nodes
-               if n.name in ("CheckpointInputs", torchapi.REENTRANT_CHECKPOINT_NODE)}
+               if n.name in (CHECKPOINT_INPUTS, torchapi.REENTRANT_CHECKPOINT_NODE)}
     if not regions and any(t.managed_by == Manager.CHECKPOINT for t in report.tensors):
         regions.add("the model")
     return sorted(regions)
@@ -235,26 +236,20 @@ def _inside(path: str, block: str) -> bool:
     return path == block or path.startswith(block + ".")
 
 
-def _on_meta(model: nn.Module, inputs: Any) -> bool:
-    from ..tensors import iter_tensors
-
-    first_parameter = next(iter(model.parameters()), None)
-    tensors = [*iter_tensors(inputs), *([first_parameter] if first_parameter is not None else [])]
-    return any(t.device.type == "meta" for t in tensors)
-
-
 @contextlib.contextmanager
 def _as_audited(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str) -> Iterator[None]:
     """The requires_grad what-if applied and, on meta, the kernel choices and autocast of the
     target device, as the audit has them; the model is left as found afterwards (gradients,
     buffers, RNG state included)."""
-    from ..auditing import ModelState, apply_trainable
+    from ..auditing import ModelState, apply_trainable, runs_on_meta
     from ..meta import standing_for
+    from ..tensors import iter_tensors
 
+    on_meta = runs_on_meta(next(iter(model.parameters()), None), list(iter_tensors(inputs)))
     state = ModelState(model)
     try:
         apply_trainable(model, trainable, frozen)
-        with standing_for(target) if _on_meta(model, inputs) else contextlib.nullcontext():
+        with standing_for(target) if on_meta else contextlib.nullcontext():
             yield
     finally:
         state.restore()
