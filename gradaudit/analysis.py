@@ -159,9 +159,9 @@ def build_report(
 
     # -- the watched modules' calls, in this report's storage ids ----------------------------------
     module_calls, others = [], {}
-    for path, cls, passed, opaque in recording.calls:
-        storages_in, uncounted = {}, 0
-        for t in passed:
+    def call_storages(tensors: list[torch.Tensor]) -> tuple[tuple[tuple[int, int, StorageKind], ...], int]:
+        found, uncounted = {}, 0
+        for t in tensors:
             if t.layout != torch.strided:  # several storages (sparse): not counted, but said
                 uncounted += 1
                 continue
@@ -169,8 +169,13 @@ def build_report(
             sid = storage_ids.get(key)
             if sid is None:
                 sid = others.setdefault(key, len(storages) + len(others))
-            storages_in[sid] = (sid, t.untyped_storage().nbytes(), alive.classify(key))
-        module_calls.append(ModuleCall(path, cls, tuple(storages_in.values()), uncounted, tuple(opaque)))
+            found[sid] = (sid, t.untyped_storage().nbytes(), alive.classify(key))
+        return tuple(found.values()), uncounted
+
+    for path, cls, passed, opaque, returned in recording.calls:
+        storages_in, uncounted = call_storages(passed)
+        storages_out, _ = call_storages(returned)
+        module_calls.append(ModuleCall(path, cls, storages_in, uncounted, tuple(opaque), storages_out))
 
     # -- verdicts from op knowledge -----------------------------------------------------------
     # an outcome depends on its arguments only, and most saves repeat another's (every ReLU's

@@ -468,7 +468,7 @@ Exit codes:
 
 
 def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[str, ...], peak: bool = True,
-             html_path: Optional[str] = None) -> int:
+             html_path: Optional[str] = None, selective: bool = True) -> int:
     from . import loading
     from .auditing import check_patterns
     from .planning import BudgetError, plan
@@ -494,7 +494,7 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     try:
         chosen = plan(model, inputs, budget, trainable=list(options.trainable) if options.trainable else None,
                       frozen=list(options.freeze), blocks=list(blocks) or None,
-                      measure_peak=peak and len(budgets) == 1,
+                      measure_peak=peak and len(budgets) == 1, selective=selective,
                       target=options.target if where == "meta" else None, progress=options.progress)
     except BudgetError as error:
         chosen, code = error.smallest_plan, EXIT_ERROR
@@ -526,6 +526,9 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     elif not options.quiet:
         out(f"checkpoint {len(chosen.checkpointed)} of {len(chosen.blocks)} blocks: "
             f"{path_ranges(chosen.checkpointed) or '(none: it fits unplanned)'}")
+        if chosen.selective:
+            out(f"  of which op by op (outputs of matrix products, convolutions, attention and batch norm kept): "
+                f"{path_ranges(chosen.selective)}")
     if options.quiet:
         peak_text = f", peak {human_bytes(chosen.peak_bytes)}" if chosen.peak_bytes is not None else ""
         out(f"held {human_bytes(chosen.held_bytes)} (unplanned {human_bytes(chosen.unplanned_held_bytes)}){peak_text}, "
@@ -542,8 +545,8 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
         "backward, gradients included" + (" (one step of each run on meta: shapes only)" if chosen.device == "meta"
                                           else f" (one step of each measured on {chosen.device})")
         if peak else "held: after the forward (exact, what an audit counts)")
-    out(f"extra compute: the checkpointed blocks' forward FLOPs as a share of one unplanned step's "
-        f"({chosen.step_flops:.3g} FLOPs, torch.utils.flop_counter)")
+    out(f"extra compute: the recomputed FLOPs as a share of one unplanned step's ({chosen.step_flops:.3g} FLOPs: "
+        f"torch.utils.flop_counter, plus one per element written by ops it has no formula for)")
     for note in chosen.notes:
         out(f"note: {note}")
     if options.json and options.json != "-":
@@ -580,6 +583,8 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
     for p in plans:
         extra = f"+{100 * p.extra_compute:.1f}%"
         what = path_ranges(p.checkpointed) or "(nothing)"
+        if p.selective:
+            what += f" (op by op: {path_ranges(p.selective)})"
         out(f"  {human_bytes(p.budget):>10}  {human_bytes(p.held_bytes):>10}  {extra:>13}  {len(p.checkpointed):>6}  "
             f"{what if p.fits else 'no plan fits: ' + what}")
     if options.json and options.json != "-":
@@ -612,12 +617,14 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
               "(the memory/compute frontier with the baselines marked).")
 @click.option("--no-peak", is_flag=True, help="Do not run one step of the plan and of each baseline to "
               "measure their peaks (on a real device each costs a training step).")
+@click.option("--no-selective", is_flag=True, help="Checkpoint whole blocks only (no op-level checkpointing "
+              "that keeps matrix products' outputs and recomputes the rest).")
 @click.option("-q", "--quiet", is_flag=True, help="Print one summary line.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks.")
 def plan_command(spec: str, budget: tuple[str, ...], inputs: Optional[str], input_shape: Optional[str], dtype: str,
                  input_requires_grad: bool, trainable: tuple[str, ...], freeze: tuple[str, ...],
                  mode: Optional[bool], device: str, target: str, blocks: tuple[str, ...], json_path: Optional[str],
-                 html_path: Optional[str], no_peak: bool, quiet: bool, debug: bool) -> None:
+                 html_path: Optional[str], no_peak: bool, no_selective: bool, quiet: bool, debug: bool) -> None:
     """Choose which modules of the model built by SPEC to checkpoint (recompute in backward) so that
     autograd holds at most --budget after the forward, for the least extra compute.
 
@@ -636,7 +643,7 @@ def plan_command(spec: str, budget: tuple[str, ...], inputs: Optional[str], inpu
                           input_requires_grad=input_requires_grad, trainable=trainable, freeze=freeze, mode=mode,
                           device=device, target=target, html=None, json=json_path, quiet=quiet, progress=progress)
     try:
-        code = run_plan(options, budget, blocks, peak=not no_peak, html_path=html_path)
+        code = run_plan(options, budget, blocks, peak=not no_peak, html_path=html_path, selective=not no_selective)
     except (GradauditError, ScanFailed) as error:
         progress.done()
         from .loading import first_line

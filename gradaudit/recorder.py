@@ -19,7 +19,7 @@ import os
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -223,9 +223,9 @@ class Recording:
     regions: list[LiveRegion] = field(default_factory=list)  # torch.utils.checkpoint calls seen
     # storages of the modules' plain tensor attributes before the forward (module state, not activations)
     attributes_before: set[int] = field(default_factory=set)
-    # calls of the watched modules (Recorder.watch): (path, class, aliases of the tensors passed in,
-    # class names of the other arguments that hold tensors)
-    calls: list[tuple[str, str, list[torch.Tensor], list[str]]] = field(default_factory=list)
+    # calls of the watched modules (Recorder.watch): [path, class, aliases of the tensors passed in,
+    # class names of the other arguments that hold tensors, aliases of the tensors it returned]
+    calls: list[list[Any]] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -617,8 +617,9 @@ class Recorder:
         self.tracker.__enter__()
         modules = dict(self._named_modules) if self.watch else {}
         for path in self.watch:
-            self._watch_handles.append(modules[path].register_forward_pre_hook(
-                self._make_watcher(path, type(modules[path]).__name__), with_kwargs=True))
+            before, after = self._make_watcher(path, type(modules[path]).__name__)
+            self._watch_handles.append(modules[path].register_forward_pre_hook(before, with_kwargs=True))
+            self._watch_handles.append(modules[path].register_forward_hook(after, always_call=True))
         self.attention.__enter__()
         if torchapi.has("node creation hook"):
             torchapi.push_node_creation_hook(torchapi.called_from_autograd(self._on_node), "the recorder")
@@ -648,16 +649,23 @@ class Recorder:
                 handle.remove()
             self._watch_handles.clear()
 
-    def _make_watcher(self, path: str, cls: str):
-        calls = self.calls
+    def _make_watcher(self, path: str, cls: str) -> tuple[Callable[..., None], Callable[..., None]]:
+        """A forward pre-hook noting what a watched module is passed and a forward hook noting what
+        it returns (a stack: a module may run inside its own call)."""
+        calls, running = self.calls, []
 
-        def watcher(module: nn.Module, args: Any, kwargs: Any) -> None:
+        def before(module: nn.Module, args: Any, kwargs: Any) -> None:
             # detached aliases: they keep each storage (and so its key) alive until the report is
             # built, and no grad_fn, so no graph either
             tensors, _, opaque = flatten((args, kwargs))
-            calls.append((path, cls, [t.detach() for t in unique(tensors)], [type(v).__name__ for v in opaque]))
+            calls.append([path, cls, [t.detach() for t in unique(tensors)], [type(v).__name__ for v in opaque], []])
+            running.append(len(calls) - 1)
 
-        return watcher
+        def after(module: nn.Module, args: Any, output: Any) -> None:
+            if running:
+                calls[running.pop()][4] = [t.detach() for t in unique(flatten(output)[0])]
+
+        return before, after
 
     def _collect_hidden(self, nodes: list[LiveNode], saves: list[LiveSave]) -> None:
         """Saves still alive but held by nodes the walk cannot see.

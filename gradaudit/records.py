@@ -311,6 +311,8 @@ class ModuleCall:
     # class names of arguments that hold tensors out of reach (a cache object, a dataclass): a
     # checkpoint would keep them through its closure, where no saved-tensor hook sees them
     opaque: tuple[str, ...] = ()
+    # (storage id, bytes, kind) per distinct storage of the tensors it returned (ids as for inputs)
+    outputs: tuple[tuple[int, int, StorageKind], ...] = ()
 
 
 @dataclass

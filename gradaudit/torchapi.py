@@ -506,6 +506,20 @@ def cached_tensors(cache: Any) -> list[torch.Tensor]:
     return found
 
 
+def mutated_cached(cache: Any) -> int:
+    """How many of the op outputs a selective checkpoint's cache keeps were changed in place after
+    it kept them: backward raises on each ("Tensor cached during selective activation checkpoint
+    has been mutated")."""
+    mutated = 0
+    for entries in list(cache.values()) if isinstance(cache, dict) else []:
+        for tree in list(entries.values()) if isinstance(entries, dict) else list(entries):
+            for leaf in tree_flatten(tree)[0]:
+                value, version = getattr(leaf, "val", None), getattr(leaf, "version", None)
+                if isinstance(value, torch.Tensor) and version is not None and value._version != version:
+                    mutated += 1
+    return mutated
+
+
 def reentrant_checkpoint_frames(frame: Any) -> Iterator[tuple[Any, Any]]:
     """(frame, ctx) of every reentrant ``CheckpointFunction.forward`` running at ``frame`` or
     below it, innermost first (``ctx``: the node being built)."""

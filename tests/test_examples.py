@@ -116,11 +116,15 @@ def test_bert_checkpointing_plan_recomputes_less_than_the_flag_where_the_budget_
     # at the flag's memory the only plan is the flag: every layer, one extra forward of each
     at_flag = gradaudit.plan(model, inputs, flag, measure_peak=False)
     assert at_flag.checkpointed == tuple(layers) and at_flag.held_bytes == flag
-    # at half the plain figure three layers do (two would hold more), a quarter less recompute
+    # at half the plain figure, whole layers only: three do (two would hold more), a quarter less
+    # recompute; op by op (matmul outputs kept) less again
+    whole = gradaudit.plan(model, inputs, plain // 2, measure_peak=False, selective=False)
+    assert len(whole.checkpointed) == 3 and whole.extra_flops * 4 == at_flag.extra_flops * 3
     half = gradaudit.plan(model, inputs, plain // 2, measure_peak=False)
-    assert len(half.checkpointed) == 3 and half.extra_flops * 4 == at_flag.extra_flops * 3
-    with half.apply(model):
-        assert gradaudit.audit(model, inputs).saved_bytes == half.held_bytes <= plain // 2
+    assert half.selective and half.extra_flops < whole.extra_flops
+    for chosen in (whole, half):
+        with chosen.apply(model):
+            assert gradaudit.audit(model, inputs).saved_bytes == chosen.held_bytes <= plain // 2
 
 
 def test_custom_function_waste_is_found_with_verify():

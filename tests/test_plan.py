@@ -108,6 +108,62 @@ def test_plan_on_hugging_face_models_is_exact(tiny_hf_model, family):
     assert_exact_and_identical(model, inputs, 0.5)
 
 
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+def test_op_level_plans_are_exact_and_recompute_less(tiny_hf_model, family):
+    # at 80% of the unplanned bytes, keeping each chosen block's matmul outputs and recomputing its
+    # activations, norms and softmax frees enough: far less recompute than whole blocks
+    model = tiny_hf_model(family, num_hidden_layers=4, use_cache=False).train()
+    inputs = {"input_ids": torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))}
+    budget = int(gradaudit.audit(model, inputs).saved_bytes * 0.8)
+    chosen = plan(model, inputs, budget, measure_peak=False)
+    whole = plan(model, inputs, budget, measure_peak=False, selective=False)
+    assert chosen.selective and set(chosen.selective) <= set(chosen.checkpointed) and not whole.selective
+    assert chosen.extra_flops < whole.extra_flops
+    assert chosen.policies == {p: "selective" if p in chosen.selective else "full" for p in chosen.checkpointed}
+    assert all(b["cached_bytes"] > 0 and 0 < b["kept_flops"] < b["flops"] for b in chosen.blocks)
+    assert_exact_and_identical(model, inputs, 0.8)  # the same plan: re-audit, tracker, gradients
+
+
+def test_an_in_place_change_of_a_kept_output_takes_the_op_level_option_away():
+    # ReLU(inplace=True) overwrites the Linear's output, which an op-level checkpoint would keep:
+    # backward would raise ("cached ... has been mutated"), so those blocks are checkpointed whole
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.ReLU(inplace=True), nn.Linear(256, 64))
+                            for _ in range(4)])
+    x = torch.randn(16, 64)
+    unplanned = gradaudit.audit(model, x).saved_bytes
+    planned = plan(model, x, unplanned // 2, measure_peak=False)
+    assert all(b["cached_bytes"] is None for b in planned.blocks) and not planned.selective
+    assert_exact_and_identical(model, x, 0.5)
+
+
+def test_batch_norm_in_an_op_level_checkpoint_updates_its_statistics_once():
+    # conv -> batch norm (train mode) -> GELU -> Tanh -> GELU blocks: op by op, the convolution's
+    # and batch norm's outputs are kept and only the activations are recomputed (the Tanh result
+    # is freed), so the running statistics are updated once
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.GELU(), nn.Tanh(),
+                                          nn.GELU()) for _ in range(4)]).train()
+    x = torch.randn(2, 8, 16, 16)
+    unplanned = gradaudit.audit(model, x).saved_bytes
+    chosen = plan(model, x, int(unplanned * 0.8), measure_peak=False)
+    assert chosen.selective
+    assert_exact_and_identical(model, x, 0.8)  # buffers (running mean, var, count) bit-identical
+
+
+def test_ops_without_a_flop_formula_count_one_per_element_written():
+    class Transposed(nn.Module):
+        def forward(self, x):
+            return x.t().contiguous().t()  # two views (0) and one copy of 8 x 64 elements (512)
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), Transposed(), nn.Tanh())
+    x = torch.randn(8, 64, requires_grad=True)
+    chosen = plan(model, x, 10**9, blocks=["1", "2", "3"], measure_peak=False)
+    # Tanh writes 8 x 64 = 512 elements; torch.utils.flop_counter alone would count 0
+    assert [b["flops"] for b in chosen.blocks] == [512, 512, 512]
+    assert [b["kept_flops"] for b in chosen.blocks] == [0, 0, 0]
+
+
 def test_plan_on_meta_equals_the_re_audit_on_meta(tiny_hf_config, transformers):
     with torch.device("meta"):
         model = transformers.BertModel(tiny_hf_config("bert", num_hidden_layers=6)).train()
@@ -165,9 +221,12 @@ def test_held_and_peak_never_rise_as_the_budget_shrinks(tiny_hf_model):
 # -- the solver -------------------------------------------------------------------------------------
 
 
-def random_chain(rng: random.Random, n: int) -> Chain:
+def random_chain(rng: random.Random, n: int, selective: bool = False) -> Chain:
     """Blocks whose inputs are the previous block's output (sometimes saved inside it, sometimes
-    not), plus storages shared by every block (a mask passed to all) and by two neighbours."""
+    not), plus storages shared by every block (a mask passed to all) and by two neighbours. With
+    ``selective``, most blocks also have the op-level option: it keeps some of what they save
+    inside (matmul outputs), sometimes their own output (the next block's input), sometimes a cache
+    entry of its own, and recomputes part of their FLOPs."""
     nbytes, blocks, next_id = {}, [], 0
 
     def new(size: int) -> int:
@@ -187,27 +246,53 @@ def random_chain(rng: random.Random, n: int) -> Chain:
         if rng.random() < 0.5:
             internal.add(output)  # its last op saves its own result (the next block's input)
         inputs = {previous_output} | ({shared} if nbytes[shared] else set())
-        blocks.append(Block(f"b{i}", "B", 1, rng.randint(0, 5) * 100, frozenset(internal), frozenset(inputs)))
+        flops = rng.randint(0, 5) * 100
+        cached, kept = None, 0
+        if selective and rng.random() < 0.8:
+            cached = {s for s in internal if rng.random() < 0.5}
+            if rng.random() < 0.3:
+                cached.add(output)
+            if rng.random() < 0.3:
+                cached.add(new(rng.randint(1, 1000)))
+            cached, kept = frozenset(cached), rng.randint(0, flops)
+        blocks.append(Block(f"b{i}", "B", 1, flops, frozenset(internal), frozenset(inputs), cached, kept))
         previous_output = output
     return Chain(blocks, nbytes, frozenset(outside))
 
 
+@pytest.mark.parametrize("selective", [False, True], ids=["whole-blocks", "with-op-level"])
 @pytest.mark.parametrize("seed", range(40))
-def test_solver_is_optimal_against_exhaustive_search(seed):
+def test_solver_is_optimal_against_exhaustive_search(seed, selective):
     rng = random.Random(seed)
-    chain = random_chain(rng, rng.randint(1, 9))
+    chain = random_chain(rng, rng.randint(1, 7 if selective else 9), selective)
     points, exact = solve(chain)
     assert exact
     unplanned = chain.held(())
-    least = min(chain.held(c) for c in [[i for i in range(len(chain.blocks)) if m >> i & 1]
-                                         for m in range(1 << len(chain.blocks))])
+    least = min(p.held_bytes for p in points)
+    assert exhaustive(chain, least - 1) is None  # nothing holds less than the frontier's last point
     for budget in sorted({unplanned, least, *(rng.randint(least, unplanned) for _ in range(6))}):
         best = cheapest_within(points, budget)
         truth = exhaustive(chain, budget)
         assert best is not None and truth is not None
         assert best.extra_flops == truth[0]
-        assert best.held_bytes == chain.held(best.chosen) <= budget
+        assert best.held_bytes == chain.held(best.chosen, best.selective) <= budget
+        assert best.extra_flops == chain.extra_flops(best.chosen, best.selective)
     assert cheapest_within(points, least - 1) is None
+
+
+def test_a_selective_option_is_charged_as_inputs_plus_what_it_keeps():
+    # block a: saves 1 (its input, 100 B) and 2 (a matmul output, 200 B) and 3 (a pointwise result,
+    # 400 B); op by op it holds its input and the matmul output: 100 + 200 = 300 B, recomputing
+    # 10 of its 50 FLOPs; checkpointed whole it holds 100 B for 50 FLOPs
+    chain = Chain([Block("a", "B", 1, 50, frozenset({1, 2, 3}), frozenset({1}), frozenset({2}), 40)],
+                  {1: 100, 2: 200, 3: 400}, frozenset())
+    assert chain.held(()) == 700 and chain.held([0], [0]) == 300 and chain.held([0]) == 100
+    points, exact = solve(chain)
+    assert exact and [(p.held_bytes, p.extra_flops, sorted(p.selective)) for p in points] == [
+        (700, 0, []), (300, 10, [0]), (100, 50, [])]
+    assert cheapest_within(points, 500).selective == {0}
+    with pytest.raises(ValueError):
+        chain.held([], [0])  # op by op is a way of checkpointing: it must be checkpointed
 
 
 def test_frontier_is_monotone():

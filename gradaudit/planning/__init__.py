@@ -30,7 +30,7 @@ from ..accounting import counted
 from ..errors import GradauditError
 from ..recorder import CHECKPOINT_INPUTS
 from ..records import HELD_KINDS, Manager
-from .apply import PlanHandle
+from .apply import FULL_POLICY, SELECTIVE_POLICY, PlanHandle, kept_by_selective
 from .solve import Block, Chain, Point, cheapest_within, solve
 
 PLAN_SCHEMA_VERSION = 1
@@ -91,6 +91,9 @@ class Plan:
     # and what the model holds with it
     replaces: tuple[str, ...] = ()
     current_held_bytes: Optional[int] = None
+    # those of ``checkpointed`` checkpointed op by op: the outputs of their costly ops (matrix
+    # products, convolutions, attention) are kept and only the rest is recomputed
+    selective: tuple[str, ...] = ()
     # the solver's frontier and chain, for for_budget (not part of the plan's data)
     _solved: Any = field(default=None, repr=False, compare=False)
 
@@ -106,6 +109,7 @@ class Plan:
         other = dataclasses.replace(
             self, budget=budget_bytes, held_bytes=chosen.held_bytes, extra_flops=chosen.extra_flops,
             checkpointed=tuple(chain.blocks[i].path for i in sorted(chosen.chosen)),
+            selective=tuple(chain.blocks[i].path for i in sorted(chosen.selective)),
             baselines=_baselines(chain, budget_bytes), peak_bytes=None, unplanned_peak_bytes=None,
             notes=list(self.notes))
         if point is None:
@@ -127,7 +131,13 @@ class Plan:
         if self.replaces and getattr(model, "is_gradient_checkpointing", False):
             raise GradauditError("this plan replaces the model's own checkpointing, which is still on: turn it off "
                                  "first (model.gradient_checkpointing_disable())")
-        return PlanHandle(model, self.checkpointed)
+        return PlanHandle(model, self.checkpointed, self.policies)
+
+    @property
+    def policies(self) -> dict[str, str]:
+        """How each checkpointed module is checkpointed: "full" (everything recomputed) or
+        "selective" (costly ops' outputs kept)."""
+        return {path: SELECTIVE_POLICY if path in self.selective else FULL_POLICY for path in self.checkpointed}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -149,6 +159,7 @@ class Plan:
             "replaces": list(self.replaces),
             "current_held_bytes": self.current_held_bytes,
             "checkpointed": list(self.checkpointed),
+            "selective": list(self.selective),
             "optimal": self.optimal,
             "blocks": [dict(b) for b in self.blocks],
             "frontier": [{"held_bytes": h, "extra_flops": f} for h, f in self.frontier],
@@ -157,7 +168,8 @@ class Plan:
         }
 
     def __repr__(self) -> str:
-        return (f"<gradaudit.Plan {self.model}: checkpoint {len(self.checkpointed)} of {len(self.blocks)} "
+        selective = f" ({len(self.selective)} selectively)" if self.selective else ""
+        return (f"<gradaudit.Plan {self.model}: checkpoint {len(self.checkpointed)}{selective} of {len(self.blocks)} "
                 f"blocks, holds {self.held_bytes} of budget {self.budget} bytes, "
                 f"+{100 * self.extra_compute:.1f}% compute>")
 
@@ -255,31 +267,151 @@ def _as_audited(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, targ
         state.restore()
 
 
-def _flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
-           paths: Sequence[str]) -> tuple[dict[str, int], int]:
-    """Forward FLOPs of each module in ``paths`` (all its calls) and of one whole step (forward
-    and backward), as torch.utils.flop_counter counts them; the model is left as found."""
+# ops that allocate without computing (their outputs are written by the next op) or only reinterpret
+# an existing storage without saying so in their schema
+_NO_WORK = frozenset(getattr(torch.ops.aten, name) for name in (
+    "_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
+    "_reshape_alias", "set_", "resize_") if hasattr(torch.ops.aten, name))
+
+
+def _writes_nothing(op: Any) -> bool:
+    """Whether ``op`` (an overload packet) makes no new elements: a view or an allocation only."""
+    if op in _NO_WORK:
+        return True
+    try:
+        schema = getattr(op, op.overloads()[0])._schema
+    except (AttributeError, IndexError, RuntimeError):
+        return False
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _elements(*_: Any, out_val: Any = None, **__: Any) -> int:
+    return sum(t.numel() for t in torch.utils._pytree.tree_leaves(out_val) if isinstance(t, torch.Tensor))
+
+
+def _none(*_: Any, **__: Any) -> int:
+    return 0
+
+
+class _EveryOp(dict):
+    """FlopCounterMode's formula table, answering for every op: torch's formula where it has one
+    (matrix products, convolutions, attention), else one FLOP per element the op writes. Torch
+    counts those ops (activations, norms, softmax, elementwise arithmetic) as 0, which would make
+    recomputing them look free; they are memory-bound, and the elements they write are the
+    nearest FLOP-like measure of their cost."""
+
+    def __contains__(self, op: object) -> bool:
+        return True
+
+    def __missing__(self, op: Any) -> Any:
+        formula = _none if _writes_nothing(op) else _elements
+        self[op] = formula
+        return formula
+
+
+def _counting() -> Any:
     from torch.utils.flop_counter import FlopCounterMode
 
+    mode = FlopCounterMode(display=False)
+    mode.flop_registry = _EveryOp(mode.flop_registry)
+    return mode
+
+
+def _flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
+           paths: Sequence[str]) -> tuple[dict[str, tuple[int, int]], int]:
+    """(forward FLOPs, of which in ops a selective checkpoint keeps) of each module in ``paths`` (all its calls) and the
+    FLOPs of one whole step (forward and backward), as torch.utils.flop_counter counts them plus one
+    per element for the ops it has no formula for; the model is left as found."""
     from ..tensors import iter_tensors, split_inputs, unique
 
     args, kwargs = split_inputs(inputs)
     with _as_audited(model, inputs, trainable, frozen, target):
-        with FlopCounterMode(display=False) as forward:
+        with _counting() as forward:
             output = model(*args, **kwargs)
         outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
-        with FlopCounterMode(display=False) as backward:
+        with _counting() as backward:
             torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
         del output, outputs
     counts = forward.get_flop_counts()
     root = type(model).__name__
-    per_module = {path: sum(counts.get(f"{root}.{path}", {}).values()) for path in paths}
+    per_module = {}
+    for path in paths:
+        ops = counts.get(f"{root}.{path}", {})
+        per_module[path] = (sum(ops.values()), sum(n for op, n in ops.items() if kept_by_selective(op)))
     step = forward.get_total_flops() + backward.get_total_flops()
     return per_module, step
 
 
+def _audited_with(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: Optional[str],
+                  watch: Sequence[str], checkpointed: dict[str, str]) -> tuple[Any, set[str]]:
+    """An audit with ``checkpointed`` applied (path -> policy), and the selectively checkpointed
+    paths whose cache had an entry changed in place (backward would raise)."""
+    from ..auditing import audit
+
+    with PlanHandle(model, tuple(checkpointed), policies=checkpointed, keep_caches=True) as handle:
+        report = audit(model, inputs, trainable=trainable, frozen=frozen, watch=watch, target=target)
+        mutated = {path for path, caches in handle.caches.items()
+                   if any(torchapi.mutated_cached(cache) for cache in caches)}
+    return report, mutated
+
+
+def _add_selective(chain: Chain, report: Any, audit_with: Callable[[dict[str, str]], Any]) -> Optional[str]:
+    """Give every block with costly ops the SELECTIVE option: one audit with all of them checkpointed
+    selectively says which storages each one's cache holds. Those that are also tensors a block is
+    passed or returns are matched to this report's storage ids by position in the call (the same
+    calls, in the same order); the others belong to the cache alone. Returns a note when the option
+    cannot be modelled exactly (then no block has it)."""
+    capable = [b for b in chain.blocks if b.kept_flops]
+    selective_report, mutated = audit_with({b.path: SELECTIVE_POLICY for b in capable})
+    mine: dict[str, list] = {}
+    theirs: dict[str, list] = {}
+    for call in report.module_calls:
+        mine.setdefault(call.path, []).append(call)
+    for call in selective_report.module_calls:
+        theirs.setdefault(call.path, []).append(call)
+    same: dict[int, int] = {}  # the selective audit's storage id -> this report's
+    sizes: dict[int, int] = {}
+    for path, calls in mine.items():
+        if len(theirs.get(path, ())) != len(calls):
+            return "op-level checkpointing left out: the blocks were called differently when checkpointed"
+        for call, other in zip(calls, theirs[path]):
+            for ours, their in ((call.inputs, other.inputs), (call.outputs, other.outputs)):
+                if len(ours) != len(their):
+                    return "op-level checkpointing left out: the blocks were passed or returned other tensors"
+                for (sid, size, _), (other_sid, _, _) in zip(ours, their):
+                    if same.setdefault(other_sid, sid) != sid:
+                        return "op-level checkpointing left out: the blocks' tensors could not be matched"
+                    sizes[sid] = size
+    fresh = max([*chain.nbytes, *same.values(), -1]) + 1
+    cached: dict[str, set[int]] = {b.path: set() for b in capable}
+    for t in counted(selective_report.tensors):
+        node = selective_report.nodes[t.node_id] if t.node_id >= 0 else None
+        if node is None or node.name != CHECKPOINT_INPUTS or not t.attr.startswith("cached["):
+            continue
+        storage = selective_report.storages[t.storage_id]
+        if storage.kind not in HELD_KINDS or t.module not in cached:
+            continue
+        sid = same.get(storage.id)
+        if sid is None:
+            sid = fresh + storage.id
+        chain.nbytes.setdefault(sid, sizes.get(sid, storage.nbytes))
+        cached[t.module].add(sid)
+    blocks = [dataclasses.replace(b, cached=frozenset(cached[b.path])) if b.path in cached else b
+              for b in chain.blocks]
+    everything = [i for i, b in enumerate(blocks) if b.cached is not None]
+    trial = Chain(blocks, chain.nbytes, chain.outside)
+    if trial.held(everything, everything) != selective_report.saved_bytes:
+        return (f"op-level checkpointing left out: its bytes could not be modelled exactly (the chain says "
+                f"{trial.held(everything, everything)}, an audit {selective_report.saved_bytes})")
+    # a block whose forward changes a kept output in place (an in-place activation after a matrix
+    # product or a batch norm) cannot be checkpointed selectively: backward would raise
+    blocks = [dataclasses.replace(b, cached=None) if b.path in mutated else b for b in blocks]
+    chain.blocks = blocks
+    return None
+
+
 def _step(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
-          paths: Sequence[str]) -> tuple[int, int]:
+          paths: Sequence[str], policies: dict[str, str]) -> tuple[int, int]:
     """(held after the forward less the outputs, peak through forward and backward) of one step with ``paths``
     checkpointed, measured on the model's device: the storage tracker on CPU and meta (where it
     follows the meta tensors the step would allocate), the allocator on CUDA. Left as found."""
@@ -288,7 +420,7 @@ def _step(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: st
 
     args, kwargs = split_inputs(inputs)
     with _as_audited(model, inputs, trainable, frozen, target):
-        with PlanHandle(model, tuple(paths)):
+        with PlanHandle(model, tuple(paths), policies):
             return forward_backward(model, args, kwargs)
 
 
@@ -301,6 +433,7 @@ def plan(
     frozen: Optional[Sequence[str]] = None,
     blocks: Optional[Sequence[str]] = None,
     target: Optional[str] = None,
+    selective: bool = True,
     measure_peak: bool = True,
     progress: Optional[Callable[[str], None]] = None,
 ) -> Plan:
@@ -312,6 +445,8 @@ def plan(
     blocks: glob patterns over module paths to consider (default: ``repeated_blocks(model)``).
     target: on the meta device, the device type the figures are for ("cpu", the default, or "cuda"),
         as for ``audit``.
+    selective: also consider checkpointing a block op by op (keep the outputs of its matrix products,
+        convolutions and attention, recompute the rest) where that beats recomputing all of it.
     measure_peak: run the chosen plan's step, the unplanned step and the baselines' once each on the
         model's device to measure their peaks (``Plan.peak_bytes``; on meta nothing is computed).
 
@@ -379,13 +514,26 @@ def plan(
                              and _inside(t.module, path))
         passed = frozenset(sid for call in calls[path] for sid, _, kind in call.inputs if kind in HELD_KINDS)
         outside -= internal
-        chain_blocks.append(Block(path, calls[path][0].module_class, len(calls[path]), flops.get(path, 0),
-                                  internal, passed))
+        total, kept = flops.get(path, (0, 0))
+        chain_blocks.append(Block(path, calls[path][0].module_class, len(calls[path]), total, internal, passed,
+                                  kept_flops=kept))
     chain = Chain(chain_blocks, nbytes, frozenset(outside))
     notes = []
     if chain.held(()) != report.saved_bytes:  # both count the held saves' storages of held kinds
         raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit "
                              f"{report.saved_bytes}")
+    if selective and any(b.kept_flops for b in chain_blocks) and not torchapi.has("selective checkpoint cache"):
+        notes.append(f"op-level checkpointing left out: this torch ({torch.__version__}) hides what a selective "
+                     f"checkpoint keeps from the audit, so its bytes could not be counted")
+    elif selective and any(b.kept_flops for b in chain_blocks):
+        if progress:
+            progress("auditing the forward with every block checkpointed selectively")
+        with own_checkpointing_off():
+            note = _add_selective(chain, report, lambda policies: _audited_with(
+                model, inputs, trainable, frozen, target, paths, policies))
+        if note:
+            notes.append(note)
+    chain_blocks = chain.blocks
     if graphless:
         notes.append(f"{len(graphless)} block(s) build no autograd graph ({_few(graphless)}): no gradient flows "
                      f"through them, so they hold nothing and checkpointing them would change nothing")
@@ -402,8 +550,10 @@ def plan(
                      f"plan may exist (the bytes of every plan shown are exact)")
     frontier = tuple((p.held_bytes, p.extra_flops) for p in points)
     info = tuple({"path": b.path, "module_class": b.module_class, "calls": b.calls, "flops": b.flops,
-                  "internal_bytes": sum(nbytes[s] for s in b.internal),
-                  "input_bytes": sum(nbytes[s] for s in b.inputs)} for b in chain_blocks)
+                  "kept_flops": b.kept_flops, "internal_bytes": sum(nbytes[s] for s in b.internal),
+                  "input_bytes": sum(nbytes[s] for s in b.inputs),
+                  "cached_bytes": None if b.cached is None else sum(nbytes[s] for s in b.cached - b.inputs)}
+                 for b in chain_blocks)
 
     from ..auditing import trimmed_now
 
@@ -420,6 +570,7 @@ def plan(
                     held_bytes=point.held_bytes, unplanned_held_bytes=report.saved_bytes,
                     extra_flops=point.extra_flops, step_flops=step_flops,
                     checkpointed=tuple(chain_blocks[i].path for i in sorted(point.chosen)), blocks=info,
+                    selective=tuple(chain_blocks[i].path for i in sorted(point.selective)),
                     frontier=frontier, baselines=_baselines(chain, budget_bytes), optimal=optimal,
                     notes=list(notes), replaces=tuple(now), current_held_bytes=current_held,
                     _solved=(chain, points))
@@ -427,17 +578,19 @@ def plan(
     chosen = cheapest_within(points, budget_bytes)
     result = make(chosen if chosen is not None else points[-1])
     if measure_peak:
-        steps = [result.checkpointed, *[b.checkpointed for b in result.baselines]]
-        measured: dict[tuple[str, ...], tuple[int, int]] = {}
-        for k, paths_run in enumerate(steps):
-            if paths_run not in measured:
+        steps = [(result.checkpointed, result.selective), *[(b.checkpointed, ()) for b in result.baselines]]
+        measured: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[int, int]] = {}
+        for k, (paths_run, selective_run) in enumerate(steps):
+            if (paths_run, selective_run) not in measured:
                 if progress:
                     progress(f"measuring the peak of a step ({k + 1} of {len(steps)})")
+                policies = {path: SELECTIVE_POLICY for path in selective_run}
                 with own_checkpointing_off():
-                    measured[paths_run] = _step(model, inputs, trainable, frozen, report.target, paths_run)
-        result.peak_bytes = measured[result.checkpointed][1]
-        result.unplanned_peak_bytes = measured[()][1]
-        result.baselines = tuple(dataclasses.replace(b, peak_bytes=measured[b.checkpointed][1])
+                    measured[paths_run, selective_run] = _step(model, inputs, trainable, frozen, report.target,
+                                                               paths_run, policies)
+        result.peak_bytes = measured[result.checkpointed, result.selective][1]
+        result.unplanned_peak_bytes = measured[(), ()][1]
+        result.baselines = tuple(dataclasses.replace(b, peak_bytes=measured[b.checkpointed, ()][1])
                                  for b in result.baselines)
     if chosen is None:
         raise _budget_error(result, len(chain_blocks))

@@ -10,23 +10,69 @@ What the wrapper guarantees:
 - batch norm in train mode does not update its running statistics a second time when backward
   recomputes the block: they are put back as they were after the first forward;
 - with grad disabled (``torch.no_grad``, evaluation) the module runs as it always did.
+
+A module checkpointed selectively (policy ``"selective"``) keeps the outputs of its costly ops (those
+torch.utils.flop_counter has a FLOP formula for: matrix products, convolutions, attention) through
+``create_selective_checkpoint_contexts`` and recomputes only the rest.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import flop_registry
 
 from .. import torchapi
 from ..errors import GradauditError
 from ..tensors import flatten
 
 _PLANNED: "weakref.WeakKeyDictionary[nn.Module, PlanHandle]" = weakref.WeakKeyDictionary()
+
+FULL_POLICY, SELECTIVE_POLICY = "full", "selective"
+POLICIES = (FULL_POLICY, SELECTIVE_POLICY)
+
+
+# batch norm's ops: a selective checkpoint keeps their outputs, so train mode updates the running
+# statistics once (recomputing them would update them again, and putting them back would run ops
+# the selective checkpoint's replay does not expect)
+_NORM_OPS = frozenset(getattr(torch.ops.aten, name) for name in (
+    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training", "_batch_norm_with_update",
+    "_batch_norm_no_update", "cudnn_batch_norm", "miopen_batch_norm") if hasattr(torch.ops.aten, name))
+
+
+def kept_by_selective(op: Any) -> bool:
+    """Whether a selective checkpoint keeps the output of ``op`` (an overload or its packet): the
+    ops torch.utils.flop_counter has a FLOP formula for (matrix products, convolutions,
+    attention) and batch norm's."""
+    packet = getattr(op, "_overloadpacket", op)
+    return packet in flop_registry or packet in _NORM_OPS
+
+
+def _keep_costly(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if kept_by_selective(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _context_fn(policy: str, caches: Optional[list[Any]]) -> Optional[Callable[[], Any]]:
+    """checkpoint's context_fn for ``policy``; each selective checkpoint's cache (the dict its
+    forward context fills) is appended to ``caches`` when that is a list."""
+    if policy == FULL_POLICY:
+        return None
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    def contexts() -> Any:
+        forward, recompute = create_selective_checkpoint_contexts(_keep_costly)
+        if caches is not None:
+            caches.append(getattr(forward, "storage", None))
+        return forward, recompute
+
+    return contexts
 
 
 @contextlib.contextmanager
@@ -44,8 +90,33 @@ def _statistics_kept(norms: list[nn.Module]) -> Iterator[None]:
             buffer.data.copy_(value)
 
 
-def _checkpointed(module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+@contextlib.contextmanager
+def _counts_aside(counters: list[tuple[nn.Module, torch.Tensor]]) -> Iterator[None]:
+    """Each batch norm's ``num_batches_tracked`` replaced by its spare tensor, and put back."""
+    real = [(m, m.num_batches_tracked) for m, _ in counters]
+    try:
+        for m, spare in counters:
+            m.num_batches_tracked = spare
+        yield
+    finally:
+        for m, counter in real:
+            m.num_batches_tracked = counter
+
+
+def _checkpointed(module: nn.Module, forward: Callable[..., Any], policy: str,
+                  caches: Optional[list[Any]]) -> Callable[..., Any]:
     norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    context_fn = _context_fn(policy, caches)
+    options = {"context_fn": context_fn} if context_fn is not None else {}
+    if options:
+        # a selective checkpoint does not rerun batch norm's kernel (kept_by_selective), so the
+        # running mean and variance are updated once; the batch count, incremented in Python, is
+        # pointed at a spare tensor while backward recomputes (made now, outside every forward:
+        # putting the count back would run an op the selective replay does not expect)
+        norms, counters = [], [(m, torch.zeros_like(m.num_batches_tracked)) for m in norms
+                               if getattr(m, "num_batches_tracked", None) is not None]
+    else:
+        counters = []
 
     def planned_forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -62,11 +133,11 @@ def _checkpointed(module: nn.Module, forward: Callable[..., Any]) -> Callable[..
             runs[0] += 1
             if runs[0] == 1:
                 return forward(*call_args, **call_kwargs)
-            with _statistics_kept(norms), torchapi.function_modes_entered(modes):  # backward's recomputation
-                return forward(*call_args, **call_kwargs)
+            with _statistics_kept(norms), _counts_aside(counters), torchapi.function_modes_entered(modes):
+                return forward(*call_args, **call_kwargs)  # backward's recomputation
 
         setattr(run, torchapi.KEEP_CHECKPOINTING, True)  # a plan's own checkpoint, even where the model's are off
-        return checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True)
+        return checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True, **options)
 
     planned_forward.__wrapped__ = forward  # type: ignore[attr-defined]
     return planned_forward
@@ -75,7 +146,12 @@ def _checkpointed(module: nn.Module, forward: Callable[..., Any]) -> Callable[..
 class PlanHandle:
     """Returned by ``Plan.apply``: ``remove()`` (or leaving the ``with`` block) restores the model."""
 
-    def __init__(self, model: nn.Module, paths: tuple[str, ...]) -> None:
+    def __init__(self, model: nn.Module, paths: tuple[str, ...], policies: Optional[Mapping[str, str]] = None,
+                 keep_caches: bool = False) -> None:
+        policies = dict(policies or {})
+        unknown = sorted(set(policies.values()) - set(POLICIES))
+        if unknown:
+            raise GradauditError(f"unknown checkpoint policy {unknown[0]!r}: use one of {', '.join(POLICIES)}")
         modules = dict(model.named_modules())
         missing = [p for p in paths if p not in modules]
         if missing:
@@ -86,12 +162,17 @@ class PlanHandle:
                                  "`with` block) before applying another")
         self._model_ref = weakref.ref(model)
         self.paths = paths
+        self.policies = {path: policies.get(path, FULL_POLICY) for path in paths}
+        # keep_caches: per selectively checkpointed path, the caches of its checkpoints (for the
+        # planner, which checks that none of their entries was changed in place)
+        self.caches: dict[str, list[Any]] = {p: [] for p, policy in self.policies.items()
+                                             if keep_caches and policy == SELECTIVE_POLICY}
         # (module, the instance attribute 'forward' it had, if any)
         self._wrapped: list[tuple[nn.Module, Any]] = []
         for path in paths:
             module = modules[path]
             own = module.__dict__.get("forward")
-            module.forward = _checkpointed(module, module.forward)
+            module.forward = _checkpointed(module, module.forward, self.policies[path], self.caches.get(path))
             self._wrapped.append((module, own))
         _PLANNED[model] = self
 

@@ -1,19 +1,22 @@
 """The checkpoint planner's cost model and solver: plain data and arithmetic, no torch.
 
 A chain of blocks (the modules a plan may checkpoint, in the order the forward runs them). Each
-block either keeps what its ops save (``internal``: storage ids) or, checkpointed, keeps only the
-tensors it was passed (``inputs``) and recomputes its forward in backward (``flops``). Everything
-outside the blocks keeps what it saves (``outside``). Bytes are counted once per storage, so what a
-plan holds is the size of a union::
+block has options: keep what its ops save (``internal``: storage ids); checkpointed, keep only the
+tensors it was passed (``inputs``) and recompute its forward in backward (``flops``); or, where it
+has one, checkpointed selectively (op level): keep its inputs and the outputs of its costly ops
+(``cached``: matrix products, convolutions, attention) and recompute only the rest
+(``flops - kept_flops``). Everything outside the blocks keeps what it saves (``outside``). Bytes
+are counted once per storage, so what a plan holds is the size of a union::
 
-    held(S) = bytes(outside | U_{b not in S} internal(b) | U_{b in S} inputs(b))
+    held = bytes(outside | U_{b kept} internal(b) | U_{b checkpointed} inputs(b)
+                 | U_{b selective} inputs(b) | cached(b))
 
-``Chain.held`` computes it exactly for any set of blocks. ``solve`` finds, for every budget at
-once, the plans with the least recompute: a dynamic program over the chain whose state is whether
-the previous block is checkpointed and whether any block so far is. It charges every storage
-exactly when the blocks that can hold it are one block, two neighbours, or (held only as an
-input) all of them; any other storage is charged as always held (``Chain.assumed``), which can
-only overstate a plan's bytes, never understate them.
+``Chain.held`` computes it exactly for any choice. ``solve`` finds, for every budget at once, the
+plans with the least recompute: a dynamic program over the chain whose state is the previous
+block's option and whether any block so far is checkpointed. It charges every storage exactly when
+the blocks that can hold it are one block, two neighbours, or (held exactly when checkpointed) all
+of them; any other storage is charged as always held (``Chain.assumed``), which can only overstate
+a plan's bytes, never understate them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,20 @@ class Block:
     flops: int  # forward FLOPs of all its calls: what checkpointing it recomputes per step
     internal: frozenset[int]  # storages its ops' saves hold (held kinds only)
     inputs: frozenset[int]  # storages of the tensors passed to it (held kinds only)
+    # checkpointed selectively: the storages of the op outputs the policy keeps (None: no such option)
+    cached: Optional[frozenset[int]] = None
+    kept_flops: int = 0  # forward FLOPs of those ops: what selective recompute does not redo
+
+    def options(self) -> list[tuple[int, frozenset[int]]]:
+        """(recompute FLOPs, storages held) per option: KEEP, CHECKPOINT and, where there is one,
+        SELECTIVE."""
+        found = [(0, self.internal), (self.flops, self.inputs)]
+        if self.cached is not None:
+            found.append((self.flops - self.kept_flops, self.inputs | self.cached))
+        return found
+
+
+KEEP, CHECKPOINT, SELECTIVE = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -43,7 +60,8 @@ class Point:
 
     held_bytes: int  # exact (Chain.held)
     extra_flops: int
-    chosen: frozenset[int]  # indices into Chain.blocks
+    chosen: frozenset[int]  # indices into Chain.blocks: the checkpointed blocks
+    selective: frozenset[int] = frozenset()  # those of them checkpointed selectively (op level)
 
 
 @dataclass
@@ -53,24 +71,34 @@ class Chain:
     outside: frozenset[int]  # storages held by saves outside every block
     assumed: dict[int, int] = field(default_factory=dict)  # storages the solver charges as always held
 
-    def held(self, chosen: Iterable[int]) -> int:
-        """Exact bytes held after the forward with the blocks ``chosen`` checkpointed."""
-        chosen = set(chosen)
+    def _option(self, i: int, chosen: set[int], selective: set[int]) -> int:
+        if i in selective:
+            if i not in chosen or self.blocks[i].cached is None:
+                raise ValueError(f"block {i} cannot be checkpointed selectively")
+            return SELECTIVE
+        return CHECKPOINT if i in chosen else KEEP
+
+    def held(self, chosen: Iterable[int], selective: Iterable[int] = ()) -> int:
+        """Exact bytes held after the forward with the blocks ``chosen`` checkpointed (those also
+        in ``selective`` selectively)."""
+        chosen, selective = set(chosen), set(selective)
         kept = set(self.outside)
         for i, block in enumerate(self.blocks):
-            kept |= block.inputs if i in chosen else block.internal
+            kept |= block.options()[self._option(i, chosen, selective)][1]
         return sum(self.nbytes[s] for s in kept)
 
-    def extra_flops(self, chosen: Iterable[int]) -> int:
-        return sum(self.blocks[i].flops for i in set(chosen))
+    def extra_flops(self, chosen: Iterable[int], selective: Iterable[int] = ()) -> int:
+        chosen, selective = set(chosen), set(selective)
+        return sum(self.blocks[i].options()[self._option(i, chosen, selective)][0] for i in chosen)
 
 
-def _pareto(points: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """(flops, bytes, mask) points, none beaten on both: cheapest first, bytes strictly falling."""
-    best: list[tuple[int, int, int]] = []
-    for flops, nbytes, mask in sorted(points, key=lambda p: (p[0], p[1], p[2])):
-        if not best or nbytes < best[-1][1]:
-            best.append((flops, nbytes, mask))
+def _pareto(points: Iterable[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """(flops, bytes, mask, selective mask) points, none beaten on both: cheapest first, bytes
+    strictly falling."""
+    best: list[tuple[int, int, int, int]] = []
+    for point in sorted(points):
+        if not best or point[1] < best[-1][1]:
+            best.append(point)
     if len(best) > FRONTIER_LIMIT:
         step = len(best) / FRONTIER_LIMIT
         best = [best[int(k * step)] for k in range(FRONTIER_LIMIT)] + [best[-1]]
@@ -83,53 +111,57 @@ def solve(chain: Chain) -> tuple[list[Point], bool]:
     had to be charged as always held or the frontier was thinned (then a point's bytes are still
     exact, but a cheaper plan under the same budget may exist)."""
     n = len(chain.blocks)
-    local = [[0, 0] for _ in range(n)]  # local[i][x]: bytes only block i decides, x = checkpointed?
-    pair = [[[0, 0], [0, 0]] for _ in range(n)]  # pair[i][x][y]: decided by blocks i and i+1
+    options = [block.options() for block in chain.blocks]
+    # local[i][x]: bytes only block i decides, x its option; pair[i][x][y]: decided by blocks i, i+1
+    local = [[0] * len(opts) for opts in options]
+    pair = [[[0] * len(options[i + 1]) for _ in options[i]] for i in range(n - 1)]
     any_chosen = 0  # bytes held exactly when at least one block is checkpointed
     constant = sum(chain.nbytes[s] for s in chain.outside)
     chain.assumed = {}
-    keepers: dict[int, tuple[set[int], set[int]]] = {}
-    for i, block in enumerate(chain.blocks):
-        for s in block.internal:
-            keepers.setdefault(s, (set(), set()))[0].add(i)
-        for s in block.inputs:
-            keepers.setdefault(s, (set(), set()))[1].add(i)
-    for s, (inside, passed) in keepers.items():
+    touching: dict[int, set[int]] = {}
+    for i, opts in enumerate(options):
+        for _, holds in opts:
+            for s in holds:
+                touching.setdefault(s, set()).add(i)
+    for s, blocks in touching.items():
         if s in chain.outside:
             continue
         nbytes = chain.nbytes[s]
-        touched = sorted(inside | passed)
-        if inside & passed:  # one block holds it either way
+        touched = sorted(blocks)
+        # per touching block, the options under which it holds s
+        holding = {i: [s in holds for _, holds in options[i]] for i in touched}
+        if any(all(h) for h in holding.values()):  # one block holds it whatever it does
             constant += nbytes
         elif len(touched) == 1:
             i = touched[0]
-            local[i][0 if i in inside else 1] += nbytes
+            for x, held in enumerate(holding[i]):
+                local[i][x] += nbytes if held else 0
         elif len(touched) == 2 and touched[1] == touched[0] + 1:
             i = touched[0]
-            for x in (0, 1):
-                for y in (0, 1):
-                    held = any((x, y)[k] == 0 for k, b in enumerate(touched) if b in inside) or \
-                        any((x, y)[k] == 1 for k, b in enumerate(touched) if b in passed)
-                    pair[i][x][y] += nbytes if held else 0
-        elif not inside and len(passed) == n:
+            for x, held_here in enumerate(holding[i]):
+                for y, held_next in enumerate(holding[i + 1]):
+                    pair[i][x][y] += nbytes if held_here or held_next else 0
+        elif len(touched) == n and all(h[KEEP] is False and all(h[1:]) for h in holding.values()):
             any_chosen += nbytes
         else:
             constant += nbytes
             chain.assumed[s] = nbytes
     exact = not chain.assumed
-    # states: (x of the last block, any block checkpointed so far) -> frontier of (flops, bytes, mask)
-    states: dict[tuple[int, int], list[tuple[int, int, int]]] = {(0, 0): [(0, constant, 0)]}
-    for i, block in enumerate(chain.blocks):
-        grown: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    # states: (option of the last block, any block checkpointed so far) -> frontier of
+    # (flops, bytes, mask of checkpointed blocks, mask of the selective ones)
+    states: dict[tuple[int, bool], list[tuple[int, int, int, int]]] = {(KEEP, False): [(0, constant, 0, 0)]}
+    for i, opts in enumerate(options):
+        grown: dict[tuple[int, bool], list[tuple[int, int, int, int]]] = {}
         for (last, seen), frontier in states.items():
-            for x in (0, 1):
+            for x, (cost, _) in enumerate(opts):
                 extra_bytes = local[i][x] + (pair[i - 1][last][x] if i > 0 else 0)
-                if x and not seen:
+                if x != KEEP and not seen:
                     extra_bytes += any_chosen
-                extra_flops = block.flops if x else 0
-                bit = (1 << i) if x else 0
-                grown.setdefault((x, seen or x), []).extend(
-                    (flops + extra_flops, nbytes + extra_bytes, mask | bit) for flops, nbytes, mask in frontier)
+                bit = (1 << i) if x != KEEP else 0
+                sbit = (1 << i) if x == SELECTIVE else 0
+                grown.setdefault((x, seen or x != KEEP), []).extend(
+                    (flops + cost, nbytes + extra_bytes, mask | bit, smask | sbit)
+                    for flops, nbytes, mask, smask in frontier)
         states = {}
         for key, points in grown.items():
             states[key] = _pareto(points)
@@ -137,12 +169,13 @@ def solve(chain: Chain) -> tuple[list[Point], bool]:
                 exact = False
     final = _pareto(p for frontier in states.values() for p in frontier)
     points = []
-    for flops, predicted, mask in final:
+    for flops, predicted, mask, smask in final:
         chosen = frozenset(i for i in range(n) if mask >> i & 1)
-        held = chain.held(chosen)
+        selective = frozenset(i for i in range(n) if smask >> i & 1)
+        held = chain.held(chosen, selective)
         if exact and held != predicted:  # the charges above are the union's, term by term
             raise AssertionError(f"planner: charged {predicted} bytes but the plan holds {held}")
-        points.append(Point(held, flops, chosen))
+        points.append(Point(held, flops, chosen, selective))
     # the exact bytes of each point can only be lower than charged: keep the frontier monotone
     clean: list[Point] = []
     for point in points:
@@ -158,14 +191,17 @@ def cheapest_within(points: Sequence[Point], budget: int) -> Optional[Point]:
 
 
 def exhaustive(chain: Chain, budget: int) -> Optional[tuple[int, int]]:
-    """(least extra FLOPs, bytes) over every subset of blocks that fits ``budget``, by brute force
-    (for tests: 2**len(blocks) plans)."""
+    """(least extra FLOPs, bytes) over every choice of options that fits ``budget``, by brute
+    force (for tests: 2 or 3 options per block)."""
+    import itertools
+
     best = None
-    for mask in range(1 << len(chain.blocks)):
-        chosen = [i for i in range(len(chain.blocks)) if mask >> i & 1]
-        held = chain.held(chosen)
+    for choice in itertools.product(*[range(len(block.options())) for block in chain.blocks]):
+        chosen = [i for i, x in enumerate(choice) if x != KEEP]
+        selective = [i for i, x in enumerate(choice) if x == SELECTIVE]
+        held = chain.held(chosen, selective)
         if held <= budget:
-            key = (chain.extra_flops(chosen), held)
+            key = (chain.extra_flops(chosen, selective), held)
             if best is None or key < best:
                 best = key
     return best
