@@ -467,11 +467,32 @@ Exit codes:
 """
 
 
+def _cost_needs_a_real_device() -> str:
+    return ("--cost time measures the forward on the model's device, and the meta device computes nothing: "
+            "use --device cpu or cuda, or --cost flops")
+
+
+def _extra_text(plan: Any, figures: Any) -> str:
+    """What ``figures`` (the plan, or a baseline) adds per step: a share of one unplanned step's
+    FLOPs, or with --cost time the milliseconds and their share of one step's time."""
+    step = plan.step_seconds if plan.cost == "time" else plan.step_flops
+    share = f"+{100 * plan.share(figures):.1f}%" if step else "+?"
+    if plan.cost != "time":
+        return share
+    return f"+{_milliseconds(figures.extra_seconds or 0.0)} ms ({share})"
+
+
+def _milliseconds(seconds: float) -> str:
+    ms = 1e3 * seconds
+    return f"{ms:.2f}" if ms < 10 else f"{ms:.1f}" if ms < 1000 else f"{ms:.0f}"
+
+
 def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[str, ...], peak: bool = True,
-             html_path: Optional[str] = None, selective: bool = True) -> int:
+             html_path: Optional[str] = None, selective: bool = True, cost: str = "flops") -> int:
     from . import loading
     from .auditing import check_patterns
     from .planning import BudgetError, plan
+    from .planning.timing import REPEATS
     from .report.units import human_bytes, path_ranges
 
     to_stderr = options.json == "-"
@@ -486,15 +507,19 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     budgets = [loading.parse_size(text) for text in budget_texts]
     if len(budgets) > 1 and html_path:
         raise ScanFailed("--html draws one plan: give one --budget (several make a sweep table)")
+    if cost == "time" and options.device == "meta":
+        raise ScanFailed(_cost_needs_a_real_device())
     budget = budgets[0]
     model, inputs, where = _prepare_for_target(options)
+    if cost == "time" and where == "meta":  # --device auto, and the factory built it on meta
+        raise ScanFailed(_cost_needs_a_real_device())
     check_patterns(model, options.trainable, "--trainable")
     check_patterns(model, options.freeze, "--freeze")
     code = EXIT_OK
     try:
         chosen = plan(model, inputs, budget, trainable=list(options.trainable) if options.trainable else None,
                       frozen=list(options.freeze), blocks=list(blocks) or None,
-                      measure_peak=peak and len(budgets) == 1, selective=selective,
+                      measure_peak=peak and len(budgets) == 1, selective=selective, cost=cost,
                       target=options.target if where == "meta" else None, progress=options.progress)
     except BudgetError as error:
         chosen, code = error.smallest_plan, EXIT_ERROR
@@ -514,9 +539,6 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
 
         _write(html_path, planhtml.render(chosen, title=f"gradaudit plan: {options.spec}"), "--html")
 
-    def compute(flops: int) -> str:
-        return f"+{100 * flops / chosen.step_flops:.1f}%" if chosen.step_flops else "+?"
-
     on = f"meta as {chosen.target}" if chosen.device == "meta" else chosen.device
     out(f"gradaudit plan: {chosen.model} on {on}, budget {human_bytes(budget)} held after the forward")
     if code != EXIT_OK:
@@ -532,21 +554,30 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     if options.quiet:
         peak_text = f", peak {human_bytes(chosen.peak_bytes)}" if chosen.peak_bytes is not None else ""
         out(f"held {human_bytes(chosen.held_bytes)} (unplanned {human_bytes(chosen.unplanned_held_bytes)}){peak_text}, "
-            f"extra compute {compute(chosen.extra_flops)}, {len(chosen.checkpointed)} blocks checkpointed")
+            f"extra {'time' if chosen.cost == 'time' else 'compute'} {_extra_text(chosen, chosen)}, "
+            f"{len(chosen.checkpointed)} blocks checkpointed")
         return code
     rows = [("this plan" if code == EXIT_OK else "least possible", chosen.held_bytes, chosen.peak_bytes,
-             chosen.extra_flops, len(chosen.checkpointed))]
-    rows += [(b.name, b.held_bytes, b.peak_bytes, b.extra_flops, len(b.checkpointed)) for b in chosen.baselines]
-    out(f"  {'':<16}{'HELD':>11}{'PEAK':>11}  {'EXTRA COMPUTE':>13}  {'BLOCKS':>6}  FITS")
-    for name, held, peak_bytes, flops, count in rows:
+             _extra_text(chosen, chosen), len(chosen.checkpointed))]
+    rows += [(b.name, b.held_bytes, b.peak_bytes, _extra_text(chosen, b), len(b.checkpointed))
+             for b in chosen.baselines]
+    width = max(13, *(len(extra) for _, _, _, extra, _ in rows))
+    heading = "EXTRA TIME" if chosen.cost == "time" else "EXTRA COMPUTE"
+    out(f"  {'':<16}{'HELD':>11}{'PEAK':>11}  {heading:>{width}}  {'BLOCKS':>6}  FITS")
+    for name, held, peak_bytes, extra, count in rows:
         out(f"  {name:<16}{human_bytes(held):>11}{human_bytes(peak_bytes) if peak_bytes is not None else '-':>11}  "
-            f"{compute(flops):>13}  {count:>6}  {'yes' if held <= budget else 'no'}")
+            f"{extra:>{width}}  {count:>6}  {'yes' if held <= budget else 'no'}")
     out("held: after the forward (exact, what an audit counts); peak: through forward, recomputation and "
         "backward, gradients included" + (" (one step of each run on meta: shapes only)" if chosen.device == "meta"
                                           else f" (one step of each measured on {chosen.device})")
         if peak else "held: after the forward (exact, what an audit counts)")
-    out(f"extra compute: the recomputed FLOPs as a share of one unplanned step's ({chosen.step_flops:.3g} FLOPs: "
-        f"torch.utils.flop_counter, plus one per element written by ops it has no formula for)")
+    if chosen.cost == "time":
+        out(f"extra time: the checkpointed blocks' forward time as a share of one unplanned step's "
+            f"({_milliseconds(chosen.step_seconds or 0.0)} ms), medians of {REPEATS} runs on {chosen.device}; "
+            f"extra FLOPs +{100 * chosen.extra_flops / chosen.step_flops if chosen.step_flops else 0:.1f}%")
+    else:
+        out(f"extra compute: the recomputed FLOPs as a share of one unplanned step's ({chosen.step_flops:.3g} "
+            f"FLOPs: torch.utils.flop_counter, plus one per element written by ops it has no formula for)")
     for note in chosen.notes:
         out(f"note: {note}")
     if options.json and options.json != "-":
@@ -579,14 +610,16 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
     on = f"meta as {first.target}" if first.device == "meta" else first.device
     out(f"gradaudit plan: {first.model} on {on}, {len(budgets)} budgets, unplanned "
         f"{human_bytes(first.unplanned_held_bytes)} held after the forward")
-    out(f"  {'BUDGET':>10}  {'HELD':>10}  {'EXTRA COMPUTE':>13}  {'BLOCKS':>6}  CHECKPOINT")
-    for p in plans:
-        extra = f"+{100 * p.extra_compute:.1f}%"
+    extras = [_extra_text(p, p) for p in plans]
+    width = max(13, *map(len, extras))
+    heading = "EXTRA TIME" if first.cost == "time" else "EXTRA COMPUTE"
+    out(f"  {'BUDGET':>10}  {'HELD':>10}  {heading:>{width}}  {'BLOCKS':>6}  CHECKPOINT")
+    for p, extra in zip(plans, extras):
         what = path_ranges(p.checkpointed) or "(nothing)"
         if p.selective:
             what += f" (op by op: {path_ranges(p.selective)})"
-        out(f"  {human_bytes(p.budget):>10}  {human_bytes(p.held_bytes):>10}  {extra:>13}  {len(p.checkpointed):>6}  "
-            f"{what if p.fits else 'no plan fits: ' + what}")
+        out(f"  {human_bytes(p.budget):>10}  {human_bytes(p.held_bytes):>10}  {extra:>{width}}  "
+            f"{len(p.checkpointed):>6}  {what if p.fits else 'no plan fits: ' + what}")
     if options.json and options.json != "-":
         out(f"JSON plans: {options.json}")
     return code
@@ -617,6 +650,10 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
               "(the memory/compute frontier with the baselines marked).")
 @click.option("--no-peak", is_flag=True, help="Do not run one step of the plan and of each baseline to "
               "measure their peaks (on a real device each costs a training step).")
+@click.option("--cost", type=click.Choice(["flops", "time"]), default="flops", show_default=True,
+              help="What recomputing a block costs, which the plan minimises: its forward FLOPs (any device), "
+              "or its forward time measured on the model's device (a real device: a warm-up and a few timed "
+              "steps and forwards).")
 @click.option("--no-selective", is_flag=True, help="Checkpoint whole blocks only (no op-level checkpointing "
               "that keeps matrix products' outputs and recomputes the rest).")
 @click.option("-q", "--quiet", is_flag=True, help="Print one summary line.")
@@ -624,7 +661,8 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
 def plan_command(spec: str, budget: tuple[str, ...], inputs: Optional[str], input_shape: Optional[str], dtype: str,
                  input_requires_grad: bool, trainable: tuple[str, ...], freeze: tuple[str, ...],
                  mode: Optional[bool], device: str, target: str, blocks: tuple[str, ...], json_path: Optional[str],
-                 html_path: Optional[str], no_peak: bool, no_selective: bool, quiet: bool, debug: bool) -> None:
+                 html_path: Optional[str], no_peak: bool, cost: str, no_selective: bool, quiet: bool,
+                 debug: bool) -> None:
     """Choose which modules of the model built by SPEC to checkpoint (recompute in backward) so that
     autograd holds at most --budget after the forward, for the least extra compute.
 
@@ -637,13 +675,15 @@ def plan_command(spec: str, budget: tuple[str, ...], inputs: Optional[str], inpu
       gradaudit plan examples/llama_probe.py:build --budget 8GiB
       gradaudit plan examples/llama_probe.py:build --budget 16GiB --budget 8GiB --budget 4GiB
       gradaudit plan mymodel.py:make --input-shape 8,3,224,224 --budget 2GiB --json plan.json
+      gradaudit plan mymodel.py:make --device cuda --budget 2GiB --cost time
     """
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
     options = ScanOptions(spec=spec, inputs=inputs, input_shape=input_shape, dtype=dtype,
                           input_requires_grad=input_requires_grad, trainable=trainable, freeze=freeze, mode=mode,
                           device=device, target=target, html=None, json=json_path, quiet=quiet, progress=progress)
     try:
-        code = run_plan(options, budget, blocks, peak=not no_peak, html_path=html_path, selective=not no_selective)
+        code = run_plan(options, budget, blocks, peak=not no_peak, html_path=html_path, cost=cost,
+                        selective=not no_selective)
     except (GradauditError, ScanFailed) as error:
         progress.done()
         from .loading import first_line

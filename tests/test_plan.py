@@ -14,7 +14,7 @@ from torch import nn
 import gradaudit
 from gradaudit.errors import GradauditError
 from gradaudit.measure import held_bytes_after_forward
-from gradaudit.planning import BudgetError, plan, repeated_blocks
+from gradaudit.planning import PLAN_SCHEMA_VERSION, BudgetError, plan, repeated_blocks, timing
 from gradaudit.planning.solve import Block, Chain, cheapest_within, exhaustive, solve
 
 
@@ -35,13 +35,15 @@ def step(model: nn.Module, inputs, loss=lambda out: out.pow(2).sum()):
     return grads, {n: b.clone() for n, b in model.named_buffers()}
 
 
-def assert_exact_and_identical(model: nn.Module, inputs, fraction: float, trainable=None) -> gradaudit.Report:
+def assert_exact_and_identical(model: nn.Module, inputs, fraction: float, trainable=None,
+                               cost="flops") -> gradaudit.Report:
     """Plan to ``fraction`` of the unplanned held bytes; the re-audit of the planned model holds
     exactly plan.held_bytes (and so does the independent storage tracker); one training step
     gives bit-identical gradients and buffers (batch-norm statistics) to the unplanned model."""
     unplanned = gradaudit.audit(model, inputs, trainable=trainable)
     budget = int(unplanned.saved_bytes * fraction)
-    chosen = plan(model, inputs, budget, trainable=trainable, measure_peak=False)
+    chosen = plan(model, inputs, budget, trainable=trainable, measure_peak=False, cost=cost)
+    assert chosen.cost == cost
     assert chosen.unplanned_held_bytes == unplanned.saved_bytes
     assert chosen.held_bytes <= budget < unplanned.saved_bytes and chosen.checkpointed
     with chosen.apply(model):
@@ -450,8 +452,12 @@ def test_plan_to_dict_is_plain_json():
     model, x = mlp_stack(), torch.randn(8, 64)
     data = json.loads(json.dumps(plan(model, x, "1MiB").to_dict()))
     assert data["kind"] == "plan" and data["fits"] and data["checkpointed"] == []
+    assert data["schema_version"] == PLAN_SCHEMA_VERSION == 2
     assert [b["name"] for b in data["baselines"]][:2] == ["none", "every block"]
-    assert data["frontier"][0]["extra_flops"] == 0
+    assert data["frontier"][0] == {"held_bytes": data["unplanned_held_bytes"], "extra_flops": 0}
+    # FLOPs are the default cost: no time was measured
+    assert data["cost"] == "flops" and data["extra_seconds"] is None and data["step_seconds"] is None
+    assert all(b["seconds"] is None for b in data["blocks"])
 
 
 # -- the command line -------------------------------------------------------------------------------
@@ -727,3 +733,137 @@ def test_random_stacks_and_freezing_patterns(seed):
     model.load_state_dict(state)
     assert grads.keys() == expected_grads.keys() and all(torch.equal(grads[k], expected_grads[k]) for k in grads)
     assert all(torch.equal(buffers[k], expected_buffers[k]) for k in buffers)
+
+
+# -- measured time as the cost ------------------------------------------------------------------------
+
+
+class FakeClock:
+    """A clock (nanoseconds) that moves only when a Tick runs: a block's measured time is exactly
+    the ticks inside it, every run alike."""
+
+    def __init__(self):
+        self.now = 0
+
+    def __call__(self):
+        return self.now
+
+
+class Tick(nn.Module):
+    def __init__(self, clock: FakeClock, nanoseconds: int):
+        super().__init__()
+        self.clock, self.nanoseconds = clock, nanoseconds
+
+    def forward(self, x):
+        self.clock.now += self.nanoseconds
+        return x
+
+
+def test_time_cost_checkpoints_the_block_that_takes_least_time(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(timing, "clock", clock)
+    model, x = mlp_stack(3, 64), torch.randn(32, 64)
+    for block, nanoseconds in zip(model, (10**6, 10, 10**6)):
+        block.append(Tick(clock, nanoseconds))
+    # 6 * 8192 B unplanned (test_plan_of_a_sequential_stack_...): blocks 0 and 1 each free 8192 B
+    # (their ReLU result), block 2 frees 2 * 8192 (its Tanh result too), all for the same FLOPs
+    budget = 5 * 8192
+    by_flops = plan(model, x, budget, measure_peak=False)
+    assert by_flops.checkpointed == ("2",) and by_flops.held_bytes == 4 * 8192
+    assert by_flops.cost == "flops" and by_flops.extra_seconds is None and by_flops.step_seconds is None
+    # timed, block 1 takes 10 ns and the others 1 ms: block 1 is the cheapest that fits
+    timed = plan(model, x, budget, measure_peak=False, cost="time")
+    assert timed.cost == "time" and timed.checkpointed == ("1",) and timed.held_bytes == 5 * 8192
+    assert timed.extra_seconds == 10e-9 and timed.step_seconds == (2 * 10**6 + 10) / 1e9
+    assert timed.extra_compute == 10 / (2 * 10**6 + 10)
+    assert [b["seconds"] for b in timed.blocks] == [1e-3, 1e-8, 1e-3]
+    # the FLOP figures of the chosen plan are still there
+    assert timed.extra_flops == timed.blocks[1]["flops"] == by_flops.extra_flops > 0
+    assert timed.step_flops == by_flops.step_flops
+    every = next(b for b in timed.baselines if b.name == "every block")
+    assert every.extra_seconds == (2 * 10**6 + 10) / 1e9 and every.extra_flops == 3 * timed.extra_flops
+    assert timed.share(every) == 1.0
+    # the frontier is in seconds, and says so
+    assert timed.frontier[0] == (6 * 8192, 0.0) and (5 * 8192, 10e-9) in timed.frontier
+    data = json.loads(json.dumps(timed.to_dict()))
+    assert data["cost"] == "time" and data["extra_seconds"] == 10e-9
+    assert all(entry.keys() == {"held_bytes", "extra_seconds"} for entry in data["frontier"])
+    assert data["baselines"][1]["extra_seconds"] == every.extra_seconds
+    # another budget off the same frontier keeps the cost
+    tighter = timed.for_budget(4 * 8192)
+    assert tighter.cost == "time" and tighter.checkpointed == ("2",) and tighter.extra_seconds == 1e-3
+    with timed.apply(model):
+        assert gradaudit.audit(model, x).saved_bytes == timed.held_bytes
+
+
+def test_time_cost_on_the_real_clock_plans_exactly():
+    # timings are noisy: only the structure is checked, never a figure
+    model, x = mlp_stack(), torch.randn(32, 64)
+    assert_exact_and_identical(model, x, 0.6, cost="time")
+    timed = plan(model, x, int(gradaudit.audit(model, x).saved_bytes * 0.6), cost="time", measure_peak=False)
+    assert timed.extra_seconds > 0 and timed.step_seconds > 0 and timed.extra_flops > 0
+    seconds = {b["path"]: b["seconds"] for b in timed.blocks}
+    assert all(s > 0 for s in seconds.values())
+    assert timed.extra_seconds == pytest.approx(sum(seconds[p] for p in timed.checkpointed))
+    assert timed.extra_compute == timed.extra_seconds / timed.step_seconds
+    assert all(a[1] < b[1] and a[0] > b[0] for a, b in zip(timed.frontier, timed.frontier[1:]))
+    assert all(b.extra_seconds is not None for b in timed.baselines)
+    # time is measured per block: a plan by time checkpoints whole blocks, and says why
+    assert not timed.selective and any("op-level checkpointing left out" in n for n in timed.notes)
+
+
+@pytest.mark.parametrize("cost", ["flops", "time"])
+def test_planning_leaves_gradients_statistics_and_rng_as_found(cost):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Tanh())
+                            for _ in range(4)]).train()
+    x = torch.randn(8, 16, requires_grad=True)
+    model(x).sum().backward()  # gradients the caller has: planning must not add to them
+    grads = {n: (p.grad, p.grad.clone()) for n, p in model.named_parameters()}
+    input_grad = (x.grad, x.grad.clone())
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    plan(model, x, int(gradaudit.audit(model, x).saved_bytes * 0.6), cost=cost)
+    assert all(p.grad is grads[n][0] and torch.equal(p.grad, grads[n][1]) for n, p in model.named_parameters())
+    assert x.grad is input_grad[0] and torch.equal(x.grad, input_grad[1])
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.training and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_time_cost_is_refused_on_meta_and_an_unknown_cost_is_refused():
+    with torch.device("meta"):
+        model = mlp_stack()
+    with pytest.raises(GradauditError, match="meta device computes nothing") as raised:
+        plan(model, torch.randn(32, 64, device="meta"), "1MiB", cost="time")
+    assert "\n" not in str(raised.value) and "cost='flops'" in str(raised.value)
+    with pytest.raises(GradauditError, match="cost must be one of 'flops', 'time', not 'speed'"):
+        plan(mlp_stack(), torch.randn(4, 64), "1MiB", cost="speed")
+
+
+def test_cli_plans_by_measured_time(plan_cli, tmp_path):
+    result = plan_cli("--budget", str(9 * 8192), "--cost", "time", "--json", "plan.json")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[2].split() == ["HELD", "PEAK", "EXTRA", "TIME", "BLOCKS", "FITS"]
+    row = re.compile(r"^  (?P<name>\S+(?: \S+)*?) +(?P<held>[\d.]+ \S+) +(?P<peak>[\d.]+ \S+|-) +"
+                     r"\+(?P<ms>[\d.]+) ms \(\+(?P<share>[\d.]+)%\) +(?P<blocks>\d+) +(?P<fits>yes|no)$")
+    rows = {m["name"]: m.groupdict() for m in map(row.match, lines) if m}
+    assert rows.keys() == {"this plan", "none", "every block", "every 2 blocks"}
+    assert float(rows["none"]["ms"]) == 0 and float(rows["every block"]["ms"]) > 0
+    assert any(line.startswith("extra time: ") for line in lines)
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["cost"] == "time" and data["extra_seconds"] > 0 and data["step_seconds"] > 0
+    assert data["held_bytes"] <= 9 * 8192 and data["frontier"][0] == {"held_bytes": 12 * 8192, "extra_seconds": 0}
+    quiet = plan_cli("--budget", str(9 * 8192), "--cost", "time", "-q", "--no-peak")
+    assert quiet.exit_code == 0 and re.search(r"extra time \+[\d.]+ ms \(\+[\d.]+%\)", quiet.output)
+    sweep = plan_cli("--budget", str(12 * 8192), "--budget", str(9 * 8192), "--cost", "time")
+    assert sweep.exit_code == 0 and "EXTRA TIME" in sweep.output and " ms (+" in sweep.output
+
+
+def test_cli_refuses_time_on_meta_and_unknown_costs(plan_cli):
+    meta = plan_cli("--budget", "1MiB", "--cost", "time", "--device", "meta")
+    assert meta.exit_code == 2 and meta.stderr.count("\n") == 1
+    assert meta.stderr.startswith("gradaudit: error: --cost time") and "--cost flops" in meta.stderr
+    unknown = plan_cli("--budget", "1MiB", "--cost", "speed")
+    assert unknown.exit_code == 2 and "Invalid value for '--cost'" in unknown.stderr

@@ -6,11 +6,16 @@ instead of holding what their ops save, for the least extra compute.
     with plan.apply(model):
         model(**inputs).loss.backward()
 
+    plan = gradaudit.plan(model, inputs, budget="8GiB", cost="time")  # on a real device: measured time
+    plan.extra_seconds, plan.step_seconds
+
 How it works: one audit of the model (any device, meta included) watching the candidate blocks
 records every storage autograd holds, which block's ops hold it, and the storages each block is
 passed; one more forward and backward under ``torch.utils.flop_counter.FlopCounterMode`` gives each
-block's forward FLOPs (what recomputing it costs) and a whole step's. ``solve`` (solve.py) turns that
-into the memory/compute frontier; the plan is its cheapest point within the budget.
+block's forward FLOPs (what recomputing it costs) and a whole step's. With ``cost="time"`` the cost
+the solver minimises is instead each block's forward time, measured on the model's device
+(timing.py), and the FLOP figures are still reported. ``solve`` (solve.py) turns that into the
+memory/compute frontier; the plan is its cheapest point within the budget.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import dataclasses
 import fnmatch
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -30,10 +35,13 @@ from ..accounting import counted
 from ..errors import GradauditError
 from ..recorder import CHECKPOINT_INPUTS
 from ..records import HELD_KINDS, Manager
+from . import timing
 from .apply import FULL_POLICY, SELECTIVE_POLICY, PlanHandle, kept_by_selective
 from .solve import Block, Chain, Point, cheapest_within, solve
 
-PLAN_SCHEMA_VERSION = 1
+# 2: the cost (FLOPs or measured time) is chosen: ``cost``, ``extra_seconds``, ``step_seconds``;
+# ``extra_compute`` and the frontier's entries are in the cost's units
+PLAN_SCHEMA_VERSION = 2
 
 __all__ = ["plan", "Plan", "PlanHandle", "BudgetError", "Baseline", "repeated_blocks"]
 
@@ -57,10 +65,36 @@ class Baseline:
     held_bytes: int
     extra_flops: int
     peak_bytes: Optional[int] = None  # measured as Plan.peak_bytes is (None: not measured)
+    extra_seconds: Optional[float] = None  # with cost="time" (None otherwise)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "checkpointed": list(self.checkpointed), "held_bytes": self.held_bytes,
-                "extra_flops": self.extra_flops, "peak_bytes": self.peak_bytes}
+                "extra_flops": self.extra_flops, "extra_seconds": self.extra_seconds, "peak_bytes": self.peak_bytes}
+
+
+@dataclass(frozen=True)
+class _Costs:
+    """Each chain block's forward FLOPs (and of those, the FLOPs an op-level checkpoint does not
+    redo) and, with cost="time", its measured forward nanoseconds: the figures of any plan,
+    whichever of the two the solver minimised."""
+
+    flops: tuple[int, ...]
+    kept: tuple[int, ...]
+    nanoseconds: Optional[tuple[int, ...]] = None
+
+    def extra_flops(self, chosen: Iterable[int], selective: Iterable[int] = ()) -> int:
+        selective = set(selective)
+        return sum(self.flops[i] - (self.kept[i] if i in selective else 0) for i in set(chosen))
+
+    def extra_seconds(self, chosen: Iterable[int]) -> Optional[float]:
+        if self.nanoseconds is None:
+            return None
+        return sum(self.nanoseconds[i] for i in set(chosen)) / 1e9
+
+    def extra(self, chosen: Iterable[int], selective: Iterable[int] = ()) -> Union[int, float]:
+        """In the cost's units: FLOPs, or seconds with cost="time" (whole blocks only)."""
+        seconds = self.extra_seconds(chosen)
+        return self.extra_flops(chosen, selective) if seconds is None else seconds
 
 
 @dataclass
@@ -76,8 +110,11 @@ class Plan:
     extra_flops: int  # FLOPs the recomputation adds per step (forward FLOPs of the checkpointed modules)
     step_flops: int  # FLOPs of one unplanned step (forward and backward)
     checkpointed: tuple[str, ...]  # module paths, in forward order
-    blocks: tuple[dict[str, Any], ...]  # every candidate: path, class, calls, flops, bytes it holds and is passed
-    frontier: tuple[tuple[int, int], ...]  # (held_bytes, extra_flops) of every Pareto plan, cheapest first
+    # every candidate: path, class, calls, flops, seconds (cost="time"), bytes it holds and is passed
+    blocks: tuple[dict[str, Any], ...]
+    # (held_bytes, extra cost) of every Pareto plan, cheapest first; the cost in the plan's units:
+    # FLOPs (cost="flops") or seconds (cost="time")
+    frontier: tuple[tuple[int, Union[int, float]], ...]
     baselines: tuple[Baseline, ...]
     optimal: bool  # False when the solver could not charge every storage exactly (see notes)
     notes: list[str] = field(default_factory=list)
@@ -94,7 +131,13 @@ class Plan:
     # those of ``checkpointed`` checkpointed op by op: the outputs of their costly ops (matrix
     # products, convolutions, attention) are kept and only the rest is recomputed
     selective: tuple[str, ...] = ()
-    # the solver's frontier and chain, for for_budget (not part of the plan's data)
+    # what the solver minimised: "flops" (forward FLOPs, counted) or "time" (forward time, measured
+    # on the model's device: the median of timing.REPEATS runs); with "time", the seconds the
+    # recomputation adds per step and one unplanned step's (None with "flops")
+    cost: str = "flops"
+    extra_seconds: Optional[float] = None
+    step_seconds: Optional[float] = None
+    # the solver's chain, frontier and the blocks' costs, for for_budget (not part of the plan's data)
     _solved: Any = field(default=None, repr=False, compare=False)
 
     def for_budget(self, budget: Union[int, str]) -> "Plan":
@@ -103,14 +146,16 @@ class Plan:
         from ..loading import parse_size
 
         budget_bytes = _budget_bytes(budget, parse_size)
-        chain, points = self._solved
+        chain, points, costs = self._solved
         point = cheapest_within(points, budget_bytes)
         chosen = point if point is not None else points[-1]
         other = dataclasses.replace(
-            self, budget=budget_bytes, held_bytes=chosen.held_bytes, extra_flops=chosen.extra_flops,
+            self, budget=budget_bytes, held_bytes=chosen.held_bytes,
+            extra_flops=costs.extra_flops(chosen.chosen, chosen.selective),
+            extra_seconds=costs.extra_seconds(chosen.chosen),
             checkpointed=tuple(chain.blocks[i].path for i in sorted(chosen.chosen)),
             selective=tuple(chain.blocks[i].path for i in sorted(chosen.selective)),
-            baselines=_baselines(chain, budget_bytes), peak_bytes=None, unplanned_peak_bytes=None,
+            baselines=_baselines(chain, costs, budget_bytes), peak_bytes=None, unplanned_peak_bytes=None,
             notes=list(self.notes))
         if point is None:
             raise _budget_error(other, len(chain.blocks))
@@ -122,8 +167,16 @@ class Plan:
 
     @property
     def extra_compute(self) -> float:
-        """Extra FLOPs as a fraction of an unplanned step's."""
-        return self.extra_flops / self.step_flops if self.step_flops else 0.0
+        """The recomputation's cost as a fraction of an unplanned step's, in the cost's units (FLOPs,
+        or seconds with cost="time")."""
+        return self.share(self)
+
+    def share(self, figures: Union["Plan", Baseline]) -> float:
+        """What ``figures`` (this plan, or one of its baselines) adds per step, as a fraction of an
+        unplanned step, in the plan's cost units."""
+        if self.cost == "time":
+            return (figures.extra_seconds or 0.0) / self.step_seconds if self.step_seconds else 0.0
+        return figures.extra_flops / self.step_flops if self.step_flops else 0.0
 
     def apply(self, model: nn.Module) -> PlanHandle:
         """Checkpoint the planned modules of ``model`` (non-reentrant ``torch.utils.checkpoint``);
@@ -151,8 +204,11 @@ class Plan:
             "fits": self.fits,
             "held_bytes": self.held_bytes,
             "unplanned_held_bytes": self.unplanned_held_bytes,
+            "cost": self.cost,
             "extra_flops": self.extra_flops,
             "step_flops": self.step_flops,
+            "extra_seconds": self.extra_seconds,
+            "step_seconds": self.step_seconds,
             "extra_compute": self.extra_compute,
             "peak_bytes": self.peak_bytes,
             "unplanned_peak_bytes": self.unplanned_peak_bytes,
@@ -162,7 +218,9 @@ class Plan:
             "selective": list(self.selective),
             "optimal": self.optimal,
             "blocks": [dict(b) for b in self.blocks],
-            "frontier": [{"held_bytes": h, "extra_flops": f} for h, f in self.frontier],
+            # the key names the cost's units
+            "frontier": [{"held_bytes": h, "extra_seconds" if self.cost == "time" else "extra_flops": c}
+                         for h, c in self.frontier],
             "baselines": [b.to_dict() for b in self.baselines],
             "notes": list(self.notes),
         }
@@ -171,7 +229,7 @@ class Plan:
         selective = f" ({len(self.selective)} selectively)" if self.selective else ""
         return (f"<gradaudit.Plan {self.model}: checkpoint {len(self.checkpointed)}{selective} of {len(self.blocks)} "
                 f"blocks, holds {self.held_bytes} of budget {self.budget} bytes, "
-                f"+{100 * self.extra_compute:.1f}% compute>")
+                f"+{100 * self.extra_compute:.1f}% {'time' if self.cost == 'time' else 'compute'}>")
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
@@ -257,14 +315,24 @@ def _as_audited(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, targ
     from ..meta import standing_for
     from ..tensors import iter_tensors
 
-    on_meta = runs_on_meta(next(iter(model.parameters()), None), list(iter_tensors(inputs)))
+    tensors = list(iter_tensors(inputs))
+    on_meta = runs_on_meta(next(iter(model.parameters()), None), tensors)
     state = ModelState(model)
+    # gradients the caller has are set aside, not accumulated into: backward adds to an existing
+    # .grad in place, which putting the same tensor object back would not undo
+    leaves = [(t, t.grad) for t in tensors if t.is_leaf and t.requires_grad and t.grad is not None]
     try:
+        for p in model.parameters():
+            p.grad = None
+        for t, _ in leaves:
+            t.grad = None
         apply_trainable(model, trainable, frozen)
         with standing_for(target) if on_meta else contextlib.nullcontext():
             yield
     finally:
         state.restore()
+        for t, grad in leaves:
+            t.grad = grad
 
 
 # ops that allocate without computing (their outputs are written by the next op) or only reinterpret
@@ -435,6 +503,7 @@ def plan(
     target: Optional[str] = None,
     selective: bool = True,
     measure_peak: bool = True,
+    cost: str = "flops",
     progress: Optional[Callable[[str], None]] = None,
 ) -> Plan:
     """Choose which modules of ``model`` to checkpoint so that autograd holds at most ``budget``
@@ -449,15 +518,21 @@ def plan(
         convolutions and attention, recompute the rest) where that beats recomputing all of it.
     measure_peak: run the chosen plan's step, the unplanned step and the baselines' once each on the
         model's device to measure their peaks (``Plan.peak_bytes``; on meta nothing is computed).
+    cost: what a checkpointed block costs, which the plan minimises: "flops" (its forward FLOPs, as
+        torch.utils.flop_counter counts them; any device) or "time" (its forward time measured on the
+        model's device, all its calls: the median of timing.REPEATS runs after a warm-up, like one
+        whole step's; a real device only). ``Plan.frontier`` and ``extra_compute`` are in its units.
 
     Raises BudgetError when no plan of the blocks fits (its ``smallest`` says how low they go).
     The model is left as found; ``Plan.apply(model)`` checkpoints the chosen modules.
     """
-    from ..auditing import audit
+    from ..auditing import audit, runs_on_meta
     from ..loading import parse_size
+    from ..tensors import iter_tensors
 
     if not isinstance(model, nn.Module):
         raise GradauditError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
+    timing.check_cost(cost, runs_on_meta(next(iter(model.parameters()), None), list(iter_tensors(inputs))))
     budget_bytes = _budget_bytes(budget, parse_size)
     paths = _candidates(model, blocks)
     if progress:
@@ -488,6 +563,15 @@ def plan(
         progress("counting FLOPs")
     with own_checkpointing_off():
         flops, step_flops = _flops(model, inputs, trainable, frozen, report.target, paths)
+    nanoseconds: dict[str, int] = {}
+    step_seconds = None
+    if cost == "time":
+        if progress:
+            progress(f"timing the forward of {len(paths)} blocks and a step on {report.device} "
+                     f"({timing.REPEATS} runs each, after a warm-up)")
+        with own_checkpointing_off(), _as_audited(model, inputs, trainable, frozen, report.target):
+            nanoseconds, step_nanoseconds = timing.measure(model, inputs, paths)
+        step_seconds = step_nanoseconds / 1e9
 
     nbytes = {s.id: s.nbytes for s in report.storages if s.kind in HELD_KINDS}
     held = counted(report.tensors)
@@ -515,14 +599,23 @@ def plan(
         passed = frozenset(sid for call in calls[path] for sid, _, kind in call.inputs if kind in HELD_KINDS)
         outside -= internal
         total, kept = flops.get(path, (0, 0))
-        chain_blocks.append(Block(path, calls[path][0].module_class, len(calls[path]), total, internal, passed,
-                                  kept_flops=kept))
+        # the solver minimises the integer it is given as a block's cost: FLOPs, or nanoseconds
+        # (op-level checkpointing is costed in FLOPs only: with time, whole blocks)
+        chain_blocks.append(Block(path, calls[path][0].module_class, len(calls[path]),
+                                  nanoseconds.get(path, 0) if cost == "time" else total, internal, passed,
+                                  kept_flops=0 if cost == "time" else kept))
     chain = Chain(chain_blocks, nbytes, frozenset(outside))
+    costs = _Costs(tuple(flops.get(b.path, (0, 0))[0] for b in chain_blocks),
+                   tuple(flops.get(b.path, (0, 0))[1] for b in chain_blocks),
+                   tuple(nanoseconds.get(b.path, 0) for b in chain_blocks) if cost == "time" else None)
     notes = []
     if chain.held(()) != report.saved_bytes:  # both count the held saves' storages of held kinds
         raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit "
                              f"{report.saved_bytes}")
-    if selective and any(b.kept_flops for b in chain_blocks) and not torchapi.has("selective checkpoint cache"):
+    if selective and cost == "time" and any(costs.kept):
+        notes.append("op-level checkpointing left out: its recompute is costed in FLOPs, and this plan minimises "
+                     "measured time (cost='flops' considers it)")
+    elif selective and any(b.kept_flops for b in chain_blocks) and not torchapi.has("selective checkpoint cache"):
         notes.append(f"op-level checkpointing left out: this torch ({torch.__version__}) hides what a selective "
                      f"checkpoint keeps from the audit, so its bytes could not be counted")
     elif selective and any(b.kept_flops for b in chain_blocks):
@@ -548,12 +641,13 @@ def plan(
         notes.append(f"{sum(chain.assumed.values())} bytes in {len(chain.assumed)} storage(s) are shared by "
                      f"blocks that are not neighbours: the solver counted them as always held, so a cheaper "
                      f"plan may exist (the bytes of every plan shown are exact)")
-    frontier = tuple((p.held_bytes, p.extra_flops) for p in points)
-    info = tuple({"path": b.path, "module_class": b.module_class, "calls": b.calls, "flops": b.flops,
-                  "kept_flops": b.kept_flops, "internal_bytes": sum(nbytes[s] for s in b.internal),
+    frontier = tuple((p.held_bytes, costs.extra(p.chosen, p.selective)) for p in points)
+    info = tuple({"path": b.path, "module_class": b.module_class, "calls": b.calls, "flops": costs.flops[i],
+                  "kept_flops": costs.kept[i], "seconds": costs.extra_seconds([i]),
+                  "internal_bytes": sum(nbytes[s] for s in b.internal),
                   "input_bytes": sum(nbytes[s] for s in b.inputs),
                   "cached_bytes": None if b.cached is None else sum(nbytes[s] for s in b.cached - b.inputs)}
-                 for b in chain_blocks)
+                 for i, b in enumerate(chain_blocks))
 
     from ..auditing import trimmed_now
 
@@ -568,12 +662,13 @@ def plan(
     def make(point: Point) -> Plan:
         return Plan(model=type(model).__name__, device=report.device, target=report.target, budget=budget_bytes,
                     held_bytes=point.held_bytes, unplanned_held_bytes=report.saved_bytes,
-                    extra_flops=point.extra_flops, step_flops=step_flops,
+                    extra_flops=costs.extra_flops(point.chosen, point.selective), step_flops=step_flops,
                     checkpointed=tuple(chain_blocks[i].path for i in sorted(point.chosen)), blocks=info,
                     selective=tuple(chain_blocks[i].path for i in sorted(point.selective)),
-                    frontier=frontier, baselines=_baselines(chain, budget_bytes), optimal=optimal,
-                    notes=list(notes), replaces=tuple(now), current_held_bytes=current_held,
-                    _solved=(chain, points))
+                    frontier=frontier, baselines=_baselines(chain, costs, budget_bytes), optimal=optimal,
+                    notes=list(notes), replaces=tuple(now), current_held_bytes=current_held, cost=cost,
+                    extra_seconds=costs.extra_seconds(point.chosen), step_seconds=step_seconds,
+                    _solved=(chain, points, costs))
 
     chosen = cheapest_within(points, budget_bytes)
     result = make(chosen if chosen is not None else points[-1])
@@ -597,7 +692,7 @@ def plan(
     return result
 
 
-def _baselines(chain: Chain, budget: int) -> tuple[Baseline, ...]:
+def _baselines(chain: Chain, costs: _Costs, budget: int) -> tuple[Baseline, ...]:
     """What a user would otherwise pick: nothing, every block (Hugging Face's
     gradient_checkpointing_enable()), and every n-th block for the largest n that fits the budget
     (or 2 when none does)."""
@@ -605,7 +700,7 @@ def _baselines(chain: Chain, budget: int) -> tuple[Baseline, ...]:
 
     def baseline(name: str, chosen: Sequence[int]) -> Baseline:
         return Baseline(name, tuple(chain.blocks[i].path for i in chosen), chain.held(chosen),
-                        chain.extra_flops(chosen))
+                        costs.extra_flops(chosen), extra_seconds=costs.extra_seconds(chosen))
 
     found = [baseline("none", []), baseline("every block", range(n))]
     if n >= 4:

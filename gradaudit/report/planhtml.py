@@ -17,9 +17,10 @@ from .units import human_bytes, path_ranges, share
 def frontier_chart(plan: Any, width: int = 900, height: int = 340) -> dict[str, Any]:
     """Coordinates of the frontier, the baselines, the chosen plan and the budget line."""
     left, right, top, bottom = 80, width - 30, 24, height - 40
-    step = plan.step_flops or 1
-    points = [(held, 100 * flops / step) for held, flops in plan.frontier]
-    marks = [(b.name, b.held_bytes, 100 * b.extra_flops / step) for b in plan.baselines]
+    # the frontier is in the plan's cost units (FLOPs, or seconds with cost="time")
+    step = (plan.step_seconds if plan.cost == "time" else plan.step_flops) or 1
+    points = [(held, 100 * extra / step) for held, extra in plan.frontier]
+    marks = [(b.name, b.held_bytes, 100 * plan.share(b)) for b in plan.baselines]
     chosen = (plan.held_bytes, 100 * plan.extra_compute)
     most_bytes = max([h for h, _ in points] + [h for _, h, _ in marks] + [plan.budget, 1])
     most_compute = max([c for _, c in points] + [c for _, _, c in marks] + [1.0])
@@ -49,10 +50,9 @@ def frontier_chart(plan: Any, width: int = 900, height: int = 340) -> dict[str, 
 
 def render(plan: Any, *, title: Optional[str] = None) -> str:
     """The plan as one HTML document (a string; the caller decides where it goes)."""
-    step = plan.step_flops or 1
     rows = [{"name": "this plan", "held": plan.held_bytes, "peak": plan.peak_bytes,
-             "extra": 100 * plan.extra_flops / step, "count": len(plan.checkpointed), "fits": plan.fits}]
-    rows += [{"name": b.name, "held": b.held_bytes, "peak": b.peak_bytes, "extra": 100 * b.extra_flops / step,
+             "extra": 100 * plan.extra_compute, "count": len(plan.checkpointed), "fits": plan.fits}]
+    rows += [{"name": b.name, "held": b.held_bytes, "peak": b.peak_bytes, "extra": 100 * plan.share(b),
               "count": len(b.checkpointed), "fits": b.held_bytes <= plan.budget} for b in plan.baselines]
     context = {
         "title": title or f"gradaudit plan: {plan.model}",
