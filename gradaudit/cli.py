@@ -667,7 +667,8 @@ def plan_command(spec: str, budget: tuple[str, ...], inputs: Optional[str], inpu
     autograd holds at most --budget after the forward, for the least extra compute.
 
     Prints the plan beside what a user would otherwise pick: no checkpointing, every block
-    (Hugging Face's gradient_checkpointing_enable) and every n-th block. Apply it in Python with
+    (Hugging Face's gradient_checkpointing_enable), every n-th block and, for an nn.Sequential stack,
+    sqrt(n) segments (checkpoint_sequential). Apply it in Python with
     gradaudit.plan(model, inputs, budget).apply(model).
 
     \b

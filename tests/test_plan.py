@@ -89,6 +89,34 @@ def test_plan_on_resnet_in_train_mode_keeps_batch_norm_statistics(vision_model):
     assert_exact_and_identical(model, torch.randn(2, 3, 64, 64), 0.7)
 
 
+def test_sqrt_n_segments_baseline_of_a_sequential_stack_is_measured():
+    from gradaudit.planning import segments
+
+    model, x = mlp_stack(16), torch.randn(32, 64)
+    chosen = plan(model, x, 16 * 8192)
+    baseline = next(b for b in chosen.baselines if b.name == "4 segments")
+    # 16 blocks in 4 segments of 4 (checkpoint_sequential's split); segments 0-2 are checkpointed and
+    # hold their inputs t_3, t_7, t_11 (x is the caller's), the last runs plainly and holds r and t
+    # of blocks 12-15: 3 + 8 = 11 tensors of 32 x 64 float32 = 11 * 8192 B
+    assert baseline.checkpointed == tuple(str(i) for i in range(12))
+    assert baseline.held_bytes == 11 * 8192
+    every = next(b for b in chosen.baselines if b.name == "every block")
+    assert every.held_bytes == 15 * 8192  # t_0 .. t_14: every block's input but x, and t_15 (the output)
+    assert baseline.extra_flops == 12 * chosen.blocks[0]["flops"]
+    with segments.segmented(model, 4):
+        assert gradaudit.audit(model, x).saved_bytes == held_bytes_after_forward(model, x) == baseline.held_bytes
+    assert baseline.peak_bytes is not None and chosen.for_budget(20 * 8192).baselines[-1].name == "4 segments"
+    assert model.__dict__.get("forward") is None  # the stack runs its own forward again
+
+
+def test_no_segments_baseline_where_a_model_loop_runs_the_blocks(tiny_hf_model):
+    model = tiny_hf_model("llama", num_hidden_layers=4, use_cache=False).train()
+    inputs = {"input_ids": torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))}
+    chosen = plan(model, inputs, 10**9, measure_peak=False)
+    assert [b.name for b in chosen.baselines] == ["none", "every block", "every 2 blocks"]
+    assert any("no sqrt(n) segments baseline" in n for n in chosen.notes)
+
+
 def test_plan_with_a_frozen_stem_never_checkpoints_blocks_that_hold_nothing(vision_model):
     model = vision_model("resnet18").train()
     x = torch.randn(2, 3, 64, 64)
@@ -496,7 +524,9 @@ def test_cli_prints_the_plan_beside_the_baselines(plan_cli):
                      r"(?P<extra>\+[\d.]+%) +(?P<blocks>\d+) +(?P<fits>yes|no)$")
     rows = {m["name"]: m.groupdict() for m in map(row.match, lines) if m}
     # every 3rd block (0, 3) frees 2 * 8192, too little; every 2nd (0, 2, 4) fits: 96 - 24 = 72 KiB
-    assert rows.keys() == {"this plan", "none", "every block", "every 2 blocks"}
+    assert rows.keys() == {"this plan", "none", "every block", "every 2 blocks", "2 segments"}
+    # sqrt(6) ~ 2 segments of 3: blocks 0-2 checkpointed hold t_2; blocks 3-5 hold r and t: 7 * 8192 B
+    assert rows["2 segments"]["held"] == "56 KiB" and rows["2 segments"]["blocks"] == "3"
     assert rows["every 2 blocks"]["held"] == "72 KiB" and rows["every 2 blocks"]["fits"] == "yes"
     assert rows["this plan"]["held"] == "72 KiB" and rows["this plan"]["fits"] == "yes"
     assert rows["none"]["held"] == "96 KiB" and rows["none"]["extra"] == "+0.0%" and rows["none"]["fits"] == "no"
@@ -849,7 +879,9 @@ def test_cli_plans_by_measured_time(plan_cli, tmp_path):
     row = re.compile(r"^  (?P<name>\S+(?: \S+)*?) +(?P<held>[\d.]+ \S+) +(?P<peak>[\d.]+ \S+|-) +"
                      r"\+(?P<ms>[\d.]+) ms \(\+(?P<share>[\d.]+)%\) +(?P<blocks>\d+) +(?P<fits>yes|no)$")
     rows = {m["name"]: m.groupdict() for m in map(row.match, lines) if m}
-    assert rows.keys() == {"this plan", "none", "every block", "every 2 blocks"}
+    assert rows.keys() == {"this plan", "none", "every block", "every 2 blocks", "2 segments"}
+    # sqrt(6) ~ 2 segments of 3: blocks 0-2 checkpointed hold t_2; blocks 3-5 hold r and t: 7 * 8192 B
+    assert rows["2 segments"]["held"] == "56 KiB" and rows["2 segments"]["blocks"] == "3"
     assert float(rows["none"]["ms"]) == 0 and float(rows["every block"]["ms"]) > 0
     assert any(line.startswith("extra time: ") for line in lines)
     data = json.loads((tmp_path / "plan.json").read_text())

@@ -36,6 +36,7 @@ from ..errors import GradauditError
 from ..recorder import CHECKPOINT_INPUTS
 from ..records import HELD_KINDS, Manager
 from . import timing
+from . import segments
 from .apply import FULL_POLICY, SELECTIVE_POLICY, PlanHandle, kept_by_selective
 from .solve import Block, Chain, Point, cheapest_within, solve
 
@@ -146,7 +147,7 @@ class Plan:
         from ..loading import parse_size
 
         budget_bytes = _budget_bytes(budget, parse_size)
-        chain, points, costs = self._solved
+        chain, points, costs, fixed = self._solved
         point = cheapest_within(points, budget_bytes)
         chosen = point if point is not None else points[-1]
         other = dataclasses.replace(
@@ -155,7 +156,7 @@ class Plan:
             extra_seconds=costs.extra_seconds(chosen.chosen),
             checkpointed=tuple(chain.blocks[i].path for i in sorted(chosen.chosen)),
             selective=tuple(chain.blocks[i].path for i in sorted(chosen.selective)),
-            baselines=_baselines(chain, costs, budget_bytes), peak_bytes=None, unplanned_peak_bytes=None,
+            baselines=_baselines(chain, costs, budget_bytes) + fixed, peak_bytes=None, unplanned_peak_bytes=None,
             notes=list(self.notes))
         if point is None:
             raise _budget_error(other, len(chain.blocks))
@@ -479,17 +480,40 @@ def _add_selective(chain: Chain, report: Any, audit_with: Callable[[dict[str, st
 
 
 def _step(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
-          paths: Sequence[str], policies: dict[str, str]) -> tuple[int, int]:
-    """(held after the forward less the outputs, peak through forward and backward) of one step with ``paths``
-    checkpointed, measured on the model's device: the storage tracker on CPU and meta (where it
-    follows the meta tensors the step would allocate), the allocator on CUDA. Left as found."""
+          applied: Callable[[], Any]) -> tuple[int, int]:
+    """(held after the forward less the outputs, peak through forward and backward) of one step
+    with ``applied()`` in force (a plan's or a baseline's checkpointing), measured on the model's
+    device: the storage tracker on CPU and meta (where it follows the meta tensors the step would
+    allocate), the allocator on CUDA. Left as found."""
     from ..measure import forward_backward
     from ..tensors import split_inputs
 
     args, kwargs = split_inputs(inputs)
     with _as_audited(model, inputs, trainable, frozen, target):
-        with PlanHandle(model, tuple(paths), policies):
+        with applied():
             return forward_backward(model, args, kwargs)
+
+
+def _segments_baseline(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: Optional[str],
+                       chain: Chain, costs: "_Costs", parent: str) -> tuple[Baseline, Callable[[], Any]]:
+    """The sqrt(n) segments baseline of the stack at ``parent`` (see segments.py): its held bytes
+    from an audit with it in force, its recompute from the blocks of its checkpointed segments that
+    build a graph; and what puts it in force (to measure its peak)."""
+    from ..auditing import audit
+
+    container = model.get_submodule(parent) if parent else model
+    children = [f"{parent}.{name}" if parent else name for name, _ in container.named_children()]
+    count = segments.square_root_segments(len(children))
+
+    def applied() -> Any:
+        return segments.segmented(container, count)
+
+    with applied() as ranges:
+        held = audit(model, inputs, trainable=trainable, frozen=frozen, target=target).saved_bytes
+    recomputed = {children[k] for first, last in ranges[:-1] for k in range(first, last + 1)}
+    chosen = [i for i, b in enumerate(chain.blocks) if b.path in recomputed]
+    return Baseline(f"{count} segments", tuple(p for p in children if p in recomputed), held,
+                    costs.extra_flops(chosen), extra_seconds=costs.extra_seconds(chosen)), applied
 
 
 def plan(
@@ -659,34 +683,53 @@ def plan(
                         f"replaces that (its figures are without it): turn the model's own checkpointing off before "
                         f"applying it (Hugging Face: model.gradient_checkpointing_disable())")
 
+    # the sqrt(n) segments baseline, where the blocks are one nn.Sequential's children (and the model
+    # does not checkpoint itself: its regions would be turned off while planning, not these)
+    fixed: tuple[Baseline, ...] = ()
+    applying: dict[str, Callable[[], Any]] = {}
+    parent = segments.sequential_parent(model, paths) if not now and len(paths) >= 4 else None
+    if parent is not None:
+        if progress:
+            progress("auditing the forward in sqrt(n) segments")
+        baseline, applied = _segments_baseline(model, inputs, trainable, frozen, target, chain, costs, parent)
+        applying[baseline.name] = applied
+        fixed = (baseline,)
+    elif len(paths) >= 4:
+        notes.append("no sqrt(n) segments baseline: these blocks are not the children of one nn.Sequential run by "
+                     "its own forward (torch.utils.checkpoint.checkpoint_sequential's case)")
+
     def make(point: Point) -> Plan:
         return Plan(model=type(model).__name__, device=report.device, target=report.target, budget=budget_bytes,
                     held_bytes=point.held_bytes, unplanned_held_bytes=report.saved_bytes,
                     extra_flops=costs.extra_flops(point.chosen, point.selective), step_flops=step_flops,
                     checkpointed=tuple(chain_blocks[i].path for i in sorted(point.chosen)), blocks=info,
                     selective=tuple(chain_blocks[i].path for i in sorted(point.selective)),
-                    frontier=frontier, baselines=_baselines(chain, costs, budget_bytes), optimal=optimal,
+                    frontier=frontier, baselines=_baselines(chain, costs, budget_bytes) + fixed, optimal=optimal,
                     notes=list(notes), replaces=tuple(now), current_held_bytes=current_held, cost=cost,
                     extra_seconds=costs.extra_seconds(point.chosen), step_seconds=step_seconds,
-                    _solved=(chain, points, costs))
+                    _solved=(chain, points, costs, fixed))
 
     chosen = cheapest_within(points, budget_bytes)
     result = make(chosen if chosen is not None else points[-1])
     if measure_peak:
-        steps = [(result.checkpointed, result.selective), *[(b.checkpointed, ()) for b in result.baselines]]
-        measured: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[int, int]] = {}
-        for k, (paths_run, selective_run) in enumerate(steps):
-            if (paths_run, selective_run) not in measured:
+        def planned(paths_run: tuple[str, ...], selective_run: tuple[str, ...] = ()) -> Callable[[], Any]:
+            return lambda: PlanHandle(model, paths_run, {path: SELECTIVE_POLICY for path in selective_run})
+
+        # (what is applied, how) per step to run: keyed so that equal plans run once
+        steps = [((result.checkpointed, result.selective), planned(result.checkpointed, result.selective))]
+        steps += [((b.name,), applying[b.name]) if b.name in applying else ((b.checkpointed, ()), planned(b.checkpointed))
+                  for b in result.baselines]
+        measured: dict[Any, tuple[int, int]] = {}
+        for k, (key, applied) in enumerate(steps):
+            if key not in measured:
                 if progress:
                     progress(f"measuring the peak of a step ({k + 1} of {len(steps)})")
-                policies = {path: SELECTIVE_POLICY for path in selective_run}
                 with own_checkpointing_off():
-                    measured[paths_run, selective_run] = _step(model, inputs, trainable, frozen, report.target,
-                                                               paths_run, policies)
+                    measured[key] = _step(model, inputs, trainable, frozen, report.target, applied)
         result.peak_bytes = measured[result.checkpointed, result.selective][1]
         result.unplanned_peak_bytes = measured[(), ()][1]
-        result.baselines = tuple(dataclasses.replace(b, peak_bytes=measured[b.checkpointed, ()][1])
-                                 for b in result.baselines)
+        result.baselines = tuple(dataclasses.replace(b, peak_bytes=measured[key][1])
+                                 for b, (key, _) in zip(result.baselines, steps[1:]))
     if chosen is None:
         raise _budget_error(result, len(chain_blocks))
     return result
