@@ -468,7 +468,7 @@ Exit codes:
 
 
 def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[str, ...], peak: bool = True,
-             html_path: Optional[str] = None) -> int:
+             html_path: Optional[str] = None, trim: bool = False, bitpack: bool = True) -> int:
     from . import loading
     from .auditing import check_patterns
     from .planning import BudgetError, plan
@@ -486,6 +486,8 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     budgets = [loading.parse_size(text) for text in budget_texts]
     if len(budgets) > 1 and html_path:
         raise ScanFailed("--html draws one plan: give one --budget (several make a sweep table)")
+    if not bitpack and not trim:
+        raise ScanFailed("--no-bitpack is an option of --trim: give both, or neither")
     budget = budgets[0]
     model, inputs, where = _prepare_for_target(options)
     check_patterns(model, options.trainable, "--trainable")
@@ -495,7 +497,8 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
         chosen = plan(model, inputs, budget, trainable=list(options.trainable) if options.trainable else None,
                       frozen=list(options.freeze), blocks=list(blocks) or None,
                       measure_peak=peak and len(budgets) == 1,
-                      target=options.target if where == "meta" else None, progress=options.progress)
+                      target=options.target if where == "meta" else None, trim=trim,
+                      bitpack=bitpack if trim else None, progress=options.progress)
     except BudgetError as error:
         chosen, code = error.smallest_plan, EXIT_ERROR
     options.progress.done()
@@ -518,7 +521,8 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
         return f"+{100 * flops / chosen.step_flops:.1f}%" if chosen.step_flops else "+?"
 
     on = f"meta as {chosen.target}" if chosen.device == "meta" else chosen.device
-    out(f"gradaudit plan: {chosen.model} on {on}, budget {human_bytes(budget)} held after the forward")
+    out(f"gradaudit plan: {chosen.model} on {on}, budget {human_bytes(budget)} held after the forward"
+        f"{_with_trim(chosen)}")
     if code != EXIT_OK:
         out(f"no plan fits: checkpointing the candidate blocks holds at least {human_bytes(chosen.held_bytes)} "
             f"(every useful block: {len(chosen.checkpointed)} of {len(chosen.blocks)}); raise --budget or "
@@ -538,10 +542,11 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     for name, held, peak_bytes, flops, count in rows:
         out(f"  {name:<16}{human_bytes(held):>11}{human_bytes(peak_bytes) if peak_bytes is not None else '-':>11}  "
             f"{compute(flops):>13}  {count:>6}  {'yes' if held <= budget else 'no'}")
-    out("held: after the forward (exact, what an audit counts); peak: through forward, recomputation and "
-        "backward, gradients included" + (" (one step of each run on meta: shapes only)" if chosen.device == "meta"
-                                          else f" (one step of each measured on {chosen.device})")
-        if peak else "held: after the forward (exact, what an audit counts)")
+    held_means = ("held: after the forward with gradaudit.trim installed (exact: an audit's saved_bytes less "
+                  "what trim frees)" if chosen.trimmed else "held: after the forward (exact, what an audit counts)")
+    out(held_means + "; peak: through forward, recomputation and backward, gradients included"
+        + (" (one step of each run on meta: shapes only)" if chosen.device == "meta"
+           else f" (one step of each measured on {chosen.device})") if peak else held_means)
     out(f"extra compute: the checkpointed blocks' forward FLOPs as a share of one unplanned step's "
         f"({chosen.step_flops:.3g} FLOPs, torch.utils.flop_counter)")
     for note in chosen.notes:
@@ -551,6 +556,13 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     if html_path:
         out(f"HTML plan: {html_path}")
     return code
+
+
+def _with_trim(chosen: Any) -> str:
+    """How the header says a plan's figures are with trim ("" without)."""
+    if not chosen.trimmed:
+        return ""
+    return " with gradaudit.trim" + ("" if chosen.bitpack else " (no bit-packing)")
 
 
 def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callable[[str], None]) -> int:
@@ -575,7 +587,7 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
             _write(options.json, document, "--json")
     on = f"meta as {first.target}" if first.device == "meta" else first.device
     out(f"gradaudit plan: {first.model} on {on}, {len(budgets)} budgets, unplanned "
-        f"{human_bytes(first.unplanned_held_bytes)} held after the forward")
+        f"{human_bytes(first.unplanned_held_bytes)} held after the forward{_with_trim(first)}")
     out(f"  {'BUDGET':>10}  {'HELD':>10}  {'EXTRA COMPUTE':>13}  {'BLOCKS':>6}  CHECKPOINT")
     for p in plans:
         extra = f"+{100 * p.extra_compute:.1f}%"
@@ -612,12 +624,16 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
               "(the memory/compute frontier with the baselines marked).")
 @click.option("--no-peak", is_flag=True, help="Do not run one step of the plan and of each baseline to "
               "measure their peaks (on a real device each costs a training step).")
+@click.option("--trim", is_flag=True, help="Plan the bytes that remain with gradaudit.trim installed: every "
+              "figure is with trim and the plan (in Python plan(..., trim=True), whose apply installs trim too).")
+@click.option("--no-bitpack", is_flag=True, help="With --trim: trim(bitpack=False), drops only.")
 @click.option("-q", "--quiet", is_flag=True, help="Print one summary line.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks.")
 def plan_command(spec: str, budget: tuple[str, ...], inputs: Optional[str], input_shape: Optional[str], dtype: str,
                  input_requires_grad: bool, trainable: tuple[str, ...], freeze: tuple[str, ...],
                  mode: Optional[bool], device: str, target: str, blocks: tuple[str, ...], json_path: Optional[str],
-                 html_path: Optional[str], no_peak: bool, quiet: bool, debug: bool) -> None:
+                 html_path: Optional[str], no_peak: bool, trim: bool, no_bitpack: bool, quiet: bool,
+                 debug: bool) -> None:
     """Choose which modules of the model built by SPEC to checkpoint (recompute in backward) so that
     autograd holds at most --budget after the forward, for the least extra compute.
 
@@ -630,13 +646,15 @@ def plan_command(spec: str, budget: tuple[str, ...], inputs: Optional[str], inpu
       gradaudit plan examples/llama_probe.py:build --budget 8GiB
       gradaudit plan examples/llama_probe.py:build --budget 16GiB --budget 8GiB --budget 4GiB
       gradaudit plan mymodel.py:make --input-shape 8,3,224,224 --budget 2GiB --json plan.json
+      gradaudit plan mymodel.py:make --input-shape 8,3,224,224 --budget 1GiB --trim
     """
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
     options = ScanOptions(spec=spec, inputs=inputs, input_shape=input_shape, dtype=dtype,
                           input_requires_grad=input_requires_grad, trainable=trainable, freeze=freeze, mode=mode,
                           device=device, target=target, html=None, json=json_path, quiet=quiet, progress=progress)
     try:
-        code = run_plan(options, budget, blocks, peak=not no_peak, html_path=html_path)
+        code = run_plan(options, budget, blocks, peak=not no_peak, html_path=html_path, trim=trim,
+                        bitpack=not no_bitpack)
     except (GradauditError, ScanFailed) as error:
         progress.done()
         from .loading import first_line

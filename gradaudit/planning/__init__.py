@@ -11,6 +11,13 @@ records every storage autograd holds, which block's ops hold it, and the storage
 passed; one more forward and backward under ``torch.utils.flop_counter.FlopCounterMode`` gives each
 block's forward FLOPs (what recomputing it costs) and a whole step's. ``solve`` (solve.py) turns that
 into the memory/compute frontier; the plan is its cheapest point within the budget.
+
+On top of ``gradaudit.trim`` (``trim=True``, or a model trimmed already): the same audit (trim stands
+aside while gradaudit audits) says what trim does to each save, since trim decides from the op
+knowledge the verdicts come from: a save it drops holds nothing, a save it bit-packs holds a packed
+copy of its view, and a storage another save keeps whole costs its whole size (``_chain``). The
+figures are then what the model holds with trim and the plan, as an audit of the planned, trimmed
+model states (``saved_bytes - reclaimable_with_bitpacking_bytes``) and the storage tracker measures.
 """
 
 from __future__ import annotations
@@ -26,10 +33,10 @@ import torch
 from torch import nn
 
 from .. import torchapi
-from ..accounting import counted
+from ..accounting import Accountant, counted, packed_bits_nbytes
 from ..errors import GradauditError
 from ..recorder import CHECKPOINT_INPUTS
-from ..records import HELD_KINDS, Manager
+from ..records import HELD_KINDS, NOT_NEEDED, Manager, StorageKind
 from .apply import PlanHandle
 from .solve import Block, Chain, Point, cheapest_within, solve
 
@@ -91,6 +98,9 @@ class Plan:
     # and what the model holds with it
     replaces: tuple[str, ...] = ()
     current_held_bytes: Optional[int] = None
+    # every figure above is with gradaudit.trim installed (with this bitpack option): apply installs it
+    trimmed: bool = False
+    bitpack: Optional[bool] = None  # trim's option; None without trim
     # the solver's frontier and chain, for for_budget (not part of the plan's data)
     _solved: Any = field(default=None, repr=False, compare=False)
 
@@ -122,12 +132,14 @@ class Plan:
         return self.extra_flops / self.step_flops if self.step_flops else 0.0
 
     def apply(self, model: nn.Module) -> PlanHandle:
-        """Checkpoint the planned modules of ``model`` (non-reentrant ``torch.utils.checkpoint``);
-        returns a handle: ``remove()`` or ``with plan.apply(model): ...`` restores it."""
+        """Checkpoint the planned modules of ``model`` (non-reentrant ``torch.utils.checkpoint``) and,
+        for a plan made with trim, install ``gradaudit.trim`` (with the plan's bitpack) unless it is
+        installed already; returns a handle: ``remove()`` or ``with plan.apply(model): ...`` restores
+        it (removing trim only where apply installed it)."""
         if self.replaces and getattr(model, "is_gradient_checkpointing", False):
             raise GradauditError("this plan replaces the model's own checkpointing, which is still on: turn it off "
                                  "first (model.gradient_checkpointing_disable())")
-        return PlanHandle(model, self.checkpointed)
+        return PlanHandle(model, self.checkpointed, trim=self.bitpack if self.trimmed else None)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -148,6 +160,7 @@ class Plan:
             "unplanned_peak_bytes": self.unplanned_peak_bytes,
             "replaces": list(self.replaces),
             "current_held_bytes": self.current_held_bytes,
+            "trim": {"bitpack": self.bitpack} if self.trimmed else None,
             "checkpointed": list(self.checkpointed),
             "optimal": self.optimal,
             "blocks": [dict(b) for b in self.blocks],
@@ -158,7 +171,7 @@ class Plan:
 
     def __repr__(self) -> str:
         return (f"<gradaudit.Plan {self.model}: checkpoint {len(self.checkpointed)} of {len(self.blocks)} "
-                f"blocks, holds {self.held_bytes} of budget {self.budget} bytes, "
+                f"blocks, holds {self.held_bytes} of budget {self.budget} bytes{' with trim' if self.trimmed else ''}, "
                 f"+{100 * self.extra_compute:.1f}% compute>")
 
 
@@ -279,17 +292,123 @@ def _flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: s
 
 
 def _step(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
-          paths: Sequence[str]) -> tuple[int, int]:
+          paths: Sequence[str], bitpack: Optional[bool] = None) -> tuple[int, int]:
     """(held after the forward less the outputs, peak through forward and backward) of one step with ``paths``
-    checkpointed, measured on the model's device: the storage tracker on CPU and meta (where it
-    follows the meta tensors the step would allocate), the allocator on CUDA. Left as found."""
+    checkpointed (and trim installed, where ``bitpack`` is not None), measured on the model's device:
+    the storage tracker on CPU and meta (where it follows the meta tensors the step would allocate),
+    the allocator on CUDA. Left as found."""
     from ..measure import forward_backward
     from ..tensors import split_inputs
 
     args, kwargs = split_inputs(inputs)
     with _as_audited(model, inputs, trainable, frozen, target):
-        with PlanHandle(model, tuple(paths)):
+        with PlanHandle(model, tuple(paths), trim=bitpack):
             return forward_backward(model, args, kwargs)
+
+
+def _trim_options(model: nn.Module, trim: Optional[bool], bitpack: Optional[bool]) -> tuple[Any, Optional[bool]]:
+    """(the trim handle installed on ``model`` or None, the plan's bitpack: None for a plan without
+    trim). Every combination that would make the figures wrong for the model is refused."""
+    from ..auditing import trimmed_now
+
+    for name, value in (("trim", trim), ("bitpack", bitpack)):
+        if value is not None and not isinstance(value, bool):
+            raise GradauditError(f"{name} must be True, False or None, not {value!r}")
+    installed = None
+    if trimmed_now(model):
+        from ..trimming.handle import handle_of
+
+        installed = handle_of(model)
+    if trim is None:
+        trim = installed is not None
+    if not trim:
+        if installed is not None:
+            raise GradauditError("gradaudit.trim is installed on this model, so it holds less than a plan without "
+                                 "trim says: plan with trim=True (--trim), or remove the trim handle first")
+        if bitpack is not None:
+            raise GradauditError(f"bitpack={bitpack} is an option of trim: pass trim=True with it (--trim)")
+        return None, None
+    if installed is not None:
+        if bitpack is not None and bitpack != installed.bitpack:
+            raise GradauditError(f"gradaudit.trim is installed on this model with bitpack={installed.bitpack}: plan "
+                                 f"with bitpack={installed.bitpack}, or remove the trim handle first")
+        return installed, installed.bitpack
+    torchapi.require("node creation hook", "gradaudit.plan(trim=True)")  # now, not after the audit
+    return None, True if bitpack is None else bitpack
+
+
+_WHOLE = "whole"  # a save that holds its whole storage (see _saves_as_trimmed)
+
+
+def _saves_as_trimmed(report: Any, bitpack: Optional[bool]) -> dict[int, Any]:
+    """What holds each counted save's bytes, by ``SavedTensor.index``: ``_WHOLE`` (its storage),
+    ``None`` (nothing: trim drops it) or the key of its bit-packed view (trim bit-packs it). Without
+    trim (``bitpack`` None) every save is whole.
+
+    Trim decides from the op knowledge the audit's verdicts come from, so it drops the saves the
+    audit calls not needed and (with bitpack) bit-packs the bit-packable ones; a save that
+    bypassed saved-tensor hooks (a wrapped Python number) it never sees. Only activations count as
+    freed, as in the audit's own figure (``Accountant.freed_by_storage``: parameters, buffers and
+    inputs are alive anyway, and so is a model output the caller holds)."""
+    decided: dict[int, Any] = {}
+    for t in counted(report.tensors):
+        if bitpack is None or t.source_index < 0 or report.storages[t.storage_id].kind != StorageKind.ACTIVATION:
+            decided[t.index] = _WHOLE
+        elif t.verdict == NOT_NEEDED:
+            decided[t.index] = None
+        elif bitpack and t.bitpackable:
+            decided[t.index] = (t.storage_id, t.storage_offset, tuple(t.shape), tuple(t.stride))
+        else:
+            decided[t.index] = _WHOLE
+    return decided
+
+
+def _held_by_report(report: Any, bitpack: Optional[bool]) -> int:
+    """What the audited forward holds (with trim where ``bitpack`` is not None), by the audit's own
+    accounting: saved_bytes less what trim's drops and bit-packing free (``Accountant.freed``)."""
+    if bitpack is None:
+        return report.saved_bytes
+    decided = _saves_as_trimmed(report, bitpack)
+    dropped = {i for i, how in decided.items() if how is None}
+    packed = {i for i, how in decided.items() if how is not None and how != _WHOLE}
+    return report.saved_bytes - Accountant(report.tensors, report.storages).freed(dropped, packed)
+
+
+def _chain(report: Any, ran: Sequence[str], calls: dict[str, list], flops: dict[str, int],
+           bitpack: Optional[bool]) -> Chain:
+    """The planner's chain of the blocks ``ran`` (forward order) from one audit: per storage of a held
+    kind, which saves hold it, inside which block, whole or (under trim) as a bit-packed copy."""
+    nbytes = {s.id: s.nbytes for s in report.storages if s.kind in HELD_KINDS}
+    for call in report.module_calls:
+        for sid, size, kind in call.inputs:
+            if kind in HELD_KINDS:
+                nbytes[sid] = size
+    decided = _saves_as_trimmed(report, bitpack)
+    copies: dict[tuple, int] = {}  # bit-packed view -> copy id
+    bits: dict[int, tuple[int, int]] = {}
+    # per block (None: outside every block), the storages held whole and the copies held
+    whole: dict[Optional[str], set[int]] = {path: set() for path in [None, *ran]}
+    packed: dict[Optional[str], set[int]] = {path: set() for path in [None, *ran]}
+    tensors = {t.index: t for t in report.tensors}
+    for index, how in decided.items():
+        t = tensors[index]
+        if t.storage_id not in nbytes or how is None:
+            continue
+        # a save that bypassed saved-tensor hooks (a wrapped Python number: autograd keeps those
+        # plainly) stays held inside a checkpoint too: it is not the block's to drop
+        block = next((p for p in ran if _inside(t.module, p)), None) if t.source_index >= 0 else None
+        if how == _WHOLE:
+            whole[block].add(t.storage_id)
+        else:
+            copy = copies.setdefault(how, len(copies))
+            bits[copy] = (t.storage_id, packed_bits_nbytes(t))
+            packed[block].add(copy)
+    blocks = [Block(path, calls[path][0].module_class, len(calls[path]), flops.get(path, 0),
+                    frozenset(whole[path]),
+                    frozenset(sid for call in calls[path] for sid, _, kind in call.inputs if kind in HELD_KINDS),
+                    frozenset(packed[path]))
+              for path in ran]
+    return Chain(blocks, nbytes, frozenset(whole[None]), bits=bits, outside_packed=frozenset(packed[None]))
 
 
 def plan(
@@ -302,6 +421,8 @@ def plan(
     blocks: Optional[Sequence[str]] = None,
     target: Optional[str] = None,
     measure_peak: bool = True,
+    trim: Optional[bool] = None,
+    bitpack: Optional[bool] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> Plan:
     """Choose which modules of ``model`` to checkpoint so that autograd holds at most ``budget``
@@ -314,6 +435,12 @@ def plan(
         as for ``audit``.
     measure_peak: run the chosen plan's step, the unplanned step and the baselines' once each on the
         model's device to measure their peaks (``Plan.peak_bytes``; on meta nothing is computed).
+    trim: plan the bytes that remain with ``gradaudit.trim`` installed: every figure (held, unplanned,
+        frontier, baselines, blocks, peaks) is what the model holds with trim and the plan, and
+        ``Plan.apply`` installs trim too where it is not installed. None (the default) follows the
+        model: with trim installed on it, as True (with its bitpack); without, as False. trim=False
+        on a trimmed model raises GradauditError (its figures would be wrong for it).
+    bitpack: trim's option (default True, or the installed handle's); only with trim.
 
     Raises BudgetError when no plan of the blocks fits (its ``smallest`` says how low they go).
     The model is left as found; ``Plan.apply(model)`` checkpoints the chosen modules.
@@ -324,6 +451,7 @@ def plan(
     if not isinstance(model, nn.Module):
         raise GradauditError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
     budget_bytes = _budget_bytes(budget, parse_size)
+    installed, bitpack = _trim_options(model, trim, bitpack)
     paths = _candidates(model, blocks)
     if progress:
         progress(f"auditing the forward ({len(paths)} candidate blocks)")
@@ -332,7 +460,7 @@ def plan(
     current_held = None
     if now:
         # plan from what the model holds without its own checkpointing (which the plan replaces)
-        current_held = report.saved_bytes
+        current_held = _held_by_report(report, bitpack)
         if progress:
             progress("auditing the forward without the model's own checkpointing")
         with torchapi.checkpointing_off():
@@ -354,14 +482,9 @@ def plan(
     with own_checkpointing_off():
         flops, step_flops = _flops(model, inputs, trainable, frozen, report.target, paths)
 
-    nbytes = {s.id: s.nbytes for s in report.storages if s.kind in HELD_KINDS}
-    held = counted(report.tensors)
     calls: dict[str, list] = {}
     for call in report.module_calls:
         calls.setdefault(call.path, []).append(call)
-        for sid, size, kind in call.inputs:
-            if kind in HELD_KINDS:
-                nbytes[sid] = size
     order = {call.path: i for i, call in reversed(list(enumerate(report.module_calls)))}
     ran = sorted((p for p in paths if p in calls), key=order.__getitem__)
     # a block in which no autograd node was made (frozen, its inputs needing no gradient) builds no
@@ -370,22 +493,12 @@ def plan(
     made = [n.module for n in report.nodes if n.name != "AccumulateGrad"]
     graphless = [p for p in ran if not any(_inside(module, p) for module in made)]
     ran = [p for p in ran if p not in graphless]
-    chain_blocks = []
-    outside = {t.storage_id for t in held if t.storage_id in nbytes}
-    for path in ran:
-        # a save that bypassed saved-tensor hooks (a wrapped Python number: autograd keeps those
-        # plainly) stays held inside a checkpoint too: it is not the block's to drop
-        internal = frozenset(t.storage_id for t in held if t.storage_id in nbytes and t.source_index >= 0
-                             and _inside(t.module, path))
-        passed = frozenset(sid for call in calls[path] for sid, _, kind in call.inputs if kind in HELD_KINDS)
-        outside -= internal
-        chain_blocks.append(Block(path, calls[path][0].module_class, len(calls[path]), flops.get(path, 0),
-                                  internal, passed))
-    chain = Chain(chain_blocks, nbytes, frozenset(outside))
+    chain = _chain(report, ran, calls, flops, bitpack)
+    chain_blocks = chain.blocks
     notes = []
-    if chain.held(()) != report.saved_bytes:  # both count the held saves' storages of held kinds
-        raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit "
-                             f"{report.saved_bytes}")
+    unplanned = _held_by_report(report, bitpack)
+    if chain.held(()) != unplanned:  # both count the held saves' storages of held kinds, as trim leaves them
+        raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit {unplanned}")
     if graphless:
         notes.append(f"{len(graphless)} block(s) build no autograd graph ({_few(graphless)}): no gradient flows "
                      f"through them, so they hold nothing and checkpointing them would change nothing")
@@ -402,14 +515,11 @@ def plan(
                      f"plan may exist (the bytes of every plan shown are exact)")
     frontier = tuple((p.held_bytes, p.extra_flops) for p in points)
     info = tuple({"path": b.path, "module_class": b.module_class, "calls": b.calls, "flops": b.flops,
-                  "internal_bytes": sum(nbytes[s] for s in b.internal),
-                  "input_bytes": sum(nbytes[s] for s in b.inputs)} for b in chain_blocks)
-
-    from ..auditing import trimmed_now
-
-    if trimmed_now(model):
-        notes.append("gradaudit.trim is installed on this model: the plan's figures are without it (planning on top "
-                     "of trim is not supported yet); trim with the plan applied holds less than held_bytes")
+                  "internal_bytes": chain.bytes_of(b.internal, b.packed),
+                  "input_bytes": chain.bytes_of(b.inputs)} for b in chain_blocks)
+    if installed is not None and trim is None:
+        notes.append(f"gradaudit.trim is installed on this model (bitpack={bitpack}), so the plan's figures are "
+                     f"with it, as trim=True plans them; to plan without trim, remove its handle first")
     if now:
         notes.insert(0, f"the model checkpoints {_few(now)} itself and so holds {current_held} bytes; the plan "
                         f"replaces that (its figures are without it): turn the model's own checkpointing off before "
@@ -417,11 +527,12 @@ def plan(
 
     def make(point: Point) -> Plan:
         return Plan(model=type(model).__name__, device=report.device, target=report.target, budget=budget_bytes,
-                    held_bytes=point.held_bytes, unplanned_held_bytes=report.saved_bytes,
+                    held_bytes=point.held_bytes, unplanned_held_bytes=chain.held(()),
                     extra_flops=point.extra_flops, step_flops=step_flops,
                     checkpointed=tuple(chain_blocks[i].path for i in sorted(point.chosen)), blocks=info,
                     frontier=frontier, baselines=_baselines(chain, budget_bytes), optimal=optimal,
                     notes=list(notes), replaces=tuple(now), current_held_bytes=current_held,
+                    trimmed=bitpack is not None, bitpack=bitpack,
                     _solved=(chain, points))
 
     chosen = cheapest_within(points, budget_bytes)
@@ -434,7 +545,8 @@ def plan(
                 if progress:
                     progress(f"measuring the peak of a step ({k + 1} of {len(steps)})")
                 with own_checkpointing_off():
-                    measured[paths_run] = _step(model, inputs, trainable, frozen, report.target, paths_run)
+                    measured[paths_run] = _step(model, inputs, trainable, frozen, report.target, paths_run,
+                                                bitpack)
         result.peak_bytes = measured[result.checkpointed][1]
         result.unplanned_peak_bytes = measured[()][1]
         result.baselines = tuple(dataclasses.replace(b, peak_bytes=measured[b.checkpointed][1])

@@ -10,13 +10,20 @@ What the wrapper guarantees:
 - batch norm in train mode does not update its running statistics a second time when backward
   recomputes the block: they are put back as they were after the first forward;
 - with grad disabled (``torch.no_grad``, evaluation) the module runs as it always did.
+
+With a plan made on top of ``gradaudit.trim`` the handle also installs trim (unless it is installed
+already) and removes only the trim it installed. The two compose: inside a checkpointed module
+checkpoint's saved-tensor hooks are innermost, so trim leaves those saves alone (backward recomputes
+them, untrimmed: trim is not active after the forward), and trim boxes the region's inputs, which
+checkpoint saves with the hooks in force outside it, keeping them (trim.session: a save of them
+elsewhere is not bit-packed for nothing).
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -75,7 +82,8 @@ def _checkpointed(module: nn.Module, forward: Callable[..., Any]) -> Callable[..
 class PlanHandle:
     """Returned by ``Plan.apply``: ``remove()`` (or leaving the ``with`` block) restores the model."""
 
-    def __init__(self, model: nn.Module, paths: tuple[str, ...]) -> None:
+    def __init__(self, model: nn.Module, paths: tuple[str, ...], trim: Optional[bool] = None) -> None:
+        """``trim``: None for a plan without trim, else the bitpack option of the trim it needs."""
         modules = dict(model.named_modules())
         missing = [p for p in paths if p not in modules]
         if missing:
@@ -84,8 +92,21 @@ class PlanHandle:
         if model in _PLANNED and _PLANNED[model].installed:
             raise GradauditError("a plan is already applied to this model: remove() it (or leave its "
                                  "`with` block) before applying another")
+        installed = _trim_handle(model)
+        if trim is None and installed is not None:
+            raise GradauditError("this plan's figures are without gradaudit.trim, which is installed on this model: "
+                                 "remove the trim handle, or make the plan with trim=True (--trim)")
+        if trim is not None and installed is not None and installed.bitpack != trim:
+            raise GradauditError(f"this plan's figures are with gradaudit.trim(bitpack={trim}), and trim is installed "
+                                 f"on this model with bitpack={installed.bitpack}: remove that handle first")
         self._model_ref = weakref.ref(model)
         self.paths = paths
+        # the trim this handle installed (removed with it); a trim the caller installed stays theirs
+        self.trim_handle: Any = None
+        if trim is not None and installed is None:
+            from ..trimming import trim as install_trim
+
+            self.trim_handle = install_trim(model, bitpack=trim)
         # (module, the instance attribute 'forward' it had, if any)
         self._wrapped: list[tuple[nn.Module, Any]] = []
         for path in paths:
@@ -97,7 +118,7 @@ class PlanHandle:
 
     @property
     def installed(self) -> bool:
-        return bool(self._wrapped)
+        return bool(self._wrapped) or self.trim_handle is not None
 
     def remove(self) -> None:
         for module, own in self._wrapped:
@@ -106,6 +127,9 @@ class PlanHandle:
             else:
                 module.forward = own
         self._wrapped.clear()
+        if self.trim_handle is not None:
+            self.trim_handle.remove()
+            self.trim_handle = None
         model = self._model_ref()
         if model is not None and _PLANNED.get(model) is self:
             del _PLANNED[model]
@@ -117,5 +141,17 @@ class PlanHandle:
         self.remove()
 
     def __repr__(self) -> str:
-        return (f"<gradaudit.PlanHandle {len(self.paths)} checkpointed module(s) "
+        trimmed = " and trim" if self.trim_handle is not None else ""
+        return (f"<gradaudit.PlanHandle {len(self.paths)} checkpointed module(s){trimmed} "
                 f"{'installed' if self.installed else 'removed'}>")
+
+
+def _trim_handle(model: nn.Module) -> Any:
+    """The trim handle installed on ``model``, or None (without importing trim where nobody did)."""
+    from ..auditing import trimmed_now
+
+    if not trimmed_now(model):
+        return None
+    from ..trimming.handle import handle_of
+
+    return handle_of(model)

@@ -8,12 +8,19 @@ plan holds is the size of a union::
 
     held(S) = bytes(outside | U_{b not in S} internal(b) | U_{b in S} inputs(b))
 
+Under ``gradaudit.trim`` a save trim drops holds nothing (it is in no set), and a save trim
+bit-packs holds a packed copy of its view (``Block.packed``, ``Chain.outside_packed``: ids into
+``Chain.bits``) instead of its storage. A copy costs its bytes only while no save the plan keeps
+holds its storage whole (trim gives a bit-packed save its tensor back when another save keeps the
+storage), and a storage's copies cost at most the storage (``Accountant.freed_by_storage``'s rule:
+trim frees a storage only when the copies are smaller). Without trim both are empty.
+
 ``Chain.held`` computes it exactly for any set of blocks. ``solve`` finds, for every budget at
 once, the plans with the least recompute: a dynamic program over the chain whose state is whether
 the previous block is checkpointed and whether any block so far is. It charges every storage
 exactly when the blocks that can hold it are one block, two neighbours, or (held only as an
-input) all of them; any other storage is charged as always held (``Chain.assumed``), which can
-only overstate a plan's bytes, never understate them.
+input) all of them; any other storage is charged as always held whole (``Chain.assumed``), which
+can only overstate a plan's bytes, never understate them.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ class Block:
     module_class: str
     calls: int  # how many times the forward ran it (each call is one checkpoint region)
     flops: int  # forward FLOPs of all its calls: what checkpointing it recomputes per step
-    internal: frozenset[int]  # storages its ops' saves hold (held kinds only)
+    internal: frozenset[int]  # storages its ops' saves hold whole (held kinds only)
     inputs: frozenset[int]  # storages of the tensors passed to it (held kinds only)
+    packed: frozenset[int] = frozenset()  # under trim: the bit-packed copies its ops' saves hold (Chain.bits)
 
 
 @dataclass(frozen=True)
@@ -50,16 +58,35 @@ class Point:
 class Chain:
     blocks: list[Block]
     nbytes: dict[int, int]  # storage id -> bytes, for every storage of a held kind
-    outside: frozenset[int]  # storages held by saves outside every block
+    outside: frozenset[int]  # storages held whole by saves outside every block
     assumed: dict[int, int] = field(default_factory=dict)  # storages the solver charges as always held
+    # under trim: bit-packed copy id -> (its storage, its bytes); one per distinct bit-packed view
+    bits: dict[int, tuple[int, int]] = field(default_factory=dict)
+    outside_packed: frozenset[int] = frozenset()  # copies held by saves outside every block
 
     def held(self, chosen: Iterable[int]) -> int:
         """Exact bytes held after the forward with the blocks ``chosen`` checkpointed."""
         chosen = set(chosen)
         kept = set(self.outside)
+        copies = set(self.outside_packed)
         for i, block in enumerate(self.blocks):
-            kept |= block.inputs if i in chosen else block.internal
-        return sum(self.nbytes[s] for s in kept)
+            if i in chosen:
+                kept |= block.inputs
+            else:
+                kept |= block.internal
+                copies |= block.packed
+        return self.bytes_of(kept, copies)
+
+    def bytes_of(self, whole: Iterable[int], copies: Iterable[int] = ()) -> int:
+        """Bytes of the storages ``whole`` plus the bit-packed ``copies`` of the other storages
+        (a storage's copies together cost at most the storage)."""
+        whole = set(whole)
+        packed: dict[int, int] = {}
+        for copy in copies:
+            storage, size = self.bits[copy]
+            if storage not in whole:
+                packed[storage] = packed.get(storage, 0) + size
+        return sum(self.nbytes[s] for s in whole) + sum(min(size, self.nbytes[s]) for s, size in packed.items())
 
     def extra_flops(self, chosen: Iterable[int]) -> int:
         return sum(self.blocks[i].flops for i in set(chosen))
@@ -88,31 +115,55 @@ def solve(chain: Chain) -> tuple[list[Point], bool]:
     any_chosen = 0  # bytes held exactly when at least one block is checkpointed
     constant = sum(chain.nbytes[s] for s in chain.outside)
     chain.assumed = {}
-    keepers: dict[int, tuple[set[int], set[int]]] = {}
+    # per storage: the blocks holding it whole when kept, the blocks holding copies of it when
+    # kept (copy ids per block), the blocks holding it when checkpointed, and copies held outside
+    whole: dict[int, set[int]] = {}
+    copies: dict[int, dict[int, set[int]]] = {}
+    passed: dict[int, set[int]] = {}
+    outside_copies: dict[int, set[int]] = {}
     for i, block in enumerate(chain.blocks):
         for s in block.internal:
-            keepers.setdefault(s, (set(), set()))[0].add(i)
+            whole.setdefault(s, set()).add(i)
+        for c in block.packed:
+            copies.setdefault(chain.bits[c][0], {}).setdefault(i, set()).add(c)
         for s in block.inputs:
-            keepers.setdefault(s, (set(), set()))[1].add(i)
-    for s, (inside, passed) in keepers.items():
+            passed.setdefault(s, set()).add(i)
+    for c in chain.outside_packed:
+        outside_copies.setdefault(chain.bits[c][0], set()).add(c)
+
+    def cost(s: int, x: dict[int, int]) -> int:
+        """Bytes storage ``s`` costs when each block it touches is checkpointed (x = 1) or not."""
+        if any(x[i] == 0 for i in whole.get(s, ())) or any(x[i] == 1 for i in passed.get(s, ())):
+            return chain.nbytes[s]
+        held = set(outside_copies.get(s, ()))
+        for i, ids in copies.get(s, {}).items():
+            if x[i] == 0:
+                held |= ids
+        return chain.bytes_of((), held)
+
+    for s in set(whole) | set(copies) | set(passed) | set(outside_copies):
         if s in chain.outside:
             continue
         nbytes = chain.nbytes[s]
-        touched = sorted(inside | passed)
-        if inside & passed:  # one block holds it either way
+        inside = whole.get(s, set()) | set(copies.get(s, ()))
+        touched = sorted(inside | passed.get(s, set()))
+        if whole.get(s, set()) & passed.get(s, set()):  # one block holds it whole either way
             constant += nbytes
+        elif not touched:  # copies outside every block only
+            constant += cost(s, {})
         elif len(touched) == 1:
             i = touched[0]
-            local[i][0 if i in inside else 1] += nbytes
+            for x in (0, 1):
+                local[i][x] += cost(s, {i: x})
         elif len(touched) == 2 and touched[1] == touched[0] + 1:
             i = touched[0]
             for x in (0, 1):
                 for y in (0, 1):
-                    held = any((x, y)[k] == 0 for k, b in enumerate(touched) if b in inside) or \
-                        any((x, y)[k] == 1 for k, b in enumerate(touched) if b in passed)
-                    pair[i][x][y] += nbytes if held else 0
-        elif not inside and len(passed) == n:
-            any_chosen += nbytes
+                    pair[i][x][y] += cost(s, {i: x, i + 1: y})
+        elif not inside and len(touched) == n:  # passed to every block, held inside none
+            none = cost(s, dict.fromkeys(touched, 0))
+            constant += none
+            any_chosen += nbytes - none
         else:
             constant += nbytes
             chain.assumed[s] = nbytes
