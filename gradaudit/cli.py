@@ -488,7 +488,8 @@ def _milliseconds(seconds: float) -> str:
 
 
 def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[str, ...], peak: bool = True,
-             html_path: Optional[str] = None, selective: bool = True, cost: str = "flops") -> int:
+             html_path: Optional[str] = None, selective: bool = True, cost: str = "flops", trim: bool = False,
+             bitpack: bool = True) -> int:
     from . import loading
     from .auditing import check_patterns
     from .planning import BudgetError, plan
@@ -509,6 +510,8 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
         raise ScanFailed("--html draws one plan: give one --budget (several make a sweep table)")
     if cost == "time" and options.device == "meta":
         raise ScanFailed(_cost_needs_a_real_device())
+    if not bitpack and not trim:
+        raise ScanFailed("--no-bitpack is an option of --trim: give both, or neither")
     budget = budgets[0]
     model, inputs, where = _prepare_for_target(options)
     if cost == "time" and where == "meta":  # --device auto, and the factory built it on meta
@@ -520,7 +523,8 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
         chosen = plan(model, inputs, budget, trainable=list(options.trainable) if options.trainable else None,
                       frozen=list(options.freeze), blocks=list(blocks) or None,
                       measure_peak=peak and len(budgets) == 1, selective=selective, cost=cost,
-                      target=options.target if where == "meta" else None, progress=options.progress)
+                      target=options.target if where == "meta" else None, trim=trim,
+                      bitpack=bitpack if trim else None, progress=options.progress)
     except BudgetError as error:
         chosen, code = error.smallest_plan, EXIT_ERROR
     options.progress.done()
@@ -540,7 +544,8 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
         _write(html_path, planhtml.render(chosen, title=f"gradaudit plan: {options.spec}"), "--html")
 
     on = f"meta as {chosen.target}" if chosen.device == "meta" else chosen.device
-    out(f"gradaudit plan: {chosen.model} on {on}, budget {human_bytes(budget)} held after the forward")
+    out(f"gradaudit plan: {chosen.model} on {on}, budget {human_bytes(budget)} held after the forward"
+        f"{_with_trim(chosen)}")
     if code != EXIT_OK:
         out(f"no plan fits: checkpointing the candidate blocks holds at least {human_bytes(chosen.held_bytes)} "
             f"(every useful block: {len(chosen.checkpointed)} of {len(chosen.blocks)}); raise --budget or "
@@ -567,10 +572,11 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     for name, held, peak_bytes, extra, count in rows:
         out(f"  {name:<16}{human_bytes(held):>11}{human_bytes(peak_bytes) if peak_bytes is not None else '-':>11}  "
             f"{extra:>{width}}  {count:>6}  {'yes' if held <= budget else 'no'}")
-    out("held: after the forward (exact, what an audit counts); peak: through forward, recomputation and "
-        "backward, gradients included" + (" (one step of each run on meta: shapes only)" if chosen.device == "meta"
-                                          else f" (one step of each measured on {chosen.device})")
-        if peak else "held: after the forward (exact, what an audit counts)")
+    held_means = ("held: after the forward with gradaudit.trim installed (exact: an audit's saved_bytes less "
+                  "what trim frees)" if chosen.trimmed else "held: after the forward (exact, what an audit counts)")
+    out(held_means + "; peak: through forward, recomputation and backward, gradients included"
+        + (" (one step of each run on meta: shapes only)" if chosen.device == "meta"
+           else f" (one step of each measured on {chosen.device})") if peak else held_means)
     if chosen.cost == "time":
         out(f"extra time: the checkpointed blocks' forward time as a share of one unplanned step's "
             f"({_milliseconds(chosen.step_seconds or 0.0)} ms), medians of {REPEATS} runs on {chosen.device}; "
@@ -585,6 +591,13 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     if html_path:
         out(f"HTML plan: {html_path}")
     return code
+
+
+def _with_trim(chosen: Any) -> str:
+    """How the header says a plan's figures are with trim ("" without)."""
+    if not chosen.trimmed:
+        return ""
+    return " with gradaudit.trim" + ("" if chosen.bitpack else " (no bit-packing)")
 
 
 def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callable[[str], None]) -> int:
@@ -609,7 +622,7 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
             _write(options.json, document, "--json")
     on = f"meta as {first.target}" if first.device == "meta" else first.device
     out(f"gradaudit plan: {first.model} on {on}, {len(budgets)} budgets, unplanned "
-        f"{human_bytes(first.unplanned_held_bytes)} held after the forward")
+        f"{human_bytes(first.unplanned_held_bytes)} held after the forward{_with_trim(first)}")
     extras = [_extra_text(p, p) for p in plans]
     width = max(13, *map(len, extras))
     heading = "EXTRA TIME" if first.cost == "time" else "EXTRA COMPUTE"
@@ -656,12 +669,16 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
               "steps and forwards).")
 @click.option("--no-selective", is_flag=True, help="Checkpoint whole blocks only (no op-level checkpointing "
               "that keeps matrix products' outputs and recomputes the rest).")
+@click.option("--trim", is_flag=True, help="Plan the bytes that remain with gradaudit.trim installed: every "
+              "figure is with trim and the plan (in Python plan(..., trim=True), whose apply installs trim too).")
+@click.option("--no-bitpack", is_flag=True, help="With --trim: trim(bitpack=False), drops only.")
 @click.option("-q", "--quiet", is_flag=True, help="Print one summary line.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks.")
 def plan_command(spec: str, budget: tuple[str, ...], inputs: Optional[str], input_shape: Optional[str], dtype: str,
                  input_requires_grad: bool, trainable: tuple[str, ...], freeze: tuple[str, ...],
                  mode: Optional[bool], device: str, target: str, blocks: tuple[str, ...], json_path: Optional[str],
-                 html_path: Optional[str], no_peak: bool, cost: str, no_selective: bool, quiet: bool,
+                 html_path: Optional[str], no_peak: bool, cost: str, no_selective: bool, trim: bool,
+                 no_bitpack: bool, quiet: bool,
                  debug: bool) -> None:
     """Choose which modules of the model built by SPEC to checkpoint (recompute in backward) so that
     autograd holds at most --budget after the forward, for the least extra compute.
@@ -677,6 +694,7 @@ def plan_command(spec: str, budget: tuple[str, ...], inputs: Optional[str], inpu
       gradaudit plan examples/llama_probe.py:build --budget 16GiB --budget 8GiB --budget 4GiB
       gradaudit plan mymodel.py:make --input-shape 8,3,224,224 --budget 2GiB --json plan.json
       gradaudit plan mymodel.py:make --device cuda --budget 2GiB --cost time
+      gradaudit plan mymodel.py:make --input-shape 8,3,224,224 --budget 1GiB --trim
     """
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
     options = ScanOptions(spec=spec, inputs=inputs, input_shape=input_shape, dtype=dtype,
@@ -684,7 +702,7 @@ def plan_command(spec: str, budget: tuple[str, ...], inputs: Optional[str], inpu
                           device=device, target=target, html=None, json=json_path, quiet=quiet, progress=progress)
     try:
         code = run_plan(options, budget, blocks, peak=not no_peak, html_path=html_path, cost=cost,
-                        selective=not no_selective)
+                        selective=not no_selective, trim=trim, bitpack=not no_bitpack)
     except (GradauditError, ScanFailed) as error:
         progress.done()
         from .loading import first_line

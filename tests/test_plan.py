@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import random
 import re
@@ -25,13 +26,20 @@ def mlp_stack(n: int = 6, width: int = 64) -> nn.Sequential:
 
 
 def step(model: nn.Module, inputs, loss=lambda out: out.pow(2).sum()):
-    """Gradients and buffers after one seeded forward and backward (dropout draws the same masks)."""
+    """Gradients (of the parameters and of inputs that require grad) and buffers after one seeded
+    forward and backward (dropout draws the same masks)."""
     model.zero_grad(set_to_none=True)
+    leaves = {f"input.{k}": t for k, t in (inputs.items() if isinstance(inputs, dict) else [(0, inputs)])
+              if isinstance(t, torch.Tensor) and t.requires_grad}
+    for t in leaves.values():
+        t.grad = None
     torch.manual_seed(5)
     out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
     out = getattr(out, "logits", None) if hasattr(out, "logits") else getattr(out, "last_hidden_state", out)
     loss(out.float()).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.clone() for n, p in [*model.named_parameters(), *leaves.items()] if p.grad is not None}
+    for t in leaves.values():
+        t.grad = None
     return grads, {n: b.clone() for n, b in model.named_buffers()}
 
 
@@ -323,6 +331,66 @@ def test_a_selective_option_is_charged_as_inputs_plus_what_it_keeps():
     assert cheapest_within(points, 500).selective == {0}
     with pytest.raises(ValueError):
         chain.held([], [0])  # op by op is a way of checkpointing: it must be checkpointed
+
+
+def random_trimmed_chain(rng: random.Random, n: int, selective: bool = False) -> Chain:
+    """random_chain's blocks under trim: some of their saves hold a bit-packed copy (1/32 of the
+    storage, at least a byte) instead of the storage: of one of their own storages (also of their
+    input or their result, which a neighbour holds whole: a ReLU result passed to the next block),
+    of a storage of the copy's own, and outside the blocks of block 0's storages."""
+    chain = random_chain(rng, n, selective)
+    nbytes, bits, blocks = dict(chain.nbytes), {}, []
+
+    def copy_of(storage: int) -> int:
+        bits[len(bits)] = (storage, max(1, nbytes[storage] // 32))
+        return len(bits) - 1
+
+    for block in chain.blocks:
+        internal, packed = set(block.internal), set()
+        if internal and rng.random() < 0.6:
+            storage = rng.choice(sorted(internal))
+            internal.discard(storage)
+            packed.add(copy_of(storage))
+        if rng.random() < 0.3:
+            nbytes[len(nbytes) + 1000] = rng.randint(1, 3000)
+            packed.add(copy_of(len(nbytes) + 999))
+        blocks.append(dataclasses.replace(block, internal=frozenset(internal), packed=frozenset(packed)))
+    near = sorted(chain.blocks[0].internal | chain.blocks[0].inputs)
+    outside = {copy_of(rng.choice(near))} if near and rng.random() < 0.5 else set()
+    return Chain(blocks, nbytes, chain.outside, bits=bits, outside_packed=frozenset(outside))
+
+
+@pytest.mark.parametrize("selective", [False, True], ids=["whole-blocks", "with-op-level"])
+@pytest.mark.parametrize("seed", range(40))
+def test_solver_is_optimal_with_bit_packed_copies(seed, selective):
+    rng = random.Random(1000 + seed)
+    chain = random_trimmed_chain(rng, rng.randint(1, 6 if selective else 8), selective)
+    points, exact = solve(chain)  # (it raises where a charge differs from Chain.held)
+    assert exact
+    unplanned = chain.held(())
+    least = min(p.held_bytes for p in points)
+    assert exhaustive(chain, least - 1) is None
+    for budget in sorted({unplanned, least, *(rng.randint(least, unplanned) for _ in range(6))}):
+        best = cheapest_within(points, budget)
+        truth = exhaustive(chain, budget)
+        assert best is not None and truth is not None
+        assert best.extra_flops == truth[0]
+        assert best.held_bytes == chain.held(best.chosen, best.selective) <= budget
+    assert cheapest_within(points, least - 1) is None
+
+
+def test_a_copy_costs_nothing_while_its_storage_is_held_whole():
+    # storage 1 (1000 B): block a bit-packs it (a 40 B copy), block b is passed it; storage 2 (100 B)
+    # only as two copies of 60 B, which cost at most the storage
+    chain = Chain([Block("a", "B", 1, 10, frozenset(), frozenset(), packed=frozenset({0, 1, 2})),
+                   Block("b", "B", 1, 10, frozenset(), frozenset({1}), frozenset())],
+                  {1: 1000, 2: 100}, frozenset(), bits={0: (1, 40), 1: (2, 60), 2: (2, 60)})
+    assert chain.held(()) == 40 + 100
+    assert chain.held([1]) == 1000 + 100  # b's checkpoint holds storage 1 whole: a's copy frees nothing
+    assert chain.held([0]) == 0
+    assert chain.held([0, 1]) == 1000
+    points, exact = solve(chain)
+    assert exact and [(p.held_bytes, p.extra_flops) for p in points] == [(140, 0), (0, 10)]
 
 
 def test_frontier_is_monotone():
@@ -899,3 +967,318 @@ def test_cli_refuses_time_on_meta_and_unknown_costs(plan_cli):
     assert meta.stderr.startswith("gradaudit: error: --cost time") and "--cost flops" in meta.stderr
     unknown = plan_cli("--budget", "1MiB", "--cost", "speed")
     assert unknown.exit_code == 2 and "Invalid value for '--cost'" in unknown.stderr
+
+
+# -- a storage saved both inside a block and after it ---------------------------------------------
+
+
+def test_a_block_result_saved_outside_the_blocks_stays_held_when_checkpointed():
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU())
+                                          for _ in range(3)])
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.head(self.blocks(x))
+
+    torch.manual_seed(0)
+    model, x = Head(), torch.randn(8, 16)
+    # block i holds its Tanh result t_i and ReLU result r_i (8x16 float32: 512 B each; its input
+    # r_{i-1} is block i-1's result, x is the caller's): 6 * 512 B. Checkpointed, block i holds
+    # its input r_{i-1} instead, and r_2 stays held by the head's addmm (which saves its input)
+    # although ReluBackward in block 2 saved it too: 3 * 512 B at least
+    assert gradaudit.audit(model, x).saved_bytes == 6 * 512
+    with pytest.raises(BudgetError) as raised:
+        plan(model, x, 0, measure_peak=False)
+    assert raised.value.smallest == 3 * 512 and len(raised.value.smallest_plan.checkpointed) == 3
+    assert_exact_and_identical(model, x, 0.5)
+
+
+# -- planning on top of trim ----------------------------------------------------------------------
+
+
+class ConvStack(nn.Module):
+    """Frozen conv, batch norm, ReLU and a size-keeping max pool per block, and a frozen head: in
+    eval mode with the input requiring grad, trim drops or bit-packs most of what each block saves."""
+
+    def __init__(self, n: int = 4, channels: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
+                          nn.ReLU(), nn.MaxPool2d(3, stride=1, padding=1)) for _ in range(n))
+        self.head = nn.Linear(channels * 64, 10)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.flatten(1))
+
+
+def conv_stack():
+    torch.manual_seed(0)
+    model = ConvStack().eval()
+    model.requires_grad_(False)
+    for norm in model.modules():
+        if isinstance(norm, nn.BatchNorm2d):
+            norm.running_var.uniform_(0.5, 2.0)
+    return model, torch.randn(2, 4, 8, 8, requires_grad=True)
+
+
+def assert_trimmed_plan_exact_and_identical(model: nn.Module, inputs, fraction: float, trainable=None) -> "Plan":
+    """Plan on top of trim to ``fraction`` of what the trimmed model holds unplanned. With the plan
+    applied (which installs trim, and removes it again), the re-audit's trimmed figure (saved_bytes
+    - reclaimable_with_bitpacking_bytes, which its note states) and the independent storage tracker
+    both hold exactly plan.held_bytes; one step gives gradients and buffers bit-identical to the
+    plain step: no trim, no plan."""
+    from gradaudit.trimming import is_trimmed
+
+    audited = gradaudit.audit(model, inputs, trainable=trainable)
+    trimmed = audited.saved_bytes - audited.reclaimable_with_bitpacking_bytes
+    budget = int(trimmed * fraction)
+    chosen = plan(model, inputs, budget, trainable=trainable, trim=True, measure_peak=False)
+    assert chosen.trimmed and chosen.bitpack and chosen.to_dict()["trim"] == {"bitpack": True}
+    assert chosen.unplanned_held_bytes == trimmed < audited.saved_bytes
+    assert chosen.held_bytes <= budget < trimmed and chosen.checkpointed
+    with chosen.apply(model):
+        assert is_trimmed(model)
+        planned = gradaudit.audit(model, inputs, trainable=trainable)
+    assert not is_trimmed(model)
+    held = planned.saved_bytes - planned.reclaimable_with_bitpacking_bytes
+    assert held == chosen.held_bytes and any(f"= {held} bytes" in note for note in planned.notes)
+    if trainable is None:
+        state = copy.deepcopy(model.state_dict())
+        expected_grads, expected_buffers = step(model, inputs)
+        model.load_state_dict(state)
+        with chosen.apply(model):
+            independent = held_bytes_after_forward(model, inputs)
+            model.load_state_dict(state)
+            grads, buffers = step(model, inputs)
+        model.load_state_dict(state)
+        assert independent == chosen.held_bytes
+        assert expected_grads and grads.keys() == expected_grads.keys()
+        assert all(torch.equal(grads[k], expected_grads[k]) for k in grads)
+        assert all(torch.equal(buffers[k], expected_buffers[k]) for k in buffers)
+    return chosen
+
+
+def test_plan_on_top_of_trim_counts_what_trim_leaves():
+    model, x = conv_stack()
+    # per block (2x4x8x8 float32 activations, 2048 B; int64 pool indices, 4096 B): the conv saves its
+    # input a_{i-1} (block 0's is the caller's x), eval batch norm its input c_i, ReLU its result r_i
+    # (also the pool's input), the pool its indices: 2048 * 3 + 4096 = 10240 B, block 0 8192 B
+    untrimmed = plan(model, x, 10**9, trim=False, measure_peak=False)
+    assert untrimmed.unplanned_held_bytes == 8192 + 3 * 10240
+    # trim drops a_{i-1} and c_i (frozen conv weight, eval batch norm with frozen affine), keeps one
+    # bit per element of r_i (the pool's save of it is dropped: 512 elements / 8 = 64 B) and the
+    # indices: 64 + 4096 = 4160 B per block
+    # (whole blocks only: op by op, a block would keep its convolution's and batch norm's outputs whole)
+    chosen = plan(model, x, 3 * 4160, trim=True, measure_peak=False, selective=False)
+    assert chosen.unplanned_held_bytes == 4 * 4160
+    # checkpointed, block i holds its input a_{i-1} whole (2048 B) instead: 4160 - 2048 = 2112 B less,
+    # and block 0 (passed the caller's x) 4160 B less, for the same recompute: block 0 it is
+    assert chosen.checkpointed == ("blocks.0",) and chosen.held_bytes == 3 * 4160
+    flops = chosen.blocks[0]["flops"]
+    assert flops > 0 and all(b["flops"] == flops for b in chosen.blocks)
+    assert chosen.frontier == ((16640, 0), (16640 - 4160, flops), (16640 - 4160 - 2112, 2 * flops),
+                               (16640 - 4160 - 2 * 2112, 3 * flops), (16640 - 4160 - 3 * 2112, 4 * flops))
+    assert [b["internal_bytes"] for b in chosen.blocks] == [4160] * 4
+    assert [b["input_bytes"] for b in chosen.blocks] == [0, 2048, 2048, 2048]
+    assert {b.name: b.held_bytes for b in chosen.baselines} == {"none": 16640, "every block": 3 * 2048,
+                                                                "every 2 blocks": 16640 - 4160 - 2112}
+    # without trim the same budget takes every block (the untrimmed frontier falls by 8192 B a block)
+    assert len(plan(model, x, 10**9, trim=False, measure_peak=False, selective=False).for_budget(
+        3 * 4160).checkpointed) == 4
+    assert_trimmed_plan_exact_and_identical(model, x, 0.75)
+
+
+def test_plan_on_top_of_trim_without_bitpacking():
+    model, x = conv_stack()
+    # bitpack=False: r_i is kept whole (2048 B instead of 64): 2048 + 4096 = 6144 B per block
+    chosen = plan(model, x, 10**9, trim=True, bitpack=False, measure_peak=False)
+    assert chosen.unplanned_held_bytes == 4 * 6144 and chosen.to_dict()["trim"] == {"bitpack": False}
+    least = chosen.for_budget(chosen.frontier[-1][0])
+    assert least.held_bytes == 3 * 2048  # every block: the inputs a_0..a_2
+    with least.apply(model) as handle:
+        assert handle.trim_handle is not None and handle.trim_handle.bitpack is False
+        assert held_bytes_after_forward(model, x) == least.held_bytes
+        report = gradaudit.audit(model, x)
+    assert report.saved_bytes - report.reclaimable_bytes == least.held_bytes
+
+
+@pytest.mark.parametrize("scenario", ["norm-only", "input-only"])
+def test_plan_on_top_of_trim_on_resnet(vision_model, scenario):
+    from gradaudit.scenarios import apply_scenario
+
+    model, x = vision_model("resnet18"), torch.randn(2, 3, 64, 64)
+    apply_scenario(model, scenario, x)
+    assert_trimmed_plan_exact_and_identical(model, x, 0.8)
+
+
+def test_plan_on_top_of_trim_on_resnet_with_a_trainable_tail(vision_model):
+    model = vision_model("resnet18").train()
+    x = torch.randn(2, 3, 64, 64)
+    trainable = ["layer4.*", "fc.*"]
+    assert_trimmed_plan_exact_and_identical(model, x, 0.5, trainable=trainable)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_plan_on_top_of_trim_on_hugging_face_models(tiny_hf_model, family):
+    # train mode: trim bit-packs the dropout masks (and BERT's ReLU results) outside the checkpointed
+    # layers; inside them the recomputation draws the same masks again
+    overrides = {"hidden_act": "relu"} if family == "bert" else {"use_cache": False}
+    model = tiny_hf_model(family, num_hidden_layers=4, **overrides).train()
+    inputs = {"input_ids": torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))}
+    assert_trimmed_plan_exact_and_identical(model, inputs, 0.5)
+
+
+def test_plan_on_top_of_trim_with_nothing_to_trim_equals_the_plain_plan(tiny_hf_model):
+    model = tiny_hf_model("llama", num_hidden_layers=4, use_cache=False).train()
+    inputs = {"input_ids": torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))}
+    assert gradaudit.audit(model, inputs).reclaimable_with_bitpacking_bytes == 0  # trim keeps every save
+    budget = int(plan(model, inputs, 10**9, measure_peak=False).unplanned_held_bytes * 0.5)
+    plain = plan(model, inputs, budget)
+    trimmed = plan(model, inputs, budget, trim=True)
+    figures = ("held_bytes", "unplanned_held_bytes", "extra_flops", "checkpointed", "frontier", "blocks",
+               "peak_bytes", "unplanned_peak_bytes")
+    assert [getattr(trimmed, f) for f in figures] == [getattr(plain, f) for f in figures]
+    assert [b.to_dict() for b in trimmed.baselines] == [b.to_dict() for b in plain.baselines]
+    assert trimmed.trimmed and not plain.trimmed and plain.to_dict()["trim"] is None
+    state = copy.deepcopy(model.state_dict())
+    expected, _ = step(model, inputs)
+    model.load_state_dict(state)
+    with trimmed.apply(model):
+        assert gradaudit.audit(model, inputs).saved_bytes == trimmed.held_bytes
+        assert held_bytes_after_forward(model, inputs) == trimmed.held_bytes
+        grads, _ = step(model, inputs)
+    assert grads.keys() == expected.keys() and all(torch.equal(grads[k], expected[k]) for k in grads)
+
+
+def test_plan_on_top_of_trim_on_meta_equals_cpu(torchvision):
+    from gradaudit.scenarios import apply_scenario
+
+    def build(device):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = torchvision.models.resnet18(num_classes=10)
+        x = torch.randn(2, 3, 64, 64, device=device)
+        apply_scenario(model, "norm-only", x)
+        return model, x
+
+    (cpu, cpu_x), (meta, meta_x) = build("cpu"), build("meta")
+    on_cpu = plan(cpu, cpu_x, 1_600_000, trim=True, measure_peak=False)
+    on_meta = plan(meta, meta_x, 1_600_000, trim=True)
+    figures = ("held_bytes", "unplanned_held_bytes", "checkpointed", "frontier", "blocks")
+    assert [getattr(on_meta, f) for f in figures] == [getattr(on_cpu, f) for f in figures]
+    assert [b.held_bytes for b in on_meta.baselines] == [b.held_bytes for b in on_cpu.baselines]
+    assert on_meta.peak_bytes is not None  # the planned step ran on meta, trim included
+    with on_meta.apply(meta):
+        report = gradaudit.audit(meta, meta_x)
+        assert held_bytes_after_forward(meta, meta_x) == on_meta.held_bytes
+    assert report.saved_bytes - report.reclaimable_with_bitpacking_bytes == on_meta.held_bytes
+
+
+def test_a_model_that_checkpoints_itself_reports_what_it_holds_with_trim():
+    from torch.utils.checkpoint import checkpoint
+
+    from gradaudit.trimming import trim
+
+    class Checkpointing(ConvStack):
+        def forward(self, x):
+            for i, block in enumerate(self.blocks):
+                x = checkpoint(block, x, use_reentrant=False) if i in (1, 2) else block(x)
+            return self.head(x.flatten(1))
+
+    torch.manual_seed(0)
+    model = Checkpointing().eval()
+    model.requires_grad_(False)
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    chosen = plan(model, x, 10**9, trim=True, measure_peak=False)
+    # trimmed, blocks 0 and 3 hold 4160 B each (test_plan_on_top_of_trim_counts_what_trim_leaves);
+    # the checkpointed blocks 1 and 2 hold their inputs a_0 and a_1 whole, 2048 B each
+    assert chosen.replaces == ("blocks.1", "blocks.2") and chosen.unplanned_held_bytes == 4 * 4160
+    assert chosen.current_held_bytes == 2 * 4160 + 2 * 2048
+    with trim(model):
+        assert held_bytes_after_forward(model, x) == chosen.current_held_bytes
+
+
+def test_a_trimmed_model_is_planned_with_its_trim():
+    from gradaudit.trimming import is_trimmed, trim
+
+    model, x = conv_stack()
+    with trim(model) as own:
+        chosen = plan(model, x, 3 * 4160, measure_peak=False)  # trim=None follows the model
+        assert chosen.trimmed and chosen.held_bytes == 3 * 4160  # as in test_plan_on_top_of_trim_...
+        assert any("gradaudit.trim is installed on this model (bitpack=True)" in note for note in chosen.notes)
+        with chosen.apply(model) as handle:
+            assert handle.trim_handle is None  # the caller's trim serves
+            assert held_bytes_after_forward(model, x) == chosen.held_bytes
+        assert is_trimmed(model) and own.installed  # and stays theirs
+        with pytest.raises(GradauditError, match="plan with trim=True"):
+            plan(model, x, "1MiB", trim=False)
+        with pytest.raises(GradauditError, match="installed on this model with bitpack=True"):
+            plan(model, x, "1MiB", bitpack=False)
+    plain = plan(model, x, 10**9, measure_peak=False)
+    assert not plain.trimmed and plain.unplanned_held_bytes == 8192 + 3 * 10240
+    with trim(model):
+        with pytest.raises(GradauditError, match="figures are without gradaudit.trim"):
+            plain.apply(model)
+    with trim(model, bitpack=False):
+        with pytest.raises(GradauditError, match="remove that handle first"):
+            chosen.apply(model)
+    with pytest.raises(GradauditError, match="option of trim: pass trim=True"):
+        plan(model, x, "1MiB", bitpack=False)
+    with pytest.raises(GradauditError, match="trim must be True, False or None"):
+        plan(model, x, "1MiB", trim="yes")
+
+
+CONV_STACK_FILE = '''
+import torch
+from torch import nn
+
+
+def build():
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+                            nn.MaxPool2d(3, stride=1, padding=1)) for _ in range(4)]
+    model = nn.Sequential(*blocks, nn.Flatten(), nn.Linear(256, 10)).eval()
+    model.requires_grad_(False)
+    return model, torch.randn(2, 4, 8, 8, requires_grad=True)
+'''
+
+
+def test_cli_plans_on_top_of_trim(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from gradaudit.cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "convs.py").write_text(CONV_STACK_FILE)
+    runner = CliRunner()
+
+    def run(*args):
+        return runner.invoke(cli, ["plan", "convs.py:build", "--blocks", "[0-3]", *args], catch_exceptions=False)
+
+    # the blocks of test_plan_on_top_of_trim_counts_what_trim_leaves: 4 * 4160 B trimmed, 3 * 4160 B
+    # with block 0 checkpointed
+    result = run("--budget", str(3 * 4160), "--trim", "--json", "plan.json")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].endswith("held after the forward with gradaudit.trim")
+    assert lines[1] == "checkpoint 1 of 4 blocks: 0"
+    assert any(line.startswith("held: after the forward with gradaudit.trim installed") for line in lines)
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["trim"] == {"bitpack": True}
+    assert (data["held_bytes"], data["unplanned_held_bytes"]) == (3 * 4160, 4 * 4160)
+    # without bit-packing the ReLU results stay whole: 4 * (2048 + 4096) B unplanned
+    result = run("--budget", str(10**6), "--trim", "--no-bitpack", "--json", "plan.json", "--no-peak")
+    assert result.exit_code == 0
+    assert result.output.splitlines()[0].endswith("held after the forward with gradaudit.trim (no bit-packing)")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["trim"] == {"bitpack": False} and data["unplanned_held_bytes"] == 4 * 6144
+    # untrimmed, the same budget takes all four blocks; and --no-bitpack alone is refused
+    data = json.loads(run("--budget", str(3 * 4160), "--json", "-", "-q").stdout)
+    assert data["trim"] is None and len(data["checkpointed"]) == 4
+    refused = run("--budget", "1MiB", "--no-bitpack")
+    assert refused.exit_code == 2 and "--no-bitpack is an option of --trim" in refused.stderr

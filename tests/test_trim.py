@@ -438,6 +438,33 @@ def test_composes_with_checkpoint_inside_the_model(reentrant):
     assert stats["dropped"] > 0  # the stages outside the checkpoint are still trimmed
 
 
+def test_a_result_a_checkpoint_keeps_is_not_bit_packed_for_nothing():
+    """A non-reentrant checkpoint saves its region's inputs on no autograd node, through trim's
+    hooks (they are outside the region): trim keeps them, so the ReLU result passed in stays whole
+    once, and is not also bit-packed (which would add its bits and free nothing)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class ReluIntoCheckpoint(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            return checkpoint(self.second, torch.relu(self.first(x)), use_reentrant=False)
+
+    torch.manual_seed(0)
+    model, x = ReluIntoCheckpoint(), torch.randn(8, 16, requires_grad=True)
+    model.requires_grad_(False)
+    report = gradaudit.audit(model, x)
+    with trim(model) as handle:
+        held = held_bytes_after_forward(model, x)
+    # the ReLU result, 8x16 float32: ReluBackward0's save is sign-only, the checkpoint's is needed
+    assert report.saved_bytes - report.reclaimable_with_bitpacking_bytes == held == 8 * 16 * 4
+    assert handle.stats["bitpacked"] == 0
+    plain, trimmed, _ = plain_and_trimmed(model, (x,))
+    assert_identical(plain, trimmed)
+
+
 def test_composes_with_checkpoint_around_the_model():
     from torch.utils.checkpoint import checkpoint
 

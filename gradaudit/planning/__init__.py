@@ -16,6 +16,13 @@ block's forward FLOPs (what recomputing it costs) and a whole step's. With ``cos
 the solver minimises is instead each block's forward time, measured on the model's device
 (timing.py), and the FLOP figures are still reported. ``solve`` (solve.py) turns that into the
 memory/compute frontier; the plan is its cheapest point within the budget.
+
+On top of ``gradaudit.trim`` (``trim=True``, or a model trimmed already): the same audit (trim stands
+aside while gradaudit audits) says what trim does to each save, since trim decides from the op
+knowledge the verdicts come from: a save it drops holds nothing, a save it bit-packs holds a packed
+copy of its view, and a storage another save keeps whole costs its whole size (``_chain``). The
+figures are then what the model holds with trim and the plan, as an audit of the planned, trimmed
+model states (``saved_bytes - reclaimable_with_bitpacking_bytes``) and the storage tracker measures.
 """
 
 from __future__ import annotations
@@ -31,12 +38,11 @@ import torch
 from torch import nn
 
 from .. import torchapi
-from ..accounting import counted
+from ..accounting import Accountant, counted, packed_bits_nbytes
 from ..errors import GradauditError
 from ..recorder import CHECKPOINT_INPUTS
-from ..records import HELD_KINDS, Manager
-from . import timing
-from . import segments
+from ..records import HELD_KINDS, NOT_NEEDED, Manager, StorageKind
+from . import segments, timing
 from .apply import FULL_POLICY, SELECTIVE_POLICY, PlanHandle, kept_by_selective
 from .solve import Block, Chain, Point, cheapest_within, solve
 
@@ -138,6 +144,9 @@ class Plan:
     cost: str = "flops"
     extra_seconds: Optional[float] = None
     step_seconds: Optional[float] = None
+    # every figure above is with gradaudit.trim installed (with this bitpack option): apply installs it
+    trimmed: bool = False
+    bitpack: Optional[bool] = None  # trim's option; None without trim
     # the solver's chain, frontier and the blocks' costs, for for_budget (not part of the plan's data)
     _solved: Any = field(default=None, repr=False, compare=False)
 
@@ -180,12 +189,14 @@ class Plan:
         return figures.extra_flops / self.step_flops if self.step_flops else 0.0
 
     def apply(self, model: nn.Module) -> PlanHandle:
-        """Checkpoint the planned modules of ``model`` (non-reentrant ``torch.utils.checkpoint``);
-        returns a handle: ``remove()`` or ``with plan.apply(model): ...`` restores it."""
+        """Checkpoint the planned modules of ``model`` (non-reentrant ``torch.utils.checkpoint``) and,
+        for a plan made with trim, install ``gradaudit.trim`` (with the plan's bitpack) unless it is
+        installed already; returns a handle: ``remove()`` or ``with plan.apply(model): ...`` restores
+        it (removing trim only where apply installed it)."""
         if self.replaces and getattr(model, "is_gradient_checkpointing", False):
             raise GradauditError("this plan replaces the model's own checkpointing, which is still on: turn it off "
                                  "first (model.gradient_checkpointing_disable())")
-        return PlanHandle(model, self.checkpointed, self.policies)
+        return PlanHandle(model, self.checkpointed, self.policies, trim=self.bitpack if self.trimmed else None)
 
     @property
     def policies(self) -> dict[str, str]:
@@ -215,6 +226,7 @@ class Plan:
             "unplanned_peak_bytes": self.unplanned_peak_bytes,
             "replaces": list(self.replaces),
             "current_held_bytes": self.current_held_bytes,
+            "trim": {"bitpack": self.bitpack} if self.trimmed else None,
             "checkpointed": list(self.checkpointed),
             "selective": list(self.selective),
             "optimal": self.optimal,
@@ -229,7 +241,7 @@ class Plan:
     def __repr__(self) -> str:
         selective = f" ({len(self.selective)} selectively)" if self.selective else ""
         return (f"<gradaudit.Plan {self.model}: checkpoint {len(self.checkpointed)}{selective} of {len(self.blocks)} "
-                f"blocks, holds {self.held_bytes} of budget {self.budget} bytes, "
+                f"blocks, holds {self.held_bytes} of budget {self.budget} bytes{' with trim' if self.trimmed else ''}, "
                 f"+{100 * self.extra_compute:.1f}% {'time' if self.cost == 'time' else 'compute'}>")
 
 
@@ -412,24 +424,26 @@ def _flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: s
 
 
 def _audited_with(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: Optional[str],
-                  watch: Sequence[str], checkpointed: dict[str, str]) -> tuple[Any, set[str]]:
+                  watch: Sequence[str], checkpointed: dict[str, str], bitpack: Optional[bool]) -> tuple[Any, set[str]]:
     """An audit with ``checkpointed`` applied (path -> policy), and the selectively checkpointed
     paths whose cache had an entry changed in place (backward would raise)."""
     from ..auditing import audit
 
-    with PlanHandle(model, tuple(checkpointed), policies=checkpointed, keep_caches=True) as handle:
+    with PlanHandle(model, tuple(checkpointed), policies=checkpointed, keep_caches=True, trim=bitpack) as handle:
         report = audit(model, inputs, trainable=trainable, frozen=frozen, watch=watch, target=target)
         mutated = {path for path, caches in handle.caches.items()
                    if any(torchapi.mutated_cached(cache) for cache in caches)}
     return report, mutated
 
 
-def _add_selective(chain: Chain, report: Any, audit_with: Callable[[dict[str, str]], Any]) -> Optional[str]:
+def _add_selective(chain: Chain, report: Any, audit_with: Callable[[dict[str, str]], Any],
+                   held_of: Callable[[Any], int]) -> Optional[str]:
     """Give every block with costly ops the SELECTIVE option: one audit with all of them checkpointed
     selectively says which storages each one's cache holds. Those that are also tensors a block is
     passed or returns are matched to this report's storage ids by position in the call (the same
-    calls, in the same order); the others belong to the cache alone. Returns a note when the option
-    cannot be modelled exactly (then no block has it)."""
+    calls, in the same order); the others belong to the cache alone. ``held_of``: what an audit
+    says the forward holds (with trim, where the plan is). Returns a note when the option cannot be
+    modelled exactly (then no block has it)."""
     capable = [b for b in chain.blocks if b.kept_flops]
     selective_report, mutated = audit_with({b.path: SELECTIVE_POLICY for b in capable})
     mine: dict[str, list] = {}
@@ -468,10 +482,10 @@ def _add_selective(chain: Chain, report: Any, audit_with: Callable[[dict[str, st
     blocks = [dataclasses.replace(b, cached=frozenset(cached[b.path])) if b.path in cached else b
               for b in chain.blocks]
     everything = [i for i, b in enumerate(blocks) if b.cached is not None]
-    trial = Chain(blocks, chain.nbytes, chain.outside)
-    if trial.held(everything, everything) != selective_report.saved_bytes:
+    trial = dataclasses.replace(chain, blocks=blocks)
+    if trial.held(everything, everything) != held_of(selective_report):
         return (f"op-level checkpointing left out: its bytes could not be modelled exactly (the chain says "
-                f"{trial.held(everything, everything)}, an audit {selective_report.saved_bytes})")
+                f"{trial.held(everything, everything)}, an audit {held_of(selective_report)})")
     # a block whose forward changes a kept output in place (an in-place activation after a matrix
     # product or a batch norm) cannot be checkpointed selectively: backward would raise
     blocks = [dataclasses.replace(b, cached=None) if b.path in mutated else b for b in blocks]
@@ -495,7 +509,8 @@ def _step(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: st
 
 
 def _segments_baseline(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: Optional[str],
-                       chain: Chain, costs: "_Costs", parent: str) -> tuple[Baseline, Callable[[], Any]]:
+                       chain: Chain, costs: "_Costs", parent: str,
+                       bitpack: Optional[bool]) -> tuple[Baseline, Callable[[], Any]]:
     """The sqrt(n) segments baseline of the stack at ``parent`` (see segments.py): its held bytes
     from an audit with it in force, its recompute from the blocks of its checkpointed segments that
     build a graph; and what puts it in force (to measure its peak)."""
@@ -505,15 +520,137 @@ def _segments_baseline(model: nn.Module, inputs: Any, trainable: Any, frozen: An
     children = [f"{parent}.{name}" if parent else name for name, _ in container.named_children()]
     count = segments.square_root_segments(len(children))
 
-    def applied() -> Any:
-        return segments.segmented(container, count)
+    @contextlib.contextmanager
+    def applied() -> Iterator[list[tuple[int, int]]]:
+        with segments.segmented(container, count) as ranges, _trimmed(model, bitpack):
+            yield ranges
 
     with applied() as ranges:
-        held = audit(model, inputs, trainable=trainable, frozen=frozen, target=target).saved_bytes
+        held = _held_by_report(audit(model, inputs, trainable=trainable, frozen=frozen, target=target), bitpack)
     recomputed = {children[k] for first, last in ranges[:-1] for k in range(first, last + 1)}
     chosen = [i for i, b in enumerate(chain.blocks) if b.path in recomputed]
     return Baseline(f"{count} segments", tuple(p for p in children if p in recomputed), held,
                     costs.extra_flops(chosen), extra_seconds=costs.extra_seconds(chosen)), applied
+
+
+@contextlib.contextmanager
+def _trimmed(model: nn.Module, bitpack: Optional[bool]) -> Iterator[None]:
+    """gradaudit.trim installed (with ``bitpack``) while in force, unless it is already or ``bitpack``
+    is None (a plan without trim)."""
+    from ..auditing import trimmed_now
+
+    if bitpack is None or trimmed_now(model):
+        yield
+        return
+    from ..trimming import trim as install_trim
+
+    with install_trim(model, bitpack=bitpack):
+        yield
+
+
+def _trim_options(model: nn.Module, trim: Optional[bool], bitpack: Optional[bool]) -> tuple[Any, Optional[bool]]:
+    """(the trim handle installed on ``model`` or None, the plan's bitpack: None for a plan without
+    trim). Every combination that would make the figures wrong for the model is refused."""
+    from ..auditing import trimmed_now
+
+    for name, value in (("trim", trim), ("bitpack", bitpack)):
+        if value is not None and not isinstance(value, bool):
+            raise GradauditError(f"{name} must be True, False or None, not {value!r}")
+    installed = None
+    if trimmed_now(model):
+        from ..trimming.handle import handle_of
+
+        installed = handle_of(model)
+    if trim is None:
+        trim = installed is not None
+    if not trim:
+        if installed is not None:
+            raise GradauditError("gradaudit.trim is installed on this model, so it holds less than a plan without "
+                                 "trim says: plan with trim=True (--trim), or remove the trim handle first")
+        if bitpack is not None:
+            raise GradauditError(f"bitpack={bitpack} is an option of trim: pass trim=True with it (--trim)")
+        return None, None
+    if installed is not None:
+        if bitpack is not None and bitpack != installed.bitpack:
+            raise GradauditError(f"gradaudit.trim is installed on this model with bitpack={installed.bitpack}: plan "
+                                 f"with bitpack={installed.bitpack}, or remove the trim handle first")
+        return installed, installed.bitpack
+    torchapi.require("node creation hook", "gradaudit.plan(trim=True)")  # now, not after the audit
+    return None, True if bitpack is None else bitpack
+
+
+_WHOLE = "whole"  # a save that holds its whole storage (see _saves_as_trimmed)
+
+
+def _saves_as_trimmed(report: Any, bitpack: Optional[bool]) -> dict[int, Any]:
+    """What holds each counted save's bytes, by ``SavedTensor.index``: ``_WHOLE`` (its storage),
+    ``None`` (nothing: trim drops it) or the key of its bit-packed view (trim bit-packs it). Without
+    trim (``bitpack`` None) every save is whole.
+
+    Trim decides from the op knowledge the audit's verdicts come from, so it drops the saves the
+    audit calls not needed and (with bitpack) bit-packs the bit-packable ones; a save that
+    bypassed saved-tensor hooks (a wrapped Python number) it never sees. Only activations count as
+    freed, as in the audit's own figure (``Accountant.freed_by_storage``: parameters, buffers and
+    inputs are alive anyway, and so is a model output the caller holds)."""
+    decided: dict[int, Any] = {}
+    for t in counted(report.tensors):
+        if bitpack is None or t.source_index < 0 or report.storages[t.storage_id].kind != StorageKind.ACTIVATION:
+            decided[t.index] = _WHOLE
+        elif t.verdict == NOT_NEEDED:
+            decided[t.index] = None
+        elif bitpack and t.bitpackable:
+            decided[t.index] = (t.storage_id, t.storage_offset, tuple(t.shape), tuple(t.stride))
+        else:
+            decided[t.index] = _WHOLE
+    return decided
+
+
+def _held_by_report(report: Any, bitpack: Optional[bool]) -> int:
+    """What the audited forward holds (with trim where ``bitpack`` is not None), by the audit's own
+    accounting: saved_bytes less what trim's drops and bit-packing free (``Accountant.freed``)."""
+    if bitpack is None:
+        return report.saved_bytes
+    decided = _saves_as_trimmed(report, bitpack)
+    dropped = {i for i, how in decided.items() if how is None}
+    packed = {i for i, how in decided.items() if how is not None and how != _WHOLE}
+    return report.saved_bytes - Accountant(report.tensors, report.storages).freed(dropped, packed)
+
+
+def _chain(report: Any, ran: Sequence[str], calls: dict[str, list], costs: dict[str, tuple[int, int]],
+           bitpack: Optional[bool]) -> Chain:
+    """The planner's chain of the blocks ``ran`` (forward order) from one audit: per storage of a held
+    kind, which saves hold it, inside which block, whole or (under trim) as a bit-packed copy.
+    ``costs``: per block, what recomputing it costs and what an op-level checkpoint does not redo."""
+    nbytes = {s.id: s.nbytes for s in report.storages if s.kind in HELD_KINDS}
+    for call in report.module_calls:
+        for sid, size, kind in call.inputs:
+            if kind in HELD_KINDS:
+                nbytes[sid] = size
+    decided = _saves_as_trimmed(report, bitpack)
+    copies: dict[tuple, int] = {}  # bit-packed view -> copy id
+    bits: dict[int, tuple[int, int]] = {}
+    # per block (None: outside every block), the storages held whole and the copies held
+    whole: dict[Optional[str], set[int]] = {path: set() for path in [None, *ran]}
+    packed: dict[Optional[str], set[int]] = {path: set() for path in [None, *ran]}
+    tensors = {t.index: t for t in report.tensors}
+    for index, how in decided.items():
+        t = tensors[index]
+        if t.storage_id not in nbytes or how is None:
+            continue
+        # a save that bypassed saved-tensor hooks (a wrapped Python number: autograd keeps those
+        # plainly) stays held inside a checkpoint too: it is not the block's to drop
+        block = next((p for p in ran if _inside(t.module, p)), None) if t.source_index >= 0 else None
+        if how == _WHOLE:
+            whole[block].add(t.storage_id)
+        else:
+            copy = copies.setdefault(how, len(copies))
+            bits[copy] = (t.storage_id, packed_bits_nbytes(t))
+            packed[block].add(copy)
+    blocks = [Block(path, calls[path][0].module_class, len(calls[path]), costs[path][0], frozenset(whole[path]),
+                    frozenset(sid for call in calls[path] for sid, _, kind in call.inputs if kind in HELD_KINDS),
+                    kept_flops=costs[path][1], packed=frozenset(packed[path]))
+              for path in ran]
+    return Chain(blocks, nbytes, frozenset(whole[None]), bits=bits, outside_packed=frozenset(packed[None]))
 
 
 def plan(
@@ -528,6 +665,8 @@ def plan(
     selective: bool = True,
     measure_peak: bool = True,
     cost: str = "flops",
+    trim: Optional[bool] = None,
+    bitpack: Optional[bool] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> Plan:
     """Choose which modules of ``model`` to checkpoint so that autograd holds at most ``budget``
@@ -546,6 +685,12 @@ def plan(
         torch.utils.flop_counter counts them; any device) or "time" (its forward time measured on the
         model's device, all its calls: the median of timing.REPEATS runs after a warm-up, like one
         whole step's; a real device only). ``Plan.frontier`` and ``extra_compute`` are in its units.
+    trim: plan the bytes that remain with ``gradaudit.trim`` installed: every figure (held, unplanned,
+        frontier, baselines, blocks, peaks) is what the model holds with trim and the plan, and
+        ``Plan.apply`` installs trim too where it is not installed. None (the default) follows the
+        model: with trim installed on it, as True (with its bitpack); without, as False. trim=False
+        on a trimmed model raises GradauditError (its figures would be wrong for it).
+    bitpack: trim's option (default True, or the installed handle's); only with trim.
 
     Raises BudgetError when no plan of the blocks fits (its ``smallest`` says how low they go).
     The model is left as found; ``Plan.apply(model)`` checkpoints the chosen modules.
@@ -558,6 +703,7 @@ def plan(
         raise GradauditError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
     timing.check_cost(cost, runs_on_meta(next(iter(model.parameters()), None), list(iter_tensors(inputs))))
     budget_bytes = _budget_bytes(budget, parse_size)
+    installed, bitpack = _trim_options(model, trim, bitpack)
     paths = _candidates(model, blocks)
     if progress:
         progress(f"auditing the forward ({len(paths)} candidate blocks)")
@@ -566,7 +712,7 @@ def plan(
     current_held = None
     if now:
         # plan from what the model holds without its own checkpointing (which the plan replaces)
-        current_held = report.saved_bytes
+        current_held = _held_by_report(report, bitpack)
         if progress:
             progress("auditing the forward without the model's own checkpointing")
         with torchapi.checkpointing_off():
@@ -597,14 +743,9 @@ def plan(
             nanoseconds, step_nanoseconds = timing.measure(model, inputs, paths)
         step_seconds = step_nanoseconds / 1e9
 
-    nbytes = {s.id: s.nbytes for s in report.storages if s.kind in HELD_KINDS}
-    held = counted(report.tensors)
     calls: dict[str, list] = {}
     for call in report.module_calls:
         calls.setdefault(call.path, []).append(call)
-        for sid, size, kind in call.inputs:
-            if kind in HELD_KINDS:
-                nbytes[sid] = size
     order = {call.path: i for i, call in reversed(list(enumerate(report.module_calls)))}
     ran = sorted((p for p in paths if p in calls), key=order.__getitem__)
     # a block in which no autograd node was made (frozen, its inputs needing no gradient) builds no
@@ -613,29 +754,18 @@ def plan(
     made = [n.module for n in report.nodes if n.name != "AccumulateGrad"]
     graphless = [p for p in ran if not any(_inside(module, p) for module in made)]
     ran = [p for p in ran if p not in graphless]
-    chain_blocks = []
-    outside = {t.storage_id for t in held if t.storage_id in nbytes}
-    for path in ran:
-        # a save that bypassed saved-tensor hooks (a wrapped Python number: autograd keeps those
-        # plainly) stays held inside a checkpoint too: it is not the block's to drop
-        internal = frozenset(t.storage_id for t in held if t.storage_id in nbytes and t.source_index >= 0
-                             and _inside(t.module, path))
-        passed = frozenset(sid for call in calls[path] for sid, _, kind in call.inputs if kind in HELD_KINDS)
-        outside -= internal
-        total, kept = flops.get(path, (0, 0))
-        # the solver minimises the integer it is given as a block's cost: FLOPs, or nanoseconds
-        # (op-level checkpointing is costed in FLOPs only: with time, whole blocks)
-        chain_blocks.append(Block(path, calls[path][0].module_class, len(calls[path]),
-                                  nanoseconds.get(path, 0) if cost == "time" else total, internal, passed,
-                                  kept_flops=0 if cost == "time" else kept))
-    chain = Chain(chain_blocks, nbytes, frozenset(outside))
+    chain = _chain(report, ran, calls, {path: (nanoseconds.get(path, 0), 0) if cost == "time" else flops.get(path, (0, 0))
+                                        for path in ran}, bitpack)
+    chain_blocks = chain.blocks
+    # the solver minimises the integer it is given as a block's cost: FLOPs, or nanoseconds
+    # (op-level checkpointing is costed in FLOPs only: with time, whole blocks)
     costs = _Costs(tuple(flops.get(b.path, (0, 0))[0] for b in chain_blocks),
                    tuple(flops.get(b.path, (0, 0))[1] for b in chain_blocks),
                    tuple(nanoseconds.get(b.path, 0) for b in chain_blocks) if cost == "time" else None)
     notes = []
-    if chain.held(()) != report.saved_bytes:  # both count the held saves' storages of held kinds
-        raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit "
-                             f"{report.saved_bytes}")
+    unplanned = _held_by_report(report, bitpack)
+    if chain.held(()) != unplanned:  # both count the held saves' storages of held kinds, as trim leaves them
+        raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit {unplanned}")
     if selective and cost == "time" and any(costs.kept):
         notes.append("op-level checkpointing left out: its recompute is costed in FLOPs, and this plan minimises "
                      "measured time (cost='flops' considers it)")
@@ -647,7 +777,8 @@ def plan(
             progress("auditing the forward with every block checkpointed selectively")
         with own_checkpointing_off():
             note = _add_selective(chain, report, lambda policies: _audited_with(
-                model, inputs, trainable, frozen, target, paths, policies))
+                model, inputs, trainable, frozen, target, paths, policies, bitpack),
+                lambda other: _held_by_report(other, bitpack))
         if note:
             notes.append(note)
     chain_blocks = chain.blocks
@@ -668,16 +799,12 @@ def plan(
     frontier = tuple((p.held_bytes, costs.extra(p.chosen, p.selective)) for p in points)
     info = tuple({"path": b.path, "module_class": b.module_class, "calls": b.calls, "flops": costs.flops[i],
                   "kept_flops": costs.kept[i], "seconds": costs.extra_seconds([i]),
-                  "internal_bytes": sum(nbytes[s] for s in b.internal),
-                  "input_bytes": sum(nbytes[s] for s in b.inputs),
-                  "cached_bytes": None if b.cached is None else sum(nbytes[s] for s in b.cached - b.inputs)}
+                  "internal_bytes": chain.bytes_of(b.internal, b.packed), "input_bytes": chain.bytes_of(b.inputs),
+                  "cached_bytes": None if b.cached is None else chain.bytes_of(b.cached - b.inputs)}
                  for i, b in enumerate(chain_blocks))
-
-    from ..auditing import trimmed_now
-
-    if trimmed_now(model):
-        notes.append("gradaudit.trim is installed on this model: the plan's figures are without it (planning on top "
-                     "of trim is not supported yet); trim with the plan applied holds less than held_bytes")
+    if installed is not None and trim is None:
+        notes.append(f"gradaudit.trim is installed on this model (bitpack={bitpack}), so the plan's figures are "
+                     f"with it, as trim=True plans them; to plan without trim, remove its handle first")
     if now:
         notes.insert(0, f"the model checkpoints {_few(now)} itself and so holds {current_held} bytes; the plan "
                         f"replaces that (its figures are without it): turn the model's own checkpointing off before "
@@ -691,7 +818,8 @@ def plan(
     if parent is not None:
         if progress:
             progress("auditing the forward in sqrt(n) segments")
-        baseline, applied = _segments_baseline(model, inputs, trainable, frozen, target, chain, costs, parent)
+        baseline, applied = _segments_baseline(model, inputs, trainable, frozen, target, chain, costs, parent,
+                                               bitpack)
         applying[baseline.name] = applied
         fixed = (baseline,)
     elif len(paths) >= 4:
@@ -700,20 +828,21 @@ def plan(
 
     def make(point: Point) -> Plan:
         return Plan(model=type(model).__name__, device=report.device, target=report.target, budget=budget_bytes,
-                    held_bytes=point.held_bytes, unplanned_held_bytes=report.saved_bytes,
+                    held_bytes=point.held_bytes, unplanned_held_bytes=chain.held(()),
                     extra_flops=costs.extra_flops(point.chosen, point.selective), step_flops=step_flops,
                     checkpointed=tuple(chain_blocks[i].path for i in sorted(point.chosen)), blocks=info,
                     selective=tuple(chain_blocks[i].path for i in sorted(point.selective)),
                     frontier=frontier, baselines=_baselines(chain, costs, budget_bytes) + fixed, optimal=optimal,
                     notes=list(notes), replaces=tuple(now), current_held_bytes=current_held, cost=cost,
                     extra_seconds=costs.extra_seconds(point.chosen), step_seconds=step_seconds,
-                    _solved=(chain, points, costs, fixed))
+                    trimmed=bitpack is not None, bitpack=bitpack, _solved=(chain, points, costs, fixed))
 
     chosen = cheapest_within(points, budget_bytes)
     result = make(chosen if chosen is not None else points[-1])
     if measure_peak:
         def planned(paths_run: tuple[str, ...], selective_run: tuple[str, ...] = ()) -> Callable[[], Any]:
-            return lambda: PlanHandle(model, paths_run, {path: SELECTIVE_POLICY for path in selective_run})
+            return lambda: PlanHandle(model, paths_run, {path: SELECTIVE_POLICY for path in selective_run},
+                                      trim=bitpack)
 
         # (what is applied, how) per step to run: keyed so that equal plans run once
         steps = [((result.checkpointed, result.selective), planned(result.checkpointed, result.selective))]

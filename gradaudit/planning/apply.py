@@ -14,11 +14,19 @@ What the wrapper guarantees:
 A module checkpointed selectively (policy ``"selective"``) keeps the outputs of its costly ops (those
 torch.utils.flop_counter has a FLOP formula for: matrix products, convolutions, attention) through
 ``create_selective_checkpoint_contexts`` and recomputes only the rest.
+
+With a plan made on top of ``gradaudit.trim`` the handle also installs trim (unless it is installed
+already) and removes only the trim it installed. The two compose: inside a checkpointed module
+checkpoint's saved-tensor hooks are innermost, so trim leaves those saves alone (backward recomputes
+them, untrimmed: trim is not active after the forward), and trim boxes the region's inputs, which
+checkpoint saves with the hooks in force outside it, keeping them (trim.session: a save of them
+elsewhere is not bit-packed for nothing).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from typing import Any, Callable, Iterator, Mapping, Optional
 
@@ -34,6 +42,9 @@ from ..tensors import flatten
 _PLANNED: "weakref.WeakKeyDictionary[nn.Module, PlanHandle]" = weakref.WeakKeyDictionary()
 
 FULL_POLICY, SELECTIVE_POLICY = "full", "selective"
+# whether checkpoint lets the caller choose if a selective checkpoint's cache goes through outer
+# saved-tensor hooks (newer torch; before, it never does)
+_HOOKS_CHOICE = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
 POLICIES = (FULL_POLICY, SELECTIVE_POLICY)
 
 
@@ -108,6 +119,10 @@ def _checkpointed(module: nn.Module, forward: Callable[..., Any], policy: str,
     norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     context_fn = _context_fn(policy, caches)
     options = {"context_fn": context_fn} if context_fn is not None else {}
+    if options and _HOOKS_CHOICE:
+        # what the cache keeps bypasses outer saved-tensor hooks (trim's, gradaudit's): the planner's
+        # figures count it so, whatever a later torch makes the default
+        options["respect_saved_tensors_hooks"] = False
     if options:
         # a selective checkpoint does not rerun batch norm's kernel (kept_by_selective), so the
         # running mean and variance are updated once; the batch count, incremented in Python, is
@@ -147,7 +162,9 @@ class PlanHandle:
     """Returned by ``Plan.apply``: ``remove()`` (or leaving the ``with`` block) restores the model."""
 
     def __init__(self, model: nn.Module, paths: tuple[str, ...], policies: Optional[Mapping[str, str]] = None,
-                 keep_caches: bool = False) -> None:
+                 keep_caches: bool = False, trim: Optional[bool] = None) -> None:
+        """``policies``: path -> "full" (the default) or "selective"; ``trim``: None for a plan
+        without trim, else the bitpack option of the trim it needs."""
         policies = dict(policies or {})
         unknown = sorted(set(policies.values()) - set(POLICIES))
         if unknown:
@@ -160,6 +177,13 @@ class PlanHandle:
         if model in _PLANNED and _PLANNED[model].installed:
             raise GradauditError("a plan is already applied to this model: remove() it (or leave its "
                                  "`with` block) before applying another")
+        installed = _trim_handle(model)
+        if trim is None and installed is not None:
+            raise GradauditError("this plan's figures are without gradaudit.trim, which is installed on this model: "
+                                 "remove the trim handle, or make the plan with trim=True (--trim)")
+        if trim is not None and installed is not None and installed.bitpack != trim:
+            raise GradauditError(f"this plan's figures are with gradaudit.trim(bitpack={trim}), and trim is installed "
+                                 f"on this model with bitpack={installed.bitpack}: remove that handle first")
         self._model_ref = weakref.ref(model)
         self.paths = paths
         self.policies = {path: policies.get(path, FULL_POLICY) for path in paths}
@@ -167,6 +191,12 @@ class PlanHandle:
         # planner, which checks that none of their entries was changed in place)
         self.caches: dict[str, list[Any]] = {p: [] for p, policy in self.policies.items()
                                              if keep_caches and policy == SELECTIVE_POLICY}
+        # the trim this handle installed (removed with it); a trim the caller installed stays theirs
+        self.trim_handle: Any = None
+        if trim is not None and installed is None:
+            from ..trimming import trim as install_trim
+
+            self.trim_handle = install_trim(model, bitpack=trim)
         # (module, the instance attribute 'forward' it had, if any)
         self._wrapped: list[tuple[nn.Module, Any]] = []
         for path in paths:
@@ -178,7 +208,7 @@ class PlanHandle:
 
     @property
     def installed(self) -> bool:
-        return bool(self._wrapped)
+        return bool(self._wrapped) or self.trim_handle is not None
 
     def remove(self) -> None:
         for module, own in self._wrapped:
@@ -187,6 +217,9 @@ class PlanHandle:
             else:
                 module.forward = own
         self._wrapped.clear()
+        if self.trim_handle is not None:
+            self.trim_handle.remove()
+            self.trim_handle = None
         model = self._model_ref()
         if model is not None and _PLANNED.get(model) is self:
             del _PLANNED[model]
@@ -198,5 +231,17 @@ class PlanHandle:
         self.remove()
 
     def __repr__(self) -> str:
-        return (f"<gradaudit.PlanHandle {len(self.paths)} checkpointed module(s) "
+        trimmed = " and trim" if self.trim_handle is not None else ""
+        return (f"<gradaudit.PlanHandle {len(self.paths)} checkpointed module(s){trimmed} "
                 f"{'installed' if self.installed else 'removed'}>")
+
+
+def _trim_handle(model: nn.Module) -> Any:
+    """The trim handle installed on ``model``, or None (without importing trim where nobody did)."""
+    from ..auditing import trimmed_now
+
+    if not trimmed_now(model):
+        return None
+    from ..trimming.handle import handle_of
+
+    return handle_of(model)

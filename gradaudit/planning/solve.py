@@ -11,12 +11,20 @@ are counted once per storage, so what a plan holds is the size of a union::
     held = bytes(outside | U_{b kept} internal(b) | U_{b checkpointed} inputs(b)
                  | U_{b selective} inputs(b) | cached(b))
 
+Under ``gradaudit.trim`` a save trim drops holds nothing (it is in no set), and a save trim
+bit-packs holds a packed copy of its view (``Block.packed``, ``Chain.outside_packed``: ids into
+``Chain.bits``) instead of its storage, while its block is kept. A copy costs its bytes only while
+no save the plan keeps holds its storage whole (trim gives a bit-packed save its tensor back when
+another save keeps the storage), and a storage's copies cost at most the storage
+(``Accountant.freed_by_storage``'s rule: trim frees a storage only when the copies are smaller).
+Without trim both are empty.
+
 ``Chain.held`` computes it exactly for any choice. ``solve`` finds, for every budget at once, the
 plans with the least recompute: a dynamic program over the chain whose state is the previous
 block's option and whether any block so far is checkpointed. It charges every storage exactly when
 the blocks that can hold it are one block, two neighbours, or (held exactly when checkpointed) all
-of them; any other storage is charged as always held (``Chain.assumed``), which can only overstate
-a plan's bytes, never understate them.
+of them; any other storage is charged as always held whole (``Chain.assumed``), which can only
+overstate a plan's bytes, never understate them.
 """
 
 from __future__ import annotations
@@ -36,18 +44,19 @@ class Block:
     module_class: str
     calls: int  # how many times the forward ran it (each call is one checkpoint region)
     flops: int  # forward FLOPs of all its calls: what checkpointing it recomputes per step
-    internal: frozenset[int]  # storages its ops' saves hold (held kinds only)
+    internal: frozenset[int]  # storages its ops' saves hold whole (held kinds only)
     inputs: frozenset[int]  # storages of the tensors passed to it (held kinds only)
     # checkpointed selectively: the storages of the op outputs the policy keeps (None: no such option)
     cached: Optional[frozenset[int]] = None
     kept_flops: int = 0  # forward FLOPs of those ops: what selective recompute does not redo
+    packed: frozenset[int] = frozenset()  # under trim: the bit-packed copies its ops' saves hold (Chain.bits)
 
-    def options(self) -> list[tuple[int, frozenset[int]]]:
-        """(recompute FLOPs, storages held) per option: KEEP, CHECKPOINT and, where there is one,
-        SELECTIVE."""
-        found = [(0, self.internal), (self.flops, self.inputs)]
+    def options(self) -> list[tuple[int, frozenset[int], frozenset[int]]]:
+        """(recompute FLOPs, storages held whole, bit-packed copies held) per option: KEEP,
+        CHECKPOINT and, where there is one, SELECTIVE (inside a checkpoint trim sees no save)."""
+        found = [(0, self.internal, self.packed), (self.flops, self.inputs, frozenset())]
         if self.cached is not None:
-            found.append((self.flops - self.kept_flops, self.inputs | self.cached))
+            found.append((self.flops - self.kept_flops, self.inputs | self.cached, frozenset()))
         return found
 
 
@@ -68,8 +77,11 @@ class Point:
 class Chain:
     blocks: list[Block]
     nbytes: dict[int, int]  # storage id -> bytes, for every storage of a held kind
-    outside: frozenset[int]  # storages held by saves outside every block
+    outside: frozenset[int]  # storages held whole by saves outside every block
     assumed: dict[int, int] = field(default_factory=dict)  # storages the solver charges as always held
+    # under trim: bit-packed copy id -> (its storage, its bytes); one per distinct bit-packed view
+    bits: dict[int, tuple[int, int]] = field(default_factory=dict)
+    outside_packed: frozenset[int] = frozenset()  # copies held by saves outside every block
 
     def _option(self, i: int, chosen: set[int], selective: set[int]) -> int:
         if i in selective:
@@ -82,10 +94,23 @@ class Chain:
         """Exact bytes held after the forward with the blocks ``chosen`` checkpointed (those also
         in ``selective`` selectively)."""
         chosen, selective = set(chosen), set(selective)
-        kept = set(self.outside)
+        kept, copies = set(self.outside), set(self.outside_packed)
         for i, block in enumerate(self.blocks):
-            kept |= block.options()[self._option(i, chosen, selective)][1]
-        return sum(self.nbytes[s] for s in kept)
+            _, whole, packed = block.options()[self._option(i, chosen, selective)]
+            kept |= whole
+            copies |= packed
+        return self.bytes_of(kept, copies)
+
+    def bytes_of(self, whole: Iterable[int], copies: Iterable[int] = ()) -> int:
+        """Bytes of the storages ``whole`` plus the bit-packed ``copies`` of the other storages
+        (a storage's copies together cost at most the storage)."""
+        whole = set(whole)
+        packed: dict[int, int] = {}
+        for copy in copies:
+            storage, size = self.bits[copy]
+            if storage not in whole:
+                packed[storage] = packed.get(storage, 0) + size
+        return sum(self.nbytes[s] for s in whole) + sum(min(size, self.nbytes[s]) for s, size in packed.items())
 
     def extra_flops(self, chosen: Iterable[int], selective: Iterable[int] = ()) -> int:
         chosen, selective = set(chosen), set(selective)
@@ -118,31 +143,53 @@ def solve(chain: Chain) -> tuple[list[Point], bool]:
     any_chosen = 0  # bytes held exactly when at least one block is checkpointed
     constant = sum(chain.nbytes[s] for s in chain.outside)
     chain.assumed = {}
-    touching: dict[int, set[int]] = {}
+    # per storage: the blocks holding it whole under some option, and under which; the blocks
+    # holding copies of it under some option (copy ids per block and option); copies held outside
+    whole: dict[int, dict[int, set[int]]] = {}
+    copies: dict[int, dict[int, dict[int, set[int]]]] = {}
+    outside_copies: dict[int, set[int]] = {}
     for i, opts in enumerate(options):
-        for _, holds in opts:
+        for x, (_, holds, packed) in enumerate(opts):
             for s in holds:
-                touching.setdefault(s, set()).add(i)
-    for s, blocks in touching.items():
+                whole.setdefault(s, {}).setdefault(i, set()).add(x)
+            for c in packed:
+                copies.setdefault(chain.bits[c][0], {}).setdefault(i, {}).setdefault(x, set()).add(c)
+    for c in chain.outside_packed:
+        outside_copies.setdefault(chain.bits[c][0], set()).add(c)
+
+    def cost(s: int, choice: dict[int, int]) -> int:
+        """Bytes storage ``s`` costs when each block it touches takes the option ``choice[i]``."""
+        if any(choice[i] in xs for i, xs in whole.get(s, {}).items()):
+            return chain.nbytes[s]
+        held = set(outside_copies.get(s, ()))
+        for i, per_option in copies.get(s, {}).items():
+            held |= per_option.get(choice[i], set())
+        return chain.bytes_of((), held)
+
+    for s in set(whole) | set(copies) | set(outside_copies):
         if s in chain.outside:
             continue
         nbytes = chain.nbytes[s]
-        touched = sorted(blocks)
-        # per touching block, the options under which it holds s
-        holding = {i: [s in holds for _, holds in options[i]] for i in touched}
-        if any(all(h) for h in holding.values()):  # one block holds it whatever it does
+        touched = sorted(set(whole.get(s, {})) | set(copies.get(s, {})))
+        holding = whole.get(s, {})
+        if any(len(holding.get(i, ())) == len(options[i]) for i in touched):  # held whole whatever it does
             constant += nbytes
+        elif not touched:  # copies outside every block only
+            constant += cost(s, {})
         elif len(touched) == 1:
             i = touched[0]
-            for x, held in enumerate(holding[i]):
-                local[i][x] += nbytes if held else 0
+            for x in range(len(options[i])):
+                local[i][x] += cost(s, {i: x})
         elif len(touched) == 2 and touched[1] == touched[0] + 1:
             i = touched[0]
-            for x, held_here in enumerate(holding[i]):
-                for y, held_next in enumerate(holding[i + 1]):
-                    pair[i][x][y] += nbytes if held_here or held_next else 0
-        elif len(touched) == n and all(h[KEEP] is False and all(h[1:]) for h in holding.values()):
-            any_chosen += nbytes
+            for x in range(len(options[i])):
+                for y in range(len(options[i + 1])):
+                    pair[i][x][y] += cost(s, {i: x, i + 1: y})
+        elif len(touched) == n and all(holding.get(i, set()) == set(range(1, len(options[i]))) for i in touched):
+            # passed to every block and held inside none: whole exactly when one is checkpointed
+            none = cost(s, dict.fromkeys(touched, KEEP))
+            constant += none
+            any_chosen += nbytes - none
         else:
             constant += nbytes
             chain.assumed[s] = nbytes
@@ -153,14 +200,14 @@ def solve(chain: Chain) -> tuple[list[Point], bool]:
     for i, opts in enumerate(options):
         grown: dict[tuple[int, bool], list[tuple[int, int, int, int]]] = {}
         for (last, seen), frontier in states.items():
-            for x, (cost, _) in enumerate(opts):
+            for x, (recompute, _, _) in enumerate(opts):
                 extra_bytes = local[i][x] + (pair[i - 1][last][x] if i > 0 else 0)
                 if x != KEEP and not seen:
                     extra_bytes += any_chosen
                 bit = (1 << i) if x != KEEP else 0
                 sbit = (1 << i) if x == SELECTIVE else 0
                 grown.setdefault((x, seen or x != KEEP), []).extend(
-                    (flops + cost, nbytes + extra_bytes, mask | bit, smask | sbit)
+                    (flops + recompute, nbytes + extra_bytes, mask | bit, smask | sbit)
                     for flops, nbytes, mask, smask in frontier)
         states = {}
         for key, points in grown.items():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
 
@@ -23,6 +23,12 @@ def is_trimmed(model: nn.Module) -> bool:
     return handle is not None and handle.installed
 
 
+def handle_of(model: nn.Module) -> Optional["TrimHandle"]:
+    """The handle of the ``trim`` installed on ``model`` now, or None."""
+    handle = _TRIMMED.get(model)
+    return handle if handle is not None and handle.installed else None
+
+
 class TrimHandle:
     """Returned by ``trim``: ``remove()`` (or leaving the ``with`` block) restores the model."""
 
@@ -39,6 +45,11 @@ class TrimHandle:
     @property
     def installed(self) -> bool:
         return bool(self._handles)
+
+    @property
+    def bitpack(self) -> bool:
+        """The ``bitpack`` option it was installed with."""
+        return self._session.bitpack
 
     @property
     def stats(self) -> dict[str, int]:

@@ -109,7 +109,13 @@ class Session:
         # save of the node's own output would otherwise close the cycle tensor -> grad_fn -> saved
         # slot -> box -> tensor through C++, and a graph dropped without backward would never be
         # freed (see Recorder._pack)
-        return Box(owner, tensor.detach(), tensor, None)
+        box = Box(owner, tensor.detach(), tensor, None)
+        if owner is self and torchapi.saving_checkpoint_inputs(torchapi.caller_frame(1)):
+            # a non-reentrant checkpoint saving its region's inputs (a plan's, or the model's own):
+            # held until backward recomputes the region, on no node, so no decision ever sees it.
+            # It keeps the tensor: bit-packing another save of that storage would free nothing
+            self.keep(box)
+        return box
 
     def on_node(self, node: Any) -> None:
         self.pending.append((node, self.stack[-1]))
