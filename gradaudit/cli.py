@@ -489,7 +489,7 @@ def _milliseconds(seconds: float) -> str:
 
 def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[str, ...], peak: bool = True,
              html_path: Optional[str] = None, selective: bool = True, cost: str = "flops", trim: bool = False,
-             bitpack: bool = True) -> int:
+             bitpack: bool = True, bound: str = "held") -> int:
     from . import loading
     from .auditing import check_patterns
     from .planning import BudgetError, plan
@@ -512,6 +512,8 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
         raise ScanFailed(_cost_needs_a_real_device())
     if not bitpack and not trim:
         raise ScanFailed("--no-bitpack is an option of --trim: give both, or neither")
+    if bound == "peak" and not peak:
+        raise ScanFailed("--bound peak chooses by measured peaks: it cannot run with --no-peak")
     budget = budgets[0]
     model, inputs, where = _prepare_for_target(options)
     if cost == "time" and where == "meta":  # --device auto, and the factory built it on meta
@@ -522,7 +524,8 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     try:
         chosen = plan(model, inputs, budget, trainable=list(options.trainable) if options.trainable else None,
                       frozen=list(options.freeze), blocks=list(blocks) or None,
-                      measure_peak=peak and len(budgets) == 1, selective=selective, cost=cost,
+                      measure_peak=peak and (len(budgets) == 1 or bound == "peak"), selective=selective,
+                      cost=cost, bound=bound,
                       target=options.target if where == "meta" else None, trim=trim,
                       bitpack=bitpack if trim else None, progress=options.progress)
     except BudgetError as error:
@@ -544,10 +547,13 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
         _write(html_path, planhtml.render(chosen, title=f"gradaudit plan: {options.spec}"), "--html")
 
     on = f"meta as {chosen.target}" if chosen.device == "meta" else chosen.device
-    out(f"gradaudit plan: {chosen.model} on {on}, budget {human_bytes(budget)} held after the forward"
-        f"{_with_trim(chosen)}")
+    by_peak = chosen.bound == "peak"
+    out(f"gradaudit plan: {chosen.model} on {on}, budget {human_bytes(budget)} "
+        f"{'for the peak of a step' if by_peak else 'held after the forward'}{_with_trim(chosen)}")
     if code != EXIT_OK:
-        out(f"no plan fits: checkpointing the candidate blocks holds at least {human_bytes(chosen.held_bytes)} "
+        least = (f"peaks at least at {human_bytes(chosen.peak_bytes)}" if by_peak
+                 else f"holds at least {human_bytes(chosen.held_bytes)}")
+        out(f"no plan fits: checkpointing the candidate blocks {least} "
             f"(every useful block: {len(chosen.checkpointed)} of {len(chosen.blocks)}); raise --budget or "
             f"add modules with --blocks")
     elif not options.quiet:
@@ -570,8 +576,9 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     heading = "EXTRA TIME" if chosen.cost == "time" else "EXTRA COMPUTE"
     out(f"  {'':<16}{'HELD':>11}{'PEAK':>11}  {heading:>{width}}  {'BLOCKS':>6}  FITS")
     for name, held, peak_bytes, extra, count in rows:
+        fits = (peak_bytes is not None and peak_bytes <= budget) if by_peak else held <= budget
         out(f"  {name:<16}{human_bytes(held):>11}{human_bytes(peak_bytes) if peak_bytes is not None else '-':>11}  "
-            f"{extra:>{width}}  {count:>6}  {'yes' if held <= budget else 'no'}")
+            f"{extra:>{width}}  {count:>6}  {'yes' if fits else 'no'}")
     held_means = ("held: after the forward with gradaudit.trim installed (exact: an audit's saved_bytes less "
                   "what trim frees)" if chosen.trimmed else "held: after the forward (exact, what an audit counts)")
     out(held_means + "; peak: through forward, recomputation and backward, gradients included"
@@ -602,16 +609,10 @@ def _with_trim(chosen: Any) -> str:
 
 def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callable[[str], None]) -> int:
     """One line per budget, from one audit: what to checkpoint and at what extra compute."""
-    from .planning import BudgetError
     from .report.units import human_bytes, path_ranges
 
-    plans, code = [], EXIT_OK
-    for budget in budgets:
-        try:
-            plans.append(first.for_budget(budget))
-        except BudgetError as error:
-            plans.append(error.smallest_plan)
-            code = EXIT_ERROR
+    plans = first.sweep(budgets)
+    code = EXIT_OK if all(p.fits for p in plans) else EXIT_ERROR
     if options.json:
         import json
 
@@ -621,17 +622,21 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
         else:
             _write(options.json, document, "--json")
     on = f"meta as {first.target}" if first.device == "meta" else first.device
-    out(f"gradaudit plan: {first.model} on {on}, {len(budgets)} budgets, unplanned "
+    out(f"gradaudit plan: {first.model} on {on}, {len(budgets)} budgets"
+        f"{' for the peak of a step' if first.bound == 'peak' else ''}, unplanned "
         f"{human_bytes(first.unplanned_held_bytes)} held after the forward{_with_trim(first)}")
     extras = [_extra_text(p, p) for p in plans]
     width = max(13, *map(len, extras))
     heading = "EXTRA TIME" if first.cost == "time" else "EXTRA COMPUTE"
-    out(f"  {'BUDGET':>10}  {'HELD':>10}  {heading:>{width}}  {'BLOCKS':>6}  CHECKPOINT")
+    by_peak = first.bound == "peak"
+    peak_heading = f"  {'PEAK':>10}" if by_peak else ""
+    out(f"  {'BUDGET':>10}  {'HELD':>10}{peak_heading}  {heading:>{width}}  {'BLOCKS':>6}  CHECKPOINT")
     for p, extra in zip(plans, extras):
         what = path_ranges(p.checkpointed) or "(nothing)"
         if p.selective:
             what += f" (op by op: {path_ranges(p.selective)})"
-        out(f"  {human_bytes(p.budget):>10}  {human_bytes(p.held_bytes):>10}  {extra:>{width}}  "
+        peak_text = f"  {human_bytes(p.peak_bytes):>10}" if by_peak else ""
+        out(f"  {human_bytes(p.budget):>10}  {human_bytes(p.held_bytes):>10}{peak_text}  {extra:>{width}}  "
             f"{len(p.checkpointed):>6}  {what if p.fits else 'no plan fits: ' + what}")
     if options.json and options.json != "-":
         out(f"JSON plans: {options.json}")
@@ -641,8 +646,8 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
 @cli.command("plan", epilog=PLAN_EXIT_CODES_HELP, short_help="Choose what to checkpoint for a memory budget.")
 @click.argument("spec", metavar="SPEC")
 @click.option("--budget", required=True, multiple=True, metavar="SIZE", help="Bytes autograd may hold after "
-              "the forward, e.g. 8GiB, 500MB or a number of bytes; repeat it for a sweep (one line per budget, "
-              "from one audit).")
+              "the forward (with --bound peak: the peak of a step), e.g. 8GiB, 500MB or a number of bytes; repeat "
+              "it for a sweep (one line per budget, from one audit).")
 @click.option("--inputs", "inputs", metavar="SPEC", help="Factory returning the inputs (as for scan).")
 @click.option("--input-shape", metavar="SHAPE", help="One random input of this shape, e.g. 8,3,224,224.")
 @click.option("--dtype", default="float32", show_default=True, help="dtype for --input-shape.")
@@ -667,6 +672,9 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
               help="What recomputing a block costs, which the plan minimises: its forward FLOPs (any device), "
               "or its forward time measured on the model's device (a real device: a warm-up and a few timed "
               "steps and forwards).")
+@click.option("--bound", type=click.Choice(["held", "peak"]), default="held", show_default=True,
+              help="What --budget bounds: the bytes held after the forward (exact), or the peak of one training "
+              "step (measured: a step per probe of a bisection over the plans).")
 @click.option("--no-selective", is_flag=True, help="Checkpoint whole blocks only (no op-level checkpointing "
               "that keeps matrix products' outputs and recomputes the rest).")
 @click.option("--trim", is_flag=True, help="Plan the bytes that remain with gradaudit.trim installed: every "
@@ -677,8 +685,8 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
 def plan_command(spec: str, budget: tuple[str, ...], inputs: Optional[str], input_shape: Optional[str], dtype: str,
                  input_requires_grad: bool, trainable: tuple[str, ...], freeze: tuple[str, ...],
                  mode: Optional[bool], device: str, target: str, blocks: tuple[str, ...], json_path: Optional[str],
-                 html_path: Optional[str], no_peak: bool, cost: str, no_selective: bool, trim: bool,
-                 no_bitpack: bool, quiet: bool,
+                 html_path: Optional[str], no_peak: bool, cost: str, bound: str, no_selective: bool,
+                 trim: bool, no_bitpack: bool, quiet: bool,
                  debug: bool) -> None:
     """Choose which modules of the model built by SPEC to checkpoint (recompute in backward) so that
     autograd holds at most --budget after the forward, for the least extra compute.
@@ -702,7 +710,7 @@ def plan_command(spec: str, budget: tuple[str, ...], inputs: Optional[str], inpu
                           device=device, target=target, html=None, json=json_path, quiet=quiet, progress=progress)
     try:
         code = run_plan(options, budget, blocks, peak=not no_peak, html_path=html_path, cost=cost,
-                        selective=not no_selective, trim=trim, bitpack=not no_bitpack)
+                        selective=not no_selective, trim=trim, bitpack=not no_bitpack, bound=bound)
     except (GradauditError, ScanFailed) as error:
         progress.done()
         from .loading import first_line

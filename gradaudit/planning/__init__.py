@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
@@ -49,13 +50,15 @@ from .solve import Block, Chain, Point, cheapest_within, solve
 # 2: the cost (FLOPs or measured time) is chosen: ``cost``, ``extra_seconds``, ``step_seconds``;
 # ``extra_compute`` and the frontier's entries are in the cost's units
 PLAN_SCHEMA_VERSION = 2
+HELD_BOUND, PEAK_BOUND = "held", "peak"  # what a budget bounds (plan(bound=...))
 
 __all__ = ["plan", "Plan", "PlanHandle", "BudgetError", "Baseline", "repeated_blocks"]
 
 
 class BudgetError(GradauditError):
     """No plan of the candidate blocks holds at most the budget. ``smallest`` is the least any
-    plan holds (``smallest_plan`` the plan that does)."""
+    plan holds (``smallest_plan`` the plan that does); with ``bound="peak"``, that plan's measured
+    peak."""
 
     def __init__(self, message: str, smallest: int, smallest_plan: "Plan") -> None:
         super().__init__(message)
@@ -144,11 +147,15 @@ class Plan:
     cost: str = "flops"
     extra_seconds: Optional[float] = None
     step_seconds: Optional[float] = None
+    # what the budget bounds: "held" (bytes held after the forward, exact) or "peak" (the measured
+    # peak of one step: the plan is the cheapest frontier point whose peak fits, see _by_peak)
+    bound: str = "held"
     # every figure above is with gradaudit.trim installed (with this bitpack option): apply installs it
     trimmed: bool = False
     bitpack: Optional[bool] = None  # trim's option; None without trim
     # the solver's chain, frontier and the blocks' costs, for for_budget (not part of the plan's data)
     _solved: Any = field(default=None, repr=False, compare=False)
+    _point: Any = field(default=None, repr=False, compare=False)  # its frontier point
 
     def for_budget(self, budget: Union[int, str]) -> "Plan":
         """The plan for another budget, from the same audit and frontier (instant: nothing runs
@@ -156,8 +163,33 @@ class Plan:
         from ..loading import parse_size
 
         budget_bytes = _budget_bytes(budget, parse_size)
-        chain, points, costs, fixed = self._solved
-        point = cheapest_within(points, budget_bytes)
+        return self._for(budget_bytes, 0)
+
+    def sweep(self, budgets: Sequence[Union[int, str]]) -> list["Plan"]:
+        """The plans for several budgets (in the order given), from the same audit and frontier.
+        Held bytes never rise as the budget shrinks, and with ``bound="peak"`` neither do the peaks:
+        a smaller budget's plan is searched only among the points from the larger one's on, and
+        keeps it where it fits. A budget nothing fits gives the least plan (``fits`` False)."""
+        from ..loading import parse_size
+
+        wanted = [_budget_bytes(b, parse_size) for b in budgets]
+        found: dict[int, Plan] = {}
+        start = 0
+        for budget_bytes in sorted(set(wanted), reverse=True):
+            try:
+                found[budget_bytes] = self._for(budget_bytes, start)
+            except BudgetError as error:
+                found[budget_bytes] = error.smallest_plan
+            start = self._solved[1].index(found[budget_bytes]._point)
+        return [found[b] for b in wanted]
+
+    def _for(self, budget_bytes: int, start: int) -> "Plan":
+        chain, points, costs, fixed, peak_of = self._solved
+        if self.bound == PEAK_BOUND:
+            index = _by_peak(points, budget_bytes, peak_of, start)
+            point = points[index] if index is not None else None
+        else:
+            point = cheapest_within(points[start:], budget_bytes)
         chosen = point if point is not None else points[-1]
         other = dataclasses.replace(
             self, budget=budget_bytes, held_bytes=chosen.held_bytes,
@@ -165,14 +197,18 @@ class Plan:
             extra_seconds=costs.extra_seconds(chosen.chosen),
             checkpointed=tuple(chain.blocks[i].path for i in sorted(chosen.chosen)),
             selective=tuple(chain.blocks[i].path for i in sorted(chosen.selective)),
-            baselines=_baselines(chain, costs, budget_bytes) + fixed, peak_bytes=None, unplanned_peak_bytes=None,
-            notes=list(self.notes))
+            baselines=_baselines(chain, costs, budget_bytes) + fixed, notes=list(self.notes), _point=chosen,
+            peak_bytes=peak_of(chosen) if self.bound == PEAK_BOUND else None,
+            unplanned_peak_bytes=self.unplanned_peak_bytes if self.bound == PEAK_BOUND else None)
         if point is None:
             raise _budget_error(other, len(chain.blocks))
         return other
 
     @property
     def fits(self) -> bool:
+        """Whether the plan keeps what its budget bounds (``bound``) at or under the budget."""
+        if self.bound == PEAK_BOUND:
+            return self.peak_bytes is not None and self.peak_bytes <= self.budget
         return self.held_bytes <= self.budget
 
     @property
@@ -227,6 +263,7 @@ class Plan:
             "replaces": list(self.replaces),
             "current_held_bytes": self.current_held_bytes,
             "trim": {"bitpack": self.bitpack} if self.trimmed else None,
+            "bound": self.bound,
             "checkpointed": list(self.checkpointed),
             "selective": list(self.selective),
             "optimal": self.optimal,
@@ -297,6 +334,10 @@ def _budget_bytes(budget: Any, parse_size: Callable[[str], int]) -> int:
 
 
 def _budget_error(least: "Plan", blocks: int) -> "BudgetError":
+    if least.bound == PEAK_BOUND:
+        return BudgetError(f"no plan's peak fits {least.budget} bytes: checkpointing the {blocks} candidate blocks "
+                           f"peaks at {least.peak_bytes} bytes (unplanned {least.unplanned_peak_bytes}); raise the "
+                           f"budget or consider more modules (blocks=...)", least.peak_bytes or 0, least)
     return BudgetError(f"no plan fits {least.budget} bytes: checkpointing the {blocks} candidate blocks holds at "
                        f"least {least.held_bytes} bytes (of {least.unplanned_held_bytes} unplanned); raise the "
                        f"budget or consider more modules (blocks=...)", least.held_bytes, least)
@@ -367,7 +408,9 @@ def _writes_nothing(op: Any) -> bool:
 
 
 def _elements(*_: Any, out_val: Any = None, **__: Any) -> int:
-    return sum(t.numel() for t in torch.utils._pytree.tree_leaves(out_val) if isinstance(t, torch.Tensor))
+    from ..tensors import iter_tensors
+
+    return sum(t.numel() for t in iter_tensors(out_val))
 
 
 def _none(*_: Any, **__: Any) -> int:
@@ -663,6 +706,7 @@ def plan(
     blocks: Optional[Sequence[str]] = None,
     target: Optional[str] = None,
     selective: bool = True,
+    bound: str = HELD_BOUND,
     measure_peak: bool = True,
     cost: str = "flops",
     trim: Optional[bool] = None,
@@ -679,6 +723,9 @@ def plan(
         as for ``audit``.
     selective: also consider checkpointing a block op by op (keep the outputs of its matrix products,
         convolutions and attention, recompute the rest) where that beats recomputing all of it.
+    bound: what ``budget`` bounds: "held" (bytes held after the forward, exact by the audit) or
+        "peak" (the peak of one training step, measured: the cheapest frontier point whose peak
+        fits, found by bisection with a step run per probe, about log2 of the frontier's size).
     measure_peak: run the chosen plan's step, the unplanned step and the baselines' once each on the
         model's device to measure their peaks (``Plan.peak_bytes``; on meta nothing is computed).
     cost: what a checkpointed block costs, which the plan minimises: "flops" (its forward FLOPs, as
@@ -703,6 +750,10 @@ def plan(
         raise GradauditError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
     timing.check_cost(cost, runs_on_meta(next(iter(model.parameters()), None), list(iter_tensors(inputs))))
     budget_bytes = _budget_bytes(budget, parse_size)
+    if bound not in (HELD_BOUND, PEAK_BOUND):
+        raise GradauditError(f"bound must be {HELD_BOUND!r} or {PEAK_BOUND!r}, not {bound!r}")
+    if bound == PEAK_BOUND and not measure_peak:
+        raise GradauditError("bound='peak' chooses by measured peaks: it cannot run with measure_peak=False")
     installed, bitpack = _trim_options(model, trim, bitpack)
     paths = _candidates(model, blocks)
     if progress:
@@ -835,33 +886,67 @@ def plan(
                     frontier=frontier, baselines=_baselines(chain, costs, budget_bytes) + fixed, optimal=optimal,
                     notes=list(notes), replaces=tuple(now), current_held_bytes=current_held, cost=cost,
                     extra_seconds=costs.extra_seconds(point.chosen), step_seconds=step_seconds,
-                    trimmed=bitpack is not None, bitpack=bitpack, _solved=(chain, points, costs, fixed))
+                    trimmed=bitpack is not None, bitpack=bitpack, _solved=(chain, points, costs, fixed),
+                    bound=bound, _point=point)
 
-    chosen = cheapest_within(points, budget_bytes)
+    model_ref = weakref.ref(model)
+    measured: dict[Any, tuple[int, int]] = {}  # (held, peak) of each step run, by what was applied
+
+    def planned(paths_run: tuple[str, ...], selective_run: tuple[str, ...] = ()) -> Callable[[], Any]:
+        return lambda: PlanHandle(model_ref(), paths_run, {path: SELECTIVE_POLICY for path in selective_run},
+                                  trim=bitpack)
+
+    def measure(key: Any, applied: Callable[[], Any], what: str) -> int:
+        if key not in measured:
+            if model_ref() is None:
+                raise GradauditError("the model this plan was made for is gone: plan again to measure peaks")
+            if progress:
+                progress(f"measuring the peak of a step ({what})")
+            with own_checkpointing_off():
+                measured[key] = _step(model_ref(), inputs, trainable, frozen, report.target, applied)
+        return measured[key][1]
+
+    def peak_of(point: Point) -> int:
+        paths_run = tuple(chain_blocks[i].path for i in sorted(point.chosen))
+        selective_run = tuple(chain_blocks[i].path for i in sorted(point.selective))
+        return measure((paths_run, selective_run), planned(paths_run, selective_run),
+                       f"{len(paths_run)} of {len(chain_blocks)} blocks checkpointed")
+
+    if bound == PEAK_BOUND:
+        index = _by_peak(points, budget_bytes, peak_of, 0)
+        chosen = points[index] if index is not None else None
+    else:
+        chosen = cheapest_within(points, budget_bytes)
     result = make(chosen if chosen is not None else points[-1])
+    result._solved = (*result._solved, peak_of)
     if measure_peak:
-        def planned(paths_run: tuple[str, ...], selective_run: tuple[str, ...] = ()) -> Callable[[], Any]:
-            return lambda: PlanHandle(model, paths_run, {path: SELECTIVE_POLICY for path in selective_run},
-                                      trim=bitpack)
-
-        # (what is applied, how) per step to run: keyed so that equal plans run once
-        steps = [((result.checkpointed, result.selective), planned(result.checkpointed, result.selective))]
-        steps += [((b.name,), applying[b.name]) if b.name in applying else ((b.checkpointed, ()), planned(b.checkpointed))
-                  for b in result.baselines]
-        measured: dict[Any, tuple[int, int]] = {}
-        for k, (key, applied) in enumerate(steps):
-            if key not in measured:
-                if progress:
-                    progress(f"measuring the peak of a step ({k + 1} of {len(steps)})")
-                with own_checkpointing_off():
-                    measured[key] = _step(model, inputs, trainable, frozen, report.target, applied)
-        result.peak_bytes = measured[result.checkpointed, result.selective][1]
-        result.unplanned_peak_bytes = measured[(), ()][1]
-        result.baselines = tuple(dataclasses.replace(b, peak_bytes=measured[key][1])
-                                 for b, (key, _) in zip(result.baselines, steps[1:]))
+        result.peak_bytes = peak_of(result._point)
+        result.unplanned_peak_bytes = peak_of(points[0])
+        result.baselines = tuple(dataclasses.replace(b, peak_bytes=measure(
+            (b.name,), applying[b.name], b.name) if b.name in applying else measure(
+            (b.checkpointed, ()), planned(b.checkpointed), b.name)) for b in result.baselines)
     if chosen is None:
         raise _budget_error(result, len(chain_blocks))
     return result
+
+
+def _by_peak(points: Sequence[Point], budget: int, peak_of: Callable[[Point], int], start: int) -> Optional[int]:
+    """The index of the cheapest frontier point from ``start`` on whose measured peak is at most
+    ``budget``, by bisection: the frontier's points hold less and less after the forward, and the
+    peak is taken to fall with them (each probe is measured, and so is the answer: a plan chosen
+    this way fits). None when the last point's peak does not fit."""
+    if peak_of(points[start]) <= budget:
+        return start
+    low, high = start, len(points) - 1  # low does not fit
+    if high == low or peak_of(points[high]) > budget:
+        return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        if peak_of(points[middle]) <= budget:
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def _baselines(chain: Chain, costs: _Costs, budget: int) -> tuple[Baseline, ...]:
