@@ -7,15 +7,21 @@
 For each model and budget (90/70/50/30/10% of the unplanned held bytes):
 - predicted held bytes (``plan.held_bytes``) against a re-audit of the planned model (must be equal);
 - the plan's extra FLOPs against the baselines a user would otherwise pick (every layer, every n-th
-  layer) that hold at most as much: goal, never more than any of them;
+  layer) that hold at most as much: goal, never more than any of them; and against the plan that
+  checkpoints whole blocks only (``selective=False``: what op-level checkpointing saves);
 - planning time (``measure_peak=False``) as a ratio to one audit of the same model (both timed in
   this run); at the 30% budget, the peak of one step of the plan, of every-layer checkpointing and
-  unplanned (``measure_peak=True``, which runs those steps).
+  unplanned (``measure_peak=True``, which runs those steps); and the plan bounded by the peak
+  (``bound="peak"``) at 60% of the unplanned peak, with its planning time.
 With --mincut: torch.compile (backend aot_eager, no C++ compiler needed) with
 ``torch._functorch.config.activation_memory_budget`` at 1.0/0.7/0.5/0.3/0.1: the bytes its compiled
 graph holds (gradaudit.audit of the compiled model), its FLOPs per step (FlopCounterMode counts
-matrix products and attention; the partitioner prefers to recompute pointwise ops, which count
-nothing) and its measured step time, beside gradaudit's plan for the same byte figure.
+matrix products and attention, and, as the planner counts them, one per element every other op
+writes) and its measured step time, beside gradaudit's plan for the same byte figure.
+Op-level against whole-block recompute in time: one step with every layer checkpointed whole and
+with every layer checkpointed op by op, on the hidden-128 stack and on a wider one (hidden 512,
+2 x 512 tokens, 6 layers), medians of interleaved runs: the selective checkpoint's dispatch mode
+costs a fixed time per op, which small tensors do not repay.
 On the CPU stacks, the measured step time (forward + backward, one thread, medians of interleaved
 runs) of the plan at the 30% budget against every-layer checkpointing and against no checkpointing, and
 a plain-against-plain column: the ratio of two identical unplanned steps (the noise floor).
@@ -46,6 +52,35 @@ def llama_stack(layers: int):
     return model, {"input_ids": torch.randint(0, 1000, (2, 256))}
 
 
+def wide_llama_stack(layers: int):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=layers,
+                                      num_attention_heads=8, num_key_value_heads=4, vocab_size=1000, use_cache=False)
+    model = transformers.LlamaForCausalLM(config).train()
+    return model, {"input_ids": torch.randint(0, 1000, (2, 512))}
+
+
+def bench_op_level(name: str, model, inputs, runs: int) -> None:
+    from gradaudit.planning import PlanHandle
+
+    layers = tuple(f"model.layers.{i}" for i in range(len(model.model.layers)))
+    times: dict[str, list[float]] = {"plain": [], "whole": [], "op level": [], "plain again": []}
+    step(model, inputs)
+    for _ in range(runs):
+        times["plain"].append(step(model, inputs))
+        with PlanHandle(model, layers):
+            times["whole"].append(step(model, inputs))
+        with PlanHandle(model, layers, {path: "selective" for path in layers}):
+            times["op level"].append(step(model, inputs))
+        times["plain again"].append(step(model, inputs))
+    median = {k: statistics.median(v) for k, v in times.items()}
+    print(f"  {name}: plain {median['plain'] * 1e3:.0f} ms; every layer whole {median['whole'] / median['plain']:.2f}x, "
+          f"op by op {median['op level'] / median['plain']:.2f}x, plain again "
+          f"{median['plain again'] / median['plain']:.2f}x (noise)")
+
+
 def llama_80_on_meta():
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     import llama_probe
@@ -69,8 +104,8 @@ def bench(name: str, model, inputs, timed: bool, runs: int) -> bool:
     unplanned = gradaudit.audit(model, inputs)
     audit_s = time.perf_counter() - start
     print(f"\n{name}: {human_bytes(unplanned.saved_bytes)} held unplanned, one audit {audit_s:.2f} s")
-    print(f"  {'budget':>7} {'plan held':>11} {'re-audit':>11} {'equal':>5} {'+compute':>8} "
-          f"{'best baseline (<= held)':>30} {'plan time':>10}")
+    print(f"  {'budget':>7} {'plan held':>11} {'re-audit':>11} {'equal':>5} {'+compute':>8} {'op-level':>8} "
+          f"{'whole blocks':>12} {'best baseline (<= held)':>30} {'plan time':>10}")
     ok = True
     chosen_at = {}
     for fraction in FRACTIONS:
@@ -82,17 +117,19 @@ def bench(name: str, model, inputs, timed: bool, runs: int) -> bool:
             print(f"  {fraction:>6.0%}  no plan fits (least {human_bytes(error.smallest)})")
             continue
         plan_s = time.perf_counter() - start
+        whole = plan(model, inputs, budget, measure_peak=False, selective=False)
         with chosen.apply(model):
             again = gradaudit.audit(model, inputs).saved_bytes
         equal = again == chosen.held_bytes
         rivals = [b for b in chosen.baselines if b.name != "none" and b.held_bytes <= chosen.held_bytes]
         best = min(rivals, key=lambda b: b.extra_flops, default=None)
         beaten = best is None or chosen.extra_flops <= best.extra_flops
-        ok = ok and equal and beaten
+        ok = ok and equal and beaten and chosen.extra_flops <= whole.extra_flops
         rival = (f"{best.name} +{100 * best.extra_flops / chosen.step_flops:.1f}%" if best else "(none fits)")
         print(f"  {fraction:>6.0%} {human_bytes(chosen.held_bytes):>11} {human_bytes(again):>11} "
-              f"{'yes' if equal else 'NO':>5} {100 * chosen.extra_compute:>7.1f}% {rival:>30} "
-              f"{plan_s:>5.2f} s {plan_s / audit_s:>4.1f}x")
+              f"{'yes' if equal else 'NO':>5} {100 * chosen.extra_compute:>7.1f}% "
+              f"{len(chosen.selective):>3} of {len(chosen.checkpointed):>2} {100 * whole.extra_compute:>11.1f}% "
+              f"{rival:>30} {plan_s:>5.2f} s {plan_s / audit_s:>4.1f}x")
         chosen_at[fraction] = chosen
     if 0.3 in chosen_at:
         start = time.perf_counter()
@@ -102,6 +139,15 @@ def bench(name: str, model, inputs, timed: bool, runs: int) -> bool:
         print(f"  peak of one step at the 30% budget ({'meta: shapes only' if measured.device == 'meta' else 'measured'}, "
               f"plan() with measure_peak {peak_s:.1f} s): plan {human_bytes(measured.peak_bytes)}, every layer "
               f"{human_bytes(every.peak_bytes)}, unplanned {human_bytes(measured.unplanned_peak_bytes)}")
+        start = time.perf_counter()
+        try:
+            by_peak = plan(model, inputs, int(measured.unplanned_peak_bytes * 0.6), bound="peak")
+            print(f"  bounded by the peak at 60% of the unplanned peak ({time.perf_counter() - start:.1f} s): peak "
+                  f"{human_bytes(by_peak.peak_bytes)}, held {human_bytes(by_peak.held_bytes)}, "
+                  f"+{100 * by_peak.extra_compute:.1f}% compute, {len(by_peak.checkpointed)} blocks")
+        except BudgetError as error:
+            print(f"  bounded by the peak at 60% of the unplanned peak: no plan fits (least peak "
+                  f"{human_bytes(error.smallest)})")
     if timed and 0.3 in chosen_at:
         blocks = tuple(b["path"] for b in chosen_at[0.3].blocks)  # every layer: the same wrapper on all
         times: dict[str, list[float]] = {"plain": [], "plain again": [], "plan 30%": [], "every layer": []}
@@ -123,10 +169,9 @@ def bench(name: str, model, inputs, timed: bool, runs: int) -> bool:
 
 def bench_mincut(layers: int, runs: int) -> None:
     import torch._functorch.config as functorch_config
-    from torch.utils.flop_counter import FlopCounterMode
 
     import gradaudit
-    from gradaudit.planning import BudgetError, plan
+    from gradaudit.planning import BudgetError, _counting, plan
     from gradaudit.report.units import human_bytes
 
     warnings.simplefilter("ignore")  # dynamo's graph-break warnings (a builtin it cannot trace in the model)
@@ -149,7 +194,7 @@ def bench_mincut(layers: int, runs: int) -> None:
         with functorch_config.patch(activation_memory_budget=fraction):
             compiled = LastHidden(torch.compile(model.model, backend="aot_eager"))
             held = gradaudit.audit(compiled, ids).saved_bytes
-            with FlopCounterMode(display=False) as counter:
+            with _counting() as counter:  # as the planner counts: one per element where torch has no formula
                 compiled(ids).float().pow(2).mean().backward()
             model.zero_grad(set_to_none=True)
             times = []
@@ -191,6 +236,10 @@ def main() -> int:
         ok &= bench(f"Llama-style stack, {layers} layers, hidden 128, batch 2 x 256 tokens, CPU", model, inputs,
                     timed=True, runs=options.runs)
     if not options.quick:
+        print(f"\nstep time, every layer checkpointed whole or op by op (CPU, one thread, medians of {options.runs} "
+              f"interleaved runs)")
+        bench_op_level("hidden 128, 2 x 256 tokens, 4 layers", *llama_stack(4), runs=options.runs)
+        bench_op_level("hidden 512, 2 x 512 tokens, 6 layers", *wide_llama_stack(6), runs=options.runs)
         model, inputs = llama_80_on_meta()
         ok &= bench("80-layer Llama-2-70B config on meta, layer 40 trainable, 2048 tokens", model, inputs,
                     timed=False, runs=0)
