@@ -118,68 +118,52 @@ def test_sqrt_n_segments_baseline_of_a_sequential_stack_is_measured():
     assert model.__dict__.get("forward") is None  # the stack runs its own forward again
 
 
-def test_no_segments_baseline_where_a_model_loop_runs_the_blocks(tiny_hf_model):
-    model = tiny_hf_model("llama", num_hidden_layers=4, use_cache=False).train()
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_sqrt_n_segments_of_a_stack_a_model_loop_runs(tiny_hf_model, family):
+    from gradaudit.planning import segments
+
+    model = tiny_hf_model(family, num_hidden_layers=9, use_cache=False).train()
     inputs = {"input_ids": torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))}
-    chosen = plan(model, inputs, 10**9, measure_peak=False)
+    chosen = plan(model, inputs, 10**9)
+    baseline = next(b for b in chosen.baselines if b.name == "3 segments")  # sqrt(9): 3 segments of 3
+    layers = [p for p in repeated_blocks(model)]
+    assert baseline.checkpointed == tuple(layers[:6]) and baseline.peak_bytes is not None
+    every = next(b for b in chosen.baselines if b.name == "every block")
+    assert every.held_bytes < baseline.held_bytes < chosen.unplanned_held_bytes
+    modules = [model.get_submodule(p) for p in layers]
+    expected_grads, _ = step(model, inputs)
+    with segments.loop_segmented(modules, 3):
+        assert gradaudit.audit(model, inputs).saved_bytes == held_bytes_after_forward(model, inputs) \
+            == baseline.held_bytes
+        grads, _ = step(model, inputs)  # the same computation: gradients bit-identical
+    assert grads.keys() == expected_grads.keys() and all(torch.equal(grads[k], expected_grads[k]) for k in grads)
+    assert all("forward" not in m.__dict__ for m in modules)
+
+
+class PerLayerScales(nn.Module):
+    """A loop passing each block a tensor of its own: no block can run its successors for it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.register_buffer("scales", torch.arange(1.0, 5.0).reshape(4, 1))
+
+    def forward(self, x):
+        for layer, scale in zip(self.layers, self.scales):
+            x = torch.tanh(layer(x) * scale)
+        return x
+
+
+def test_no_segments_baseline_where_blocks_are_passed_tensors_of_their_own():
+    from gradaudit.planning import segments
+
+    model, x = PerLayerScales(), torch.randn(8, 16)
+    chosen = plan(model, x, 10**9, measure_peak=False)
     assert [b.name for b in chosen.baselines] == ["none", "every block", "every 2 blocks"]
     assert any("no sqrt(n) segments baseline" in n for n in chosen.notes)
-
-
-def wide_stack(n: int = 12):
-    """A stack whose activations outweigh its gradients (batch 512), so checkpointing lowers the peak."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32), nn.Tanh())
-                            for _ in range(n)])
-    return model, torch.randn(512, 32)
-
-
-def test_a_budget_on_the_peak_chooses_the_cheapest_plan_whose_measured_peak_fits():
-    from gradaudit.measure import forward_backward
-
-    model, x = wide_stack()
-    unplanned = plan(model, x, 10**12)
-    budget = unplanned.unplanned_peak_bytes // 2
-    chosen = plan(model, x, budget, bound="peak")
-    assert chosen.bound == "peak" and chosen.fits and chosen.peak_bytes <= budget < chosen.unplanned_peak_bytes
-    with chosen.apply(model):  # the peak it reports is one step's, as the tracker measures it again
-        assert forward_backward(model, (x,), {})[1] == chosen.peak_bytes
-    # the frontier point just cheaper than the chosen one peaks above the budget
-    index = chosen.frontier.index((chosen.held_bytes, chosen.extra_flops))
-    assert index > 0
-    cheaper = plan(model, x, chosen.frontier[index - 1][0])
-    assert cheaper.extra_flops < chosen.extra_flops and cheaper.peak_bytes > budget
-    assert chosen.to_dict()["bound"] == "peak"
-
-
-def test_a_sweep_never_raises_held_bytes_or_peak_as_the_budget_shrinks():
-    model, x = wide_stack()
-    first = plan(model, x, 10**12, bound="peak")
-    top = first.unplanned_peak_bytes
-    budgets = [int(top * f) for f in (0.3, 1.0, 0.8, 0.6, 0.45, 0.35)]  # in any order
-    plans = first.sweep(budgets)
-    assert [p.budget for p in plans] == budgets
-    ordered = sorted(plans, key=lambda p: -p.budget)
-    assert all(p.fits and p.peak_bytes <= p.budget for p in ordered)
-    held = [p.held_bytes for p in ordered]
-    peaks = [p.peak_bytes for p in ordered]
-    assert held == sorted(held, reverse=True) and peaks == sorted(peaks, reverse=True) and peaks[-1] < peaks[0]
-    by_held = plan(model, x, 10**12, measure_peak=False)
-    held_sweep = by_held.sweep([first.unplanned_held_bytes // k for k in (1, 2, 4)])
-    assert [p.held_bytes for p in held_sweep] == sorted((p.held_bytes for p in held_sweep), reverse=True)
-
-
-def test_a_peak_budget_nothing_fits_raises_with_the_least_peak():
-    model, x = wide_stack(6)
-    with pytest.raises(BudgetError) as caught:
-        plan(model, x, 1, bound="peak")
-    least = caught.value.smallest_plan
-    assert caught.value.smallest == least.peak_bytes > 1 and not least.fits
-    assert "no plan's peak fits 1 bytes" in str(caught.value)
-    with pytest.raises(GradauditError, match="bound must be"):
-        plan(model, x, 1, bound="both")
-    with pytest.raises(GradauditError, match="measure_peak=False"):
-        plan(model, x, 1, bound="peak", measure_peak=False)
+    with segments.loop_segmented(list(model.layers), 2), pytest.raises(GradauditError, match="other tensors"):
+        model(x)  # forced anyway, the second block's own scale is caught, not silently replaced
 
 
 def test_plan_with_a_frozen_stem_never_checkpoints_blocks_that_hold_nothing(vision_model):
@@ -1163,8 +1147,11 @@ def test_plan_on_top_of_trim_counts_what_trim_leaves():
                                (16640 - 4160 - 2 * 2112, 3 * flops), (16640 - 4160 - 3 * 2112, 4 * flops))
     assert [b["internal_bytes"] for b in chosen.blocks] == [4160] * 4
     assert [b["input_bytes"] for b in chosen.blocks] == [0, 2048, 2048, 2048]
+    # 2 segments: blocks 0-1 in one checkpoint (passed the caller's x: free), blocks 2-3 trimmed as
+    # usual (their input's save dropped): 2 * 4160
     assert {b.name: b.held_bytes for b in chosen.baselines} == {"none": 16640, "every block": 3 * 2048,
-                                                                "every 2 blocks": 16640 - 4160 - 2112}
+                                                                "every 2 blocks": 16640 - 4160 - 2112,
+                                                                "2 segments": 2 * 4160}
     # without trim the same budget takes every block (the untrimmed frontier falls by 8192 B a block)
     assert len(plan(model, x, 10**9, trim=False, measure_peak=False, selective=False).for_budget(
         3 * 4160).checkpointed) == 4

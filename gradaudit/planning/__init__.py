@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -552,20 +553,19 @@ def _step(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: st
 
 
 def _segments_baseline(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: Optional[str],
-                       chain: Chain, costs: "_Costs", parent: str,
+                       chain: Chain, costs: "_Costs", children: Sequence[str], in_segments: Callable[[int], Any],
                        bitpack: Optional[bool]) -> tuple[Baseline, Callable[[], Any]]:
-    """The sqrt(n) segments baseline of the stack at ``parent`` (see segments.py): its held bytes
-    from an audit with it in force, its recompute from the blocks of its checkpointed segments that
-    build a graph; and what puts it in force (to measure its peak)."""
+    """The sqrt(n) segments baseline of the stack ``children`` (see segments.py; ``in_segments(k)``
+    runs it in k segments): its held bytes from an audit with it in force, its recompute from the
+    blocks of its checkpointed segments that build a graph; and what puts it in force (to measure
+    its peak)."""
     from ..auditing import audit
 
-    container = model.get_submodule(parent) if parent else model
-    children = [f"{parent}.{name}" if parent else name for name, _ in container.named_children()]
     count = segments.square_root_segments(len(children))
 
     @contextlib.contextmanager
     def applied() -> Iterator[list[tuple[int, int]]]:
-        with segments.segmented(container, count) as ranges, _trimmed(model, bitpack):
+        with in_segments(count) as ranges, _trimmed(model, bitpack):
             yield ranges
 
     with applied() as ranges:
@@ -865,17 +865,28 @@ def plan(
     # does not checkpoint itself: its regions would be turned off while planning, not these)
     fixed: tuple[Baseline, ...] = ()
     applying: dict[str, Callable[[], Any]] = {}
+    in_segments: Optional[Callable[[int], Any]] = None
     parent = segments.sequential_parent(model, paths) if not now and len(paths) >= 4 else None
     if parent is not None:
+        container = model.get_submodule(parent) if parent else model
+        in_segments = functools.partial(segments.segmented, container)
+    elif not now and len(paths) >= 4 and segments.looped_stack(
+            model, paths, [c for c in report.module_calls if c.path in set(paths)]):
+        in_segments = functools.partial(segments.loop_segmented, [model.get_submodule(p) for p in paths])
+    if in_segments is not None:
         if progress:
             progress("auditing the forward in sqrt(n) segments")
-        baseline, applied = _segments_baseline(model, inputs, trainable, frozen, target, chain, costs, parent,
-                                               bitpack)
-        applying[baseline.name] = applied
-        fixed = (baseline,)
+        try:
+            baseline, applied = _segments_baseline(model, inputs, trainable, frozen, target, chain, costs, paths,
+                                                   in_segments, bitpack)
+        except segments.NotSegmentable as error:  # the loop passed a block other tensors than the audit suggested
+            notes.append(f"no sqrt(n) segments baseline: {error}")
+        else:
+            applying[baseline.name] = applied
+            fixed = (baseline,)
     elif len(paths) >= 4:
-        notes.append("no sqrt(n) segments baseline: these blocks are not the children of one nn.Sequential run by "
-                     "its own forward (torch.utils.checkpoint.checkpoint_sequential's case)")
+        notes.append("no sqrt(n) segments baseline: these blocks are neither the children of one nn.Sequential run by "
+                     "its own forward nor a stack a loop runs passing each block its predecessor's result")
 
     def make(point: Point) -> Plan:
         return Plan(model=type(model).__name__, device=report.device, target=report.target, budget=budget_bytes,
