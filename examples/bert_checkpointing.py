@@ -118,7 +118,9 @@ def compare_with_a_plan(budget: int, label: str, runs: int = 5) -> None:
     flagged, _ = build_checkpointed()
     plan = gradaudit.plan(plain, inputs, budget)
     every = next(b for b in plan.baselines if b.name == "every block")
-    print(f"\ngradaudit.plan at {label} {human_bytes(budget)}: checkpoint {', '.join(plan.checkpointed) or 'nothing'}")
+    op_level = f" (op by op: {', '.join(plan.selective)})" if plan.selective else ""
+    print(f"\ngradaudit.plan at {label} {human_bytes(budget)}: checkpoint {', '.join(plan.checkpointed) or 'nothing'}"
+          f"{op_level}")
     torch.set_num_threads(1)
     times: dict[str, list[float]] = {"plan": [], "flag": []}
     peaks = {}

@@ -532,7 +532,7 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
         chosen, code = error.smallest_plan, EXIT_ERROR
     options.progress.done()
     if len(budgets) > 1:
-        return _sweep(chosen, budgets, options, out)
+        return _sweep(chosen, budgets, options, out, peaks=peak)
     if options.json:
         import json
 
@@ -607,11 +607,13 @@ def _with_trim(chosen: Any) -> str:
     return " with gradaudit.trim" + ("" if chosen.bitpack else " (no bit-packing)")
 
 
-def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callable[[str], None]) -> int:
-    """One line per budget, from one audit: what to checkpoint and at what extra compute."""
+def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callable[[str], None],
+           peaks: bool = True) -> int:
+    """One line per budget, from one audit: what to checkpoint and at what extra compute (and, unless
+    --no-peak, each plan's measured peak: one step per budget)."""
     from .report.units import human_bytes, path_ranges
 
-    plans = first.sweep(budgets)
+    plans = first.sweep(budgets, measure_peak=peaks)
     code = EXIT_OK if all(p.fits for p in plans) else EXIT_ERROR
     if options.json:
         import json
@@ -628,7 +630,7 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
     extras = [_extra_text(p, p) for p in plans]
     width = max(13, *map(len, extras))
     heading = "EXTRA TIME" if first.cost == "time" else "EXTRA COMPUTE"
-    by_peak = first.bound == "peak"
+    by_peak = peaks or first.bound == "peak"
     peak_heading = f"  {'PEAK':>10}" if by_peak else ""
     out(f"  {'BUDGET':>10}  {'HELD':>10}{peak_heading}  {heading:>{width}}  {'BLOCKS':>6}  CHECKPOINT")
     for p, extra in zip(plans, extras):

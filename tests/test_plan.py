@@ -166,6 +166,66 @@ def test_no_segments_baseline_where_blocks_are_passed_tensors_of_their_own():
         model(x)  # forced anyway, the second block's own scale is caught, not silently replaced
 
 
+def wide_stack(n: int = 12):
+    """A stack whose activations outweigh its gradients (batch 512), so checkpointing lowers the peak."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32), nn.Tanh())
+                            for _ in range(n)])
+    return model, torch.randn(512, 32)
+
+
+def test_a_budget_on_the_peak_chooses_the_cheapest_plan_whose_measured_peak_fits():
+    from gradaudit.measure import forward_backward
+
+    model, x = wide_stack()
+    unplanned = plan(model, x, 10**12)
+    budget = unplanned.unplanned_peak_bytes // 2
+    chosen = plan(model, x, budget, bound="peak")
+    assert chosen.bound == "peak" and chosen.fits and chosen.peak_bytes <= budget < chosen.unplanned_peak_bytes
+    with chosen.apply(model):  # the peak it reports is one step's, as the tracker measures it again
+        assert forward_backward(model, (x,), {})[1] == chosen.peak_bytes
+    # the frontier point just cheaper than the chosen one peaks above the budget
+    index = chosen.frontier.index((chosen.held_bytes, chosen.extra_flops))
+    assert index > 0
+    cheaper = plan(model, x, chosen.frontier[index - 1][0])
+    assert cheaper.extra_flops < chosen.extra_flops and cheaper.peak_bytes > budget
+    assert chosen.to_dict()["bound"] == "peak"
+
+
+def test_a_sweep_never_raises_held_bytes_or_peak_as_the_budget_shrinks():
+    model, x = wide_stack()
+    first = plan(model, x, 10**12, bound="peak")
+    top = first.unplanned_peak_bytes
+    budgets = [int(top * f) for f in (0.3, 1.0, 0.8, 0.6, 0.45, 0.35)]  # in any order
+    plans = first.sweep(budgets)
+    assert [p.budget for p in plans] == budgets
+    ordered = sorted(plans, key=lambda p: -p.budget)
+    assert all(p.fits and p.peak_bytes <= p.budget for p in ordered)
+    held = [p.held_bytes for p in ordered]
+    peaks = [p.peak_bytes for p in ordered]
+    assert held == sorted(held, reverse=True) and peaks == sorted(peaks, reverse=True) and peaks[-1] < peaks[0]
+    by_held = plan(model, x, 10**12, measure_peak=False)
+    budgets = [int(first.unplanned_held_bytes * f) for f in (1.0, 0.9, 0.75, 0.6, 0.45, 0.3, 0.15)]
+    held_sweep = by_held.sweep(budgets, measure_peak=True)
+    assert all(p.fits for p in held_sweep)
+    assert [p.held_bytes for p in held_sweep] == sorted((p.held_bytes for p in held_sweep), reverse=True)
+    assert [p.peak_bytes for p in held_sweep] == sorted((p.peak_bytes for p in held_sweep), reverse=True)
+    assert by_held.sweep(budgets)[0].peak_bytes is None  # unless asked, nothing runs
+
+
+def test_a_peak_budget_nothing_fits_raises_with_the_least_peak():
+    model, x = wide_stack(6)
+    with pytest.raises(BudgetError) as caught:
+        plan(model, x, 1, bound="peak")
+    least = caught.value.smallest_plan
+    assert caught.value.smallest == least.peak_bytes > 1 and not least.fits
+    assert "no plan's peak fits 1 bytes" in str(caught.value)
+    with pytest.raises(GradauditError, match="bound must be"):
+        plan(model, x, 1, bound="both")
+    with pytest.raises(GradauditError, match="measure_peak=False"):
+        plan(model, x, 1, bound="peak", measure_peak=False)
+
+
 def test_plan_with_a_frozen_stem_never_checkpoints_blocks_that_hold_nothing(vision_model):
     model = vision_model("resnet18").train()
     x = torch.randn(2, 3, 64, 64)

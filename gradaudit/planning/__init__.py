@@ -166,44 +166,64 @@ class Plan:
         budget_bytes = _budget_bytes(budget, parse_size)
         return self._for(budget_bytes, 0)
 
-    def sweep(self, budgets: Sequence[Union[int, str]]) -> list["Plan"]:
+    def sweep(self, budgets: Sequence[Union[int, str]], measure_peak: bool = False) -> list["Plan"]:
         """The plans for several budgets (in the order given), from the same audit and frontier.
-        Held bytes never rise as the budget shrinks, and with ``bound="peak"`` neither do the peaks:
-        a smaller budget's plan is searched only among the points from the larger one's on, and
-        keeps it where it fits. A budget nothing fits gives the least plan (``fits`` False)."""
+        Neither held bytes nor, where peaks are measured (``measure_peak``, or ``bound="peak"``), the
+        peak ever rises as the budget shrinks: a smaller budget's plan is searched only among the
+        points from the larger one's on; with peaks, one whose peak would exceed the larger budget's
+        plan's gives way to the next point that peaks no higher (points further on hold less, so
+        they fit the budget too; that costs more recompute than the budget alone asks). A budget
+        nothing fits gives the least plan (``fits`` False)."""
         from ..loading import parse_size
 
         wanted = [_budget_bytes(b, parse_size) for b in budgets]
+        points, peak_of = self._solved[1], self._solved[4]
+        peaks = measure_peak or self.bound == PEAK_BOUND
         found: dict[int, Plan] = {}
-        start = 0
+        start, ceiling = 0, None
         for budget_bytes in sorted(set(wanted), reverse=True):
             try:
-                found[budget_bytes] = self._for(budget_bytes, start)
+                chosen = self._for(budget_bytes, start)
             except BudgetError as error:
-                found[budget_bytes] = error.smallest_plan
-            start = self._solved[1].index(found[budget_bytes]._point)
+                chosen = error.smallest_plan
+            index = points.index(chosen._point)
+            if peaks and ceiling is not None and chosen.fits:
+                while peak_of(points[index]) > ceiling and index + 1 < len(points):
+                    index += 1
+                if index != points.index(chosen._point):
+                    chosen = self._at(points[index], budget_bytes)
+            if peaks:
+                chosen.peak_bytes = peak_of(points[index])
+                chosen.unplanned_peak_bytes = peak_of(points[0])
+                ceiling = chosen.peak_bytes
+            found[budget_bytes] = chosen
+            start = index
         return [found[b] for b in wanted]
 
     def _for(self, budget_bytes: int, start: int) -> "Plan":
-        chain, points, costs, fixed, peak_of = self._solved
+        points, peak_of = self._solved[1], self._solved[4]
         if self.bound == PEAK_BOUND:
             index = _by_peak(points, budget_bytes, peak_of, start)
             point = points[index] if index is not None else None
         else:
             point = cheapest_within(points[start:], budget_bytes)
-        chosen = point if point is not None else points[-1]
-        other = dataclasses.replace(
-            self, budget=budget_bytes, held_bytes=chosen.held_bytes,
-            extra_flops=costs.extra_flops(chosen.chosen, chosen.selective),
-            extra_seconds=costs.extra_seconds(chosen.chosen),
-            checkpointed=tuple(chain.blocks[i].path for i in sorted(chosen.chosen)),
-            selective=tuple(chain.blocks[i].path for i in sorted(chosen.selective)),
-            baselines=_baselines(chain, costs, budget_bytes) + fixed, notes=list(self.notes), _point=chosen,
-            peak_bytes=peak_of(chosen) if self.bound == PEAK_BOUND else None,
-            unplanned_peak_bytes=self.unplanned_peak_bytes if self.bound == PEAK_BOUND else None)
+        other = self._at(point if point is not None else points[-1], budget_bytes)
         if point is None:
-            raise _budget_error(other, len(chain.blocks))
+            raise _budget_error(other, len(self._solved[0].blocks))
         return other
+
+    def _at(self, point: Point, budget_bytes: int) -> "Plan":
+        """This plan's figures for another frontier point and budget."""
+        chain, _, costs, fixed, peak_of = self._solved
+        return dataclasses.replace(
+            self, budget=budget_bytes, held_bytes=point.held_bytes,
+            extra_flops=costs.extra_flops(point.chosen, point.selective),
+            extra_seconds=costs.extra_seconds(point.chosen),
+            checkpointed=tuple(chain.blocks[i].path for i in sorted(point.chosen)),
+            selective=tuple(chain.blocks[i].path for i in sorted(point.selective)),
+            baselines=_baselines(chain, costs, budget_bytes) + fixed, notes=list(self.notes), _point=point,
+            peak_bytes=peak_of(point) if self.bound == PEAK_BOUND else None,
+            unplanned_peak_bytes=self.unplanned_peak_bytes if self.bound == PEAK_BOUND else None)
 
     @property
     def fits(self) -> bool:
