@@ -827,6 +827,10 @@ def test_html_plan_draws_the_frontier_and_escapes_module_names():
     assert page.count('class="baseline"') == len(chosen.baselines)
     assert page.count('class="chosen"') == 1 and "Content-Security-Policy" in page and "<script" not in page
     assert "a&lt;b&gt;" in page and "a<b>" not in page and "c&amp;d" in page
+    assert '<line class="budget"' in page and "held after the forward" in page
+    # bounded by the peak, the budget is no line on the held-bytes axis, and the page says what it bounds
+    by_peak = planhtml.render(plan(model, x, 10**9, bound="peak"))
+    assert '<line class="budget"' not in by_peak and "for the peak of a step" in by_peak
 
 
 def test_cli_writes_the_html_plan(plan_cli, tmp_path):

@@ -42,7 +42,7 @@ def frontier_chart(plan: Any, width: int = 900, height: int = 340) -> dict[str, 
                        "lx": x(h) - 9 if x(h) > right - 120 else x(h) + 9} for name, h, c in marks],
         "chosen": {"x": x(chosen[0]), "y": y(chosen[1]),
                    "title": f"this plan: {human_bytes(chosen[0])} held, +{chosen[1]:.1f}%"},
-        "budget": x(plan.budget) if plan.budget <= most_bytes else None,
+        "budget": x(plan.budget) if plan.budget <= most_bytes and plan.bound == "held" else None,
         "xticks": [{"x": x(most_bytes * k / 4), "label": human_bytes(most_bytes * k / 4)} for k in range(5)],
         "yticks": [{"y": y(most_compute * k / 4), "label": f"{most_compute * k / 4:.0f}%"} for k in range(5)],
     }
