@@ -194,7 +194,7 @@ class Plan:
                     chosen = self._at(points[index], budget_bytes)
             if peaks:
                 chosen.peak_bytes = peak_of(points[index])
-                chosen.unplanned_peak_bytes = peak_of(points[0])
+                chosen.unplanned_peak_bytes = peak_of(None)
                 ceiling = chosen.peak_bytes
             found[budget_bytes] = chosen
             start = index
@@ -937,9 +937,10 @@ def plan(
                 measured[key] = _step(model_ref(), inputs, trainable, frozen, report.target, applied)
         return measured[key][1]
 
-    def peak_of(point: Point) -> int:
-        paths_run = tuple(chain_blocks[i].path for i in sorted(point.chosen))
-        selective_run = tuple(chain_blocks[i].path for i in sorted(point.selective))
+    def peak_of(point: Optional[Point]) -> int:
+        """The measured peak of a frontier point's step (None: of the unplanned step)."""
+        paths_run = tuple(chain_blocks[i].path for i in sorted(point.chosen)) if point is not None else ()
+        selective_run = tuple(chain_blocks[i].path for i in sorted(point.selective)) if point is not None else ()
         return measure((paths_run, selective_run), planned(paths_run, selective_run),
                        f"{len(paths_run)} of {len(chain_blocks)} blocks checkpointed")
 
@@ -952,7 +953,7 @@ def plan(
     result._solved = (*result._solved, peak_of)
     if measure_peak:
         result.peak_bytes = peak_of(result._point)
-        result.unplanned_peak_bytes = peak_of(points[0])
+        result.unplanned_peak_bytes = peak_of(None)  # (the frontier's first point may recompute for free)
         result.baselines = tuple(dataclasses.replace(b, peak_bytes=measure(
             (b.name,), applying[b.name], b.name) if b.name in applying else measure(
             (b.checkpointed, ()), planned(b.checkpointed), b.name)) for b in result.baselines)
