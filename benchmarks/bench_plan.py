@@ -6,6 +6,8 @@
 
 For each model and budget (90/70/50/30/10% of the unplanned held bytes):
 - predicted held bytes (``plan.held_bytes``) against a re-audit of the planned model (must be equal);
+- on the CPU stacks, the peak the same model planned on the meta device predicts against the CPU's
+  measured peak at the 30% budget (goal: the same plan, within 2%);
 - the plan's extra FLOPs against the baselines a user would otherwise pick (every layer, every n-th
   layer) that hold at most as much: goal, never more than any of them; and against the plan that
   checkpoints whole blocks only (``selective=False``: what op-level checkpointing saves);
@@ -41,15 +43,22 @@ import torch
 FRACTIONS = (0.9, 0.7, 0.5, 0.3, 0.1)
 
 
-def llama_stack(layers: int):
+def llama_stack(layers: int, device: str = "cpu", fused: bool = False):
     import transformers
 
     torch.manual_seed(0)
+    extra = {}
+    if fused:  # llama_probe's fused causal attention: no mask built, so nothing reads values on meta
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+        import llama_probe
+
+        extra["attn_implementation"] = llama_probe.register_flash_attention()
     config = transformers.LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=layers,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
-                                      use_cache=False)
-    model = transformers.LlamaForCausalLM(config).train()
-    return model, {"input_ids": torch.randint(0, 1000, (2, 256))}
+                                      use_cache=False, **extra)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).train()
+    return model, {"input_ids": torch.randint(0, 1000, (2, 256)).to(device)}
 
 
 def wide_llama_stack(layers: int):
@@ -79,6 +88,23 @@ def bench_op_level(name: str, model, inputs, runs: int) -> None:
     print(f"  {name}: plain {median['plain'] * 1e3:.0f} ms; every layer whole {median['whole'] / median['plain']:.2f}x, "
           f"op by op {median['op level'] / median['plain']:.2f}x, plain again "
           f"{median['plain again'] / median['plain']:.2f}x (noise)")
+
+
+def bench_meta_prediction(layers: int) -> bool:
+    import gradaudit
+    from gradaudit.planning import plan
+    from gradaudit.report.units import human_bytes
+
+    model, inputs = llama_stack(layers, fused=True)
+    budget = int(gradaudit.audit(model, inputs).saved_bytes * 0.3)
+    measured = plan(model, inputs, budget)
+    predicted = plan(*llama_stack(layers, "meta", fused=True), budget)
+    same = predicted.checkpointed == measured.checkpointed and predicted.selective == measured.selective
+    ratio = predicted.peak_bytes / measured.peak_bytes
+    print(f"  {layers} layers: {'the same plan' if same else 'ANOTHER PLAN'}, peak on meta "
+          f"{human_bytes(predicted.peak_bytes)}, on CPU {human_bytes(measured.peak_bytes)} ({ratio:.4f}x; goal: "
+          f"within 2%)")
+    return same and abs(ratio - 1) <= 0.02
 
 
 def llama_80_on_meta():
@@ -235,6 +261,10 @@ def main() -> int:
         model, inputs = llama_stack(layers)
         ok &= bench(f"Llama-style stack, {layers} layers, hidden 128, batch 2 x 256 tokens, CPU", model, inputs,
                     timed=True, runs=options.runs)
+    print("\npeak predicted on meta against measured on CPU (the same stack with fused causal attention, planned "
+          "at 30% of its held bytes on each device)")
+    for layers in (4, 16):
+        ok &= bench_meta_prediction(layers)
     if not options.quick:
         print(f"\nstep time, every layer checkpointed whole or op by op (CPU, one thread, medians of {options.runs} "
               f"interleaved runs)")
