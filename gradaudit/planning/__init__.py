@@ -159,8 +159,10 @@ class Plan:
     _point: Any = field(default=None, repr=False, compare=False)  # its frontier point
 
     def for_budget(self, budget: Union[int, str]) -> "Plan":
-        """The plan for another budget, from the same audit and frontier (instant: nothing runs
-        again; its peak is not measured). Raises BudgetError when nothing fits."""
+        """The plan for another budget, from the same audit and frontier: instant (nothing runs
+        again, its peak is not measured), except with ``bound="peak"``, which measures the peaks
+        its bisection probes (steps already measured are not run again). Raises BudgetError when
+        nothing fits."""
         from ..loading import parse_size
 
         budget_bytes = _budget_bytes(budget, parse_size)
