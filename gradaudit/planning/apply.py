@@ -86,6 +86,30 @@ def _context_fn(policy: str, caches: Optional[list[Any]]) -> Optional[Callable[[
     return contexts
 
 
+class Forwards:
+    """Modules given another ``forward`` (an instance attribute, which ``nn.Module.__call__``
+    uses), and each put back as it was by ``restore()``: the class's forward again, or the instance
+    attribute the module had before."""
+
+    def __init__(self) -> None:
+        self._replaced: list[tuple[nn.Module, Any]] = []  # (module, the instance 'forward' it had, if any)
+
+    def replace(self, module: nn.Module, forward: Callable[..., Any]) -> None:
+        self._replaced.append((module, module.__dict__.get("forward")))
+        module.forward = forward
+
+    def restore(self) -> None:
+        for module, own in reversed(self._replaced):
+            if own is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = own
+        self._replaced.clear()
+
+    def __bool__(self) -> bool:
+        return bool(self._replaced)
+
+
 @contextlib.contextmanager
 def _statistics_kept(norms: list[nn.Module]) -> Iterator[None]:
     """Train-mode batch norms run as usual (same kernel, same saves: checkpoint checks that the
@@ -197,26 +221,19 @@ class PlanHandle:
             from ..trimming import trim as install_trim
 
             self.trim_handle = install_trim(model, bitpack=trim)
-        # (module, the instance attribute 'forward' it had, if any)
-        self._wrapped: list[tuple[nn.Module, Any]] = []
+        self._forwards = Forwards()
         for path in paths:
             module = modules[path]
-            own = module.__dict__.get("forward")
-            module.forward = _checkpointed(module, module.forward, self.policies[path], self.caches.get(path))
-            self._wrapped.append((module, own))
+            self._forwards.replace(module, _checkpointed(module, module.forward, self.policies[path],
+                                                         self.caches.get(path)))
         _PLANNED[model] = self
 
     @property
     def installed(self) -> bool:
-        return bool(self._wrapped) or self.trim_handle is not None
+        return bool(self._forwards) or self.trim_handle is not None
 
     def remove(self) -> None:
-        for module, own in self._wrapped:
-            if own is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = own
-        self._wrapped.clear()
+        self._forwards.restore()
         if self.trim_handle is not None:
             self.trim_handle.remove()
             self.trim_handle = None

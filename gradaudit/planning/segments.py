@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import torchapi
 from ..errors import GradauditError
+from .apply import Forwards
 
 
 def sequential_parent(model: nn.Module, paths: Sequence[str]) -> Optional[str]:
@@ -74,15 +75,12 @@ def segmented(container: nn.Sequential, segments: int) -> Iterator[list[tuple[in
             x = checkpoint(run(first, last), x, use_reentrant=False, preserve_rng_state=True)
         return run(*ranges[-1])(x)
 
-    own = container.__dict__.get("forward")
-    container.forward = forward
+    forwards = Forwards()
+    forwards.replace(container, forward)
     try:
         yield ranges
     finally:
-        if own is None:
-            container.__dict__.pop("forward", None)
-        else:
-            container.forward = own
+        forwards.restore()
 
 
 # -- a stack a model's own loop runs (Hugging Face layers in an nn.ModuleList) ---------------------
@@ -174,16 +172,12 @@ def loop_segmented(modules: Sequence[nn.Module], segments: int) -> Iterator[list
 
         return forward
 
-    own = [m.__dict__.get("forward") for m in modules]
+    forwards = Forwards()
     for segment, (first, last) in enumerate(ranges[:-1]):
-        modules[first].forward = first_of(segment, first, last)
+        forwards.replace(modules[first], first_of(segment, first, last))
         for k in range(first + 1, last + 1):
-            modules[k].forward = handed_on(segment, k)
+            forwards.replace(modules[k], handed_on(segment, k))
     try:
         yield ranges
     finally:
-        for module, forward in zip(modules, own):
-            if forward is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = forward
+        forwards.restore()
