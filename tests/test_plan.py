@@ -59,19 +59,26 @@ def assert_exact_and_identical(model: nn.Module, inputs, fraction: float, traina
         planned = gradaudit.audit(model, inputs, trainable=trainable)
     assert planned.saved_bytes == chosen.held_bytes
     if trainable is None:
-        state = copy.deepcopy(model.state_dict())
-        expected_grads, expected_buffers = step(model, inputs)
-        model.load_state_dict(state)
-        with chosen.apply(model):
-            independent = held_bytes_after_forward(model, inputs)
-            model.load_state_dict(state)  # (that forward updated batch-norm statistics)
-            grads, buffers = step(model, inputs)
-        model.load_state_dict(state)
-        assert independent == chosen.held_bytes
-        assert grads.keys() == expected_grads.keys()
-        assert all(torch.equal(grads[k], expected_grads[k]) for k in grads)
-        assert all(torch.equal(buffers[k], expected_buffers[k]) for k in buffers)
+        assert_step_held_and_identical(model, inputs, chosen)
     return planned
+
+
+def assert_step_held_and_identical(model: nn.Module, inputs, chosen) -> None:
+    """With ``chosen`` applied, the storage tracker holds exactly plan.held_bytes after the forward,
+    and one training step gives gradients and buffers (batch-norm statistics) bit-identical to the
+    plain step's; the model's state is put back after each step."""
+    state = copy.deepcopy(model.state_dict())
+    expected_grads, expected_buffers = step(model, inputs)
+    model.load_state_dict(state)
+    with chosen.apply(model):
+        independent = held_bytes_after_forward(model, inputs)
+        model.load_state_dict(state)  # (that forward updated batch-norm statistics)
+        grads, buffers = step(model, inputs)
+    model.load_state_dict(state)
+    assert independent == chosen.held_bytes
+    assert expected_grads and grads.keys() == expected_grads.keys()
+    assert all(torch.equal(grads[k], expected_grads[k]) for k in grads)
+    assert all(torch.equal(buffers[k], expected_buffers[k]) for k in buffers)
 
 
 # -- the figures are exact --------------------------------------------------------------------------
@@ -1173,18 +1180,7 @@ def assert_trimmed_plan_exact_and_identical(model: nn.Module, inputs, fraction: 
     held = planned.saved_bytes - planned.reclaimable_with_bitpacking_bytes
     assert held == chosen.held_bytes and any(f"= {held} bytes" in note for note in planned.notes)
     if trainable is None:
-        state = copy.deepcopy(model.state_dict())
-        expected_grads, expected_buffers = step(model, inputs)
-        model.load_state_dict(state)
-        with chosen.apply(model):
-            independent = held_bytes_after_forward(model, inputs)
-            model.load_state_dict(state)
-            grads, buffers = step(model, inputs)
-        model.load_state_dict(state)
-        assert independent == chosen.held_bytes
-        assert expected_grads and grads.keys() == expected_grads.keys()
-        assert all(torch.equal(grads[k], expected_grads[k]) for k in grads)
-        assert all(torch.equal(buffers[k], expected_buffers[k]) for k in buffers)
+        assert_step_held_and_identical(model, inputs, chosen)
     return chosen
 
 
@@ -1279,14 +1275,9 @@ def test_plan_on_top_of_trim_with_nothing_to_trim_equals_the_plain_plan(tiny_hf_
     assert [getattr(trimmed, f) for f in figures] == [getattr(plain, f) for f in figures]
     assert [b.to_dict() for b in trimmed.baselines] == [b.to_dict() for b in plain.baselines]
     assert trimmed.trimmed and not plain.trimmed and plain.to_dict()["trim"] is None
-    state = copy.deepcopy(model.state_dict())
-    expected, _ = step(model, inputs)
-    model.load_state_dict(state)
     with trimmed.apply(model):
         assert gradaudit.audit(model, inputs).saved_bytes == trimmed.held_bytes
-        assert held_bytes_after_forward(model, inputs) == trimmed.held_bytes
-        grads, _ = step(model, inputs)
-    assert grads.keys() == expected.keys() and all(torch.equal(grads[k], expected[k]) for k in grads)
+    assert_step_held_and_identical(model, inputs, trimmed)  # the tracker too, and the gradients
 
 
 @needs_trim

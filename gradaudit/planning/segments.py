@@ -22,9 +22,9 @@ from ..errors import GradauditError
 from .apply import Forwards
 
 
-def sequential_parent(model: nn.Module, paths: Sequence[str]) -> Optional[str]:
-    """The path of the ``nn.Sequential`` whose children are exactly ``paths``, in order, and which
-    runs them with ``nn.Sequential.forward``; None when there is none."""
+def _stack(model: nn.Module, paths: Sequence[str], kind: type) -> Optional[tuple[str, nn.Module]]:
+    """(its path, the container) of the ``kind`` container whose children are exactly ``paths``, in
+    order; None when there is none."""
     if not paths:
         return None
     parent = paths[0].rpartition(".")[0]
@@ -32,12 +32,19 @@ def sequential_parent(model: nn.Module, paths: Sequence[str]) -> Optional[str]:
         container = model.get_submodule(parent) if parent else model
     except AttributeError:
         return None
-    if not isinstance(container, nn.Sequential) or type(container).forward is not nn.Sequential.forward:
-        return None
     prefix = f"{parent}." if parent else ""
-    if [f"{prefix}{name}" for name, _ in container.named_children()] != list(paths):
+    if not isinstance(container, kind) or [f"{prefix}{name}" for name, _ in container.named_children()] != list(paths):
         return None
-    return parent
+    return parent, container
+
+
+def sequential_parent(model: nn.Module, paths: Sequence[str]) -> Optional[str]:
+    """The path of the ``nn.Sequential`` whose children are exactly ``paths``, in order, and which
+    runs them with ``nn.Sequential.forward``; None when there is none."""
+    found = _stack(model, paths, nn.Sequential)
+    if found is None or type(found[1]).forward is not nn.Sequential.forward:
+        return None
+    return found[0]
 
 
 def segment_ranges(n: int, segments: int) -> list[tuple[int, int]]:
@@ -92,16 +99,7 @@ def looped_stack(model: nn.Module, paths: Sequence[str], calls: Sequence[Any]) -
     same other tensors as its predecessor (a mask, position embeddings): the stack a loop such as
     ``for layer in self.layers: hidden = layer(hidden, mask, ...)`` runs. ``calls``: the audit's
     ``Report.module_calls`` of the paths."""
-    if len(paths) < 2:
-        return False
-    parent = paths[0].rpartition(".")[0]
-    try:
-        container = model.get_submodule(parent) if parent else model
-    except AttributeError:
-        return False
-    prefix = f"{parent}." if parent else ""
-    if not isinstance(container, nn.ModuleList) or \
-            [f"{prefix}{name}" for name, _ in container.named_children()] != list(paths):
+    if len(paths) < 2 or _stack(model, paths, nn.ModuleList) is None:
         return False
     if [c.path for c in calls] != list(paths):
         return False
