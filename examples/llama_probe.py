@@ -27,6 +27,9 @@ import torch
 LAYERS, PROBED, SEQUENCE = 80, 40, 2048
 
 
+PADDING = 64  # the batch's sequence ends in this many padding tokens (a padded batch, as collators make)
+
+
 def config(layers: int = LAYERS):
     from transformers import LlamaConfig
 
@@ -34,44 +37,26 @@ def config(layers: int = LAYERS):
     return LlamaConfig(
         vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=layers,
         num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096,
-        torch_dtype=torch.bfloat16, use_cache=False, attn_implementation=register_flash_attention(),
+        torch_dtype=torch.bfloat16, use_cache=False,
     )
 
 
-def flash_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Causal attention through the fused flash kernel, on any device, the meta device included.
-
-    ``F.scaled_dot_product_attention`` on meta takes its math path and would hold the 2048x2048
-    probability matrix of every head, which no GPU flash kernel stores. Calling the fused op directly
-    makes the meta scan hold what a real run holds: query, key, value, output and log-sum-exp.
-    """
-    from transformers.models.llama.modeling_llama import repeat_kv
-
-    groups = module.num_key_value_groups
-    output, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, repeat_kv(key, groups), repeat_kv(value, groups), dropout, True, scale=scaling)
-    return output.transpose(1, 2).contiguous(), None
-
-
-def register_flash_attention() -> str:
-    from transformers import AttentionInterface
-
-    # An attention name transformers has no mask function for: the causal mask is never built, so
-    # nothing reads tensor values (.item()), which the meta device does not have.
-    AttentionInterface.register("gradaudit_fused_causal", flash_attention)
-    return "gradaudit_fused_causal"
-
-
 def build(layers: int = LAYERS, probed: int = PROBED, sequence: int = SEQUENCE):
+    """The stock ``LlamaForCausalLM`` on meta in its training configuration (``use_cache=False``, SDPA
+    attention), with a training batch: token ids, a padded attention mask and labels."""
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):  # no weights are allocated, whatever --device says
-        model = LlamaForCausalLM(config(layers)).to(torch.bfloat16)
-        input_ids = torch.zeros(1, sequence, dtype=torch.long)
+        model = LlamaForCausalLM._from_config(config(layers), attn_implementation="sdpa").to(torch.bfloat16)
+    # the batch as a collator makes it, on the CPU: values decide what the model's mask code does
+    input_ids = torch.zeros(1, sequence, dtype=torch.long)
+    attention_mask = torch.ones(1, sequence, dtype=torch.long)
+    attention_mask[:, sequence - min(PADDING, sequence // 4):] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
     model.requires_grad_(False)
     model.model.layers[probed - 1].requires_grad_(True)
     model.train()
-    return model, {"input_ids": input_ids}
+    return model, {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
 def held_by_layer(report) -> dict[int, dict[str, int]]:

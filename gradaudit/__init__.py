@@ -29,11 +29,13 @@ _LAZY = {
     "Read": ("gradaudit.knowledge", "Read"),
     "Reads": ("gradaudit.knowledge", "Reads"),
     "Bit": ("gradaudit.knowledge", "Bit"),
+    # build a model (and its batch) on meta with the values that can be known kept
+    "meta_device": ("gradaudit.values", "meta_device"),
 }
 
 __all__ = [
     "audit", "trim", "TrimHandle", "plan", "Plan", "PlanHandle", "BudgetError", "assert_no_waste", "declare", "declare_function", "Read", "Reads", "Bit",
-    "Report", "Finding", "SavedTensor", "Disagreement", "SCHEMA_VERSION",
+    "meta_device", "Report", "Finding", "SavedTensor", "Disagreement", "SCHEMA_VERSION",
     "GradauditError", "ForwardError", "NothingRequiresGradError", "UnknownCodeError", "NoMatchingParameterError",
     "__version__",
 ]

@@ -18,7 +18,7 @@ from .records import (
     StorageKind, ModuleCall,
 )
 from .rules.registry import Flag, RuleContext, all_rules, selected
-from .tensors import ModelTree, dtype_name, itemsize, storage_key, tensor_attributes
+from .tensors import ModelTree, dtype_name, first_meta_parameter, itemsize, storage_key, tensor_attributes
 from .torchapi import storage_id
 
 
@@ -324,7 +324,8 @@ def checkpoint_regions(model: torch.nn.Module, recording: Recording,
 
 
 def _device_of(tree: ModelTree, inputs: Sequence[torch.Tensor]) -> str:
-    first = tree.parameters[0][1] if tree.parameters else None  # only the first counts
+    # the first meta parameter if any (a model built on meta may keep a stray CPU parameter)
+    first = first_meta_parameter(p for _, p in tree.parameters)
     if first is None:
         first = next(iter(inputs), None)
     return str(first.device) if first is not None else "cpu"

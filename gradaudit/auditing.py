@@ -20,7 +20,8 @@ from .meta import TARGETS, WithoutAttentionDropout, standing_for
 from .recorder import Recorder
 from .records import Leaf, Manager, Report
 from .rules.registry import check_codes
-from .tensors import ModelTree, iter_tensors, split_inputs, unique
+from .tensors import ModelTree, first_meta_parameter, iter_tensors, split_inputs, unique
+from .values import to_meta
 
 
 def matching_parameters(model: nn.Module, patterns: Sequence[str],
@@ -208,8 +209,12 @@ def audit(
     input_tensors = unique(list(iter_tensors((args, kwargs))))
     # one walk of the module tree serves every stage before the forward, another every stage after it
     tree = ModelTree(model)
-    first_parameter = tree.parameters[0][1] if tree.parameters else None  # only the first is looked at
+    first_parameter = first_meta_parameter(p for _, p in tree.parameters)
     on_meta = runs_on_meta(first_parameter, input_tensors)
+    if on_meta and any(t.device.type != "meta" for t in input_tensors):
+        inputs = to_meta(inputs)
+        args, kwargs = split_inputs(inputs)
+        input_tensors = unique(list(iter_tensors((args, kwargs))))
     if verify and on_meta:
         raise GradauditError("verify=True needs real values; it cannot run on the meta device "
                              "(audit on CPU or GPU, or drop verify)")
@@ -284,9 +289,19 @@ def audit(
     return report
 
 
+def meta_inputs(model: nn.Module, inputs: Any) -> Any:
+    """``inputs`` as an audit of ``model`` runs them: beside a meta model, tensors on a real device
+    (token ids, masks, positions) become meta tensors whose values are kept (``values.to_meta``),
+    since their values decide what the model's code does; otherwise unchanged."""
+    tensors = list(iter_tensors(inputs))
+    if any(t.device.type != "meta" for t in tensors) and runs_on_meta(first_meta_parameter(model.parameters()), tensors):
+        return to_meta(inputs)
+    return inputs
+
+
 def runs_on_meta(first_parameter: Optional[torch.Tensor], input_tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether an audit runs on the meta device: an input or the model's first parameter (only the
-    first is looked at) is a meta tensor."""
+    """Whether an audit runs on the meta device: an input or ``first_parameter`` (the model's first
+    meta parameter, if any) is a meta tensor."""
     tensors = [*input_tensors, *([first_parameter] if first_parameter is not None else [])]
     return any(t.device.type == "meta" for t in tensors)
 
@@ -324,13 +339,14 @@ def _watched(model: nn.Module, watch: Sequence[str], tree: Optional[ModelTree] =
 
 
 def _forward_failure(error: Exception, on_meta: bool) -> str:
-    message = f"the model's forward raised {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-    if on_meta and "meta" in str(error).lower():
+    """Two lines: what failed (the error's own first line, whole), and what to do."""
+    text = str(error).strip()
+    message = f"the model's forward raised {type(error).__name__}: {text.splitlines()[0] if text else ''}"
+    if on_meta and "meta" in text.lower():
         # meta tensors have shapes and dtypes but no values
-        message += (". On the meta device tensors have no values, so code that reads them (Tensor.item(), "
-                    ".tolist(), masks or control flow computed from values) cannot run: audit on CPU with "
-                    "small inputs (the same layers at a shorter sequence or batch), or pass the values the "
-                    "model would compute (an attention_mask, position ids)")
+        message += ("\non the meta device tensors have no values: give the batch's token ids, masks and positions "
+                    "as CPU tensors beside the meta model (gradaudit keeps their values), or audit on CPU with "
+                    "small inputs (the same layers at a shorter sequence or batch)")
     return message
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import textwrap
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -430,13 +431,10 @@ def scan(spec: str, inputs: Optional[str], input_shape: Optional[str], dtype: st
     except (GradauditError, ScanFailed) as error:
         progress.done()
         message = str(error)
-        if isinstance(error, ForwardError):
-            from .loading import first_line
-
-            message = first_line(error)
-            if "meta device" not in message:  # (on meta, the message already says what to do)
-                message += ("\ncheck that the inputs (factory, --inputs or --input-shape) match what the "
-                            "model's forward expects")
+        if isinstance(error, ForwardError) and len(message.splitlines()) < 2:
+            # (on meta, the message's second line already says what to do)
+            message += ("\ncheck that the inputs (factory, --inputs or --input-shape) match what the "
+                        "model's forward expects")
         _fail(message, debug)
     except KeyboardInterrupt:
         progress.done()
@@ -452,10 +450,14 @@ def scan(spec: str, inputs: Optional[str], input_shape: Optional[str], dtype: st
 def _fail(message: str, debug: bool) -> None:
     if debug:
         traceback.print_exc()
+    # what failed, then what to do: each line whole, wrapped to the terminal, never cut
     lines = message.strip().splitlines() or ["failed"]
-    click.echo(f"gradaudit: error: {lines[0]}", err=True)
+    width = max(60, shutil.get_terminal_size((100, 24)).columns - 2)
+    first = textwrap.wrap(f"gradaudit: error: {lines[0]}", width, subsequent_indent="  ", break_on_hyphens=False)
+    click.echo("\n".join(first), err=True)
     for line in lines[1:2]:
-        click.echo(f"  {line}", err=True)
+        click.echo("\n".join(textwrap.wrap(line, width, initial_indent="  ", subsequent_indent="  ",
+                                           break_on_hyphens=False)), err=True)
     sys.exit(EXIT_ERROR)
 
 
@@ -715,9 +717,7 @@ def plan_command(spec: str, budget: tuple[str, ...], inputs: Optional[str], inpu
                         selective=not no_selective, trim=trim, bitpack=not no_bitpack, bound=bound)
     except (GradauditError, ScanFailed) as error:
         progress.done()
-        from .loading import first_line
-
-        _fail(first_line(error) if isinstance(error, ForwardError) else str(error), debug)
+        _fail(str(error), debug)
     except KeyboardInterrupt:
         progress.done()
         click.echo("gradaudit: interrupted", err=True)

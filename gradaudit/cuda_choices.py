@@ -371,7 +371,7 @@ def choose(c: SdpaCall, gpu: Gpu) -> Choice:
 
 # -- running the chosen kernel as attention.cpp calls it -------------------------------------------
 
-def _additive_mask(mask: Optional[torch.Tensor], dtype: torch.dtype, masked_value: float) -> Optional[torch.Tensor]:
+def additive_mask(mask: Optional[torch.Tensor], dtype: torch.dtype, masked_value: float) -> Optional[torch.Tensor]:
     """attention.cpp convert_boolean_attn_mask(_cudnn): a bool mask becomes 0 where attended and
     ``masked_value`` elsewhere, in the query's dtype; a float mask is used as it is."""
     if mask is None or mask.dtype != torch.bool:
@@ -399,7 +399,7 @@ def _efficient_bias(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) 
 def _math_with_fused_dropout(c: SdpaCall) -> torch.Tensor:
     """attention.cpp _scaled_dot_product_attention_math, whose at::dropout is on CUDA the fused
     native_dropout (a bool mask) where the meta device would multiply by a float mask."""
-    mask = _additive_mask(c.attn_mask, c.query.dtype, -math.inf)
+    mask = additive_mask(c.attn_mask, c.query.dtype, -math.inf)
     origin = c.query.dtype
     low_precision_ok = torchapi.math_sdp_low_precision_reduction()
 
@@ -412,7 +412,7 @@ def _math_with_fused_dropout(c: SdpaCall) -> torch.Tensor:
     query = torchapi.mul_scalar(query, -factor if negative else factor)
     if c.is_causal:
         causal = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
-        mask = _additive_mask(causal, query.dtype, -math.inf)
+        mask = additive_mask(causal, query.dtype, -math.inf)
     if c.enable_gqa and not (query.size(-3) == key.size(-3) == value.size(-3)):
         # attention.cpp pre_process_group_query_attention_input
         if query.size(-3) % key.size(-3) or query.size(-3) % value.size(-3):
@@ -441,12 +441,12 @@ def run(c: SdpaCall, kernel: str) -> torch.Tensor:
                                             c.is_causal, scale)
         return out if out.size(-1) == head_dim else out[..., :head_dim]
     if kernel == "efficient":
-        mask = _additive_mask(c.attn_mask, q.dtype, -math.inf)
+        mask = additive_mask(c.attn_mask, q.dtype, -math.inf)
         if mask is not None:
             mask = _efficient_bias(mask, q, k)
         return torchapi.cuda_efficient_attention(q, k, v, mask, c.requires_grad(), c.dropout_p, c.is_causal, c.scale)
     if kernel == "cudnn":
-        mask = _additive_mask(c.attn_mask, q.dtype, -65504.0)
+        mask = additive_mask(c.attn_mask, q.dtype, -65504.0)
         return torchapi.cuda_cudnn_attention(q, k, v, mask, c.requires_grad(), c.dropout_p, c.is_causal, c.scale)
     if c.dropout_p > 0:
         return _math_with_fused_dropout(c)

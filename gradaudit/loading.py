@@ -108,20 +108,23 @@ def load_object(text: str) -> Any:
 
 
 def first_line(error: BaseException) -> str:
+    """The error's first line, whole (the command line wraps long lines; it never cuts them)."""
     text = str(error).strip() or type(error).__name__
-    line = text.splitlines()[0]
-    return line if len(line) <= 300 else line[:297] + "..."
+    return text.splitlines()[0]
 
 
 def call(factory: Callable[[], Any], what: str, device: Optional[str] = None) -> Any:
-    """Call a factory with no arguments; on ``meta`` inside ``torch.device("meta")``."""
-    import torch
+    """Call a factory with no arguments; on ``meta`` inside ``torch.device("meta")``, where the
+    tensors it makes with known contents (token ids, masks, positions) keep their values
+    (``gradaudit.meta_device``)."""
+
+    from .values import meta_device
 
     if not callable(factory):
         return factory
     try:
         if device == "meta":
-            with torch.device("meta"):
+            with meta_device():
                 return factory()
         return factory()
     except GradauditError:
@@ -201,6 +204,10 @@ def random_input(shape: tuple[int, ...], dtype: Any, device: str, requires_grad:
         return torch.randn(shape, dtype=dtype, device=device).requires_grad_(requires_grad)
     if requires_grad:
         raise LoadError(f"--input-requires-grad needs a floating --dtype, not {dtype}")
+    if device == "meta":  # token ids whose values the model may read: kept beside the meta tensor
+        from .values import to_meta
+
+        return to_meta(torch.zeros(shape, dtype=dtype))
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import cuda_choices, torchapi
+from .values import KnownValues, LiteralsOnMeta
 
 
 def _cpu_twin(t: Any) -> Any:
@@ -160,11 +161,22 @@ class CpuKernelChoices(TorchFunctionMode):
 
     def sdpa_runner(self, bound: dict[str, Any], choice: SdpaChoice) -> Callable[..., torch.Tensor]:
         if choice.kernel == "flash":
-            # the CPU flash kernel takes grouped key/value heads as they are (no repeat)
+            # the CPU flash kernel takes grouped key/value heads as they are (no repeat); attention.cpp
+            # first turns a bool mask into an additive one in the query's dtype (the node saves that)
             return lambda q, k, v, mask, p, causal, scale, gqa: torchapi.cpu_flash_attention(
-                q, k, v, p, causal, attn_mask=mask, scale=scale)
+                q, k, v, p, causal, attn_mask=_cpu_additive_mask(mask, q.dtype), scale=scale)
         return lambda q, k, v, mask, p, causal, scale, gqa: F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+
+def _cpu_additive_mask(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """attention.cpp's convert_boolean_attn_mask as the CPU runs it (seen op by op on torch 2.14):
+    ``where(mask, 0, -inf)`` in the query's dtype; a float mask is used as it is."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    masked = torch.scalar_tensor(float("-inf"), dtype=dtype, device=mask.device)
+    kept = torch.scalar_tensor(0.0, dtype=dtype, device=mask.device)
+    return torch.where(mask, kept, masked)
 
 
 # -- batch norm as CUDA runs it -----------------------------------------------------------------------
@@ -322,6 +334,31 @@ def _dropout_arguments(func: Any, args: tuple, kwargs: dict) -> Optional[tuple[A
 TARGETS = ("cpu", "cuda")
 
 
+class CpuKernelsOnMeta(torchapi.TorchDispatchMode):
+    """Ops whose meta implementation refuses what the CPU kernel accepts: ``_grouped_mm`` (mixture of
+    experts) in float32 or float16, which the meta kernel checks as CUDA would (bfloat16 only). The
+    output is the CPU kernel's: the shape the meta kernel gives for the same call, contiguous, in the
+    inputs' dtype. Dispatched below autograd, so the node and its saves are those of a CPU run."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _GROUPED_MM and _meta_floats_other_than_bf16(args[:2]):
+            as_bf16 = [torch.empty_like(t, dtype=torch.bfloat16) for t in args[:2]]
+            shape = func(*as_bf16, *args[2:], **kwargs).shape
+            dtype = kwargs.get("out_dtype") or args[0].dtype
+            return torch.empty(shape, dtype=dtype, device="meta")
+        return func(*args, **kwargs)
+
+
+_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
+_GROUPED_MM = getattr(_GROUPED_MM, "default", None)
+
+
+def _meta_floats_other_than_bf16(tensors: Any) -> bool:
+    return all(isinstance(t, torch.Tensor) and t.device.type == "meta" and t.is_floating_point()
+               and t.dtype != torch.bfloat16 for t in tensors)
+
+
 def kernel_choices(target: str) -> CpuKernelChoices:
     """The TorchFunctionMode that makes a meta forward choose kernels as ``target`` would."""
     return CudaKernelChoices() if target == "cuda" else CpuKernelChoices()
@@ -331,12 +368,12 @@ class Emulation:
     """What ``standing_for`` entered; ``notes``: what it could not emulate (autocast's, then the
     kernel choices')."""
 
-    def __init__(self, kernels: Any, autocast: "AutocastOnMeta") -> None:
-        self.kernels, self.autocast = kernels, autocast
+    def __init__(self, kernels: Any, autocast: "AutocastOnMeta", values: KnownValues) -> None:
+        self.kernels, self.autocast, self.values = kernels, autocast, values
 
     @property
     def notes(self) -> list[str]:
-        return [*self.autocast.notes, *getattr(self.kernels, "notes", [])]
+        return [*self.autocast.notes, *getattr(self.kernels, "notes", []), *self.values.notes]
 
 
 @contextlib.contextmanager
@@ -350,12 +387,17 @@ def standing_for(target: str, also: Any = None) -> Iterator[Emulation]:
     with contextlib.ExitStack() as stack:
         if target == "cuda":
             stack.enter_context(torchapi.cuda_autocast_without_cuda())
+        else:
+            stack.enter_context(CpuKernelsOnMeta())
+        # above the kernels: it sees what they return (values carried through masks and positions)
+        values = stack.enter_context(KnownValues())
+        stack.enter_context(LiteralsOnMeta())
         kernels = stack.enter_context(kernel_choices(target))
         if also is not None:
             stack.enter_context(also)
         autocast = AutocastOnMeta(target)
         stack.enter_context(autocast)
-        yield Emulation(kernels, autocast)
+        yield Emulation(kernels, autocast, values)
 
 
 # -- autocast on meta -------------------------------------------------------------------------------

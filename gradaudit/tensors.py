@@ -257,3 +257,15 @@ class ModelTree:
                 seen.add(id(value))
                 found.append((f"{prefix}.{name}" if prefix else name, value))
         return found
+
+
+def first_meta_parameter(parameters: Any) -> Optional[torch.Tensor]:
+    """The first meta parameter, else the first parameter (None without any): a model built on meta
+    may keep a stray parameter on the CPU."""
+    first = None
+    for p in parameters:
+        if p.is_meta:
+            return p
+        if first is None:
+            first = p
+    return first

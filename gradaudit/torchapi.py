@@ -20,7 +20,7 @@ import torch
 import torch.utils.checkpoint  # noqa: F401  (its internals are recognised below)
 import torch.utils.hooks  # noqa: F401  (RemovableHandle's id counter: add_forward_hooks)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (the storage trackers' base)
-from torch.utils._pytree import tree_flatten  # noqa: F401
+from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401
 
 from .errors import GradauditError
 from .records import Manager
@@ -459,6 +459,14 @@ def checkpointing_off() -> Iterator[None]:
     finally:
         setattr(_CHECKPOINT, _GENERATOR_NAME, generator)
         _CHECKPOINT.CheckpointFunction = reentrant
+
+
+def without_dispatch_modes() -> Any:
+    """A context in which no TorchDispatchMode sees the ops run (gradaudit's own bookkeeping tensors,
+    which storage trackers must not count)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def function_modes() -> list[Any]:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gradaudit
-from gradaudit import ForwardError, torchapi
+from gradaudit import torchapi
 
 
 def _frozen_mlp():
@@ -49,22 +49,41 @@ def test_eager_audits_what_the_eager_model_keeps(compiled):
     assert eager.saved_bytes == plain.saved_bytes
 
 
-def test_a_value_read_on_meta_says_what_to_do():
-    class ReadsAValue(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
+class ReadsAValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
 
-        def forward(self, x):
-            if x.sum().item() > 0:  # data-dependent, as some attention-mask helpers are
-                return self.fc(x)
-            return self.fc(-x)
+    def forward(self, x):
+        if x.sum().item() > 0:  # expect-read: data-dependent, as some attention-mask helpers are
+            return self.fc(x)
+        return self.fc(-x)  # taken for a sum <= 0: fc saves -x, a new tensor: 2*4 floats * 4 B = 32 B
 
+
+def test_a_value_read_of_a_known_input_is_answered_from_its_values():
+    # a CPU input beside a meta model: its values are kept, so the read takes the branch the CPU takes
+    with torch.device("meta"):
+        model = ReadsAValue()
+    for x in (torch.ones(2, 4), -torch.ones(2, 4)):
+        report = gradaudit.audit(model, x)
+        assert not [n for n in report.notes if "nobody knows" in n]
+        # the first branch saves x itself (an input: alive anyway, 0 B held); the second -x (32 B)
+        assert report.saved_bytes == (32 if x.sum().item() <= 0 else 0)
+
+
+def test_a_value_read_on_meta_without_values_is_assumed_and_said():
+    # a meta input has no values: the read is answered as if the tensor held ones (sum 8 > 0, the
+    # first branch), and a note names the read, its line and the assumption
     with torch.device("meta"):
         model = ReadsAValue()
         x = torch.randn(2, 4)
-    with pytest.raises(ForwardError, match=r"meta device tensors have no values.*audit on CPU with small inputs"):
-        gradaudit.audit(model, x)
+    report = gradaudit.audit(model, x)
+    read = [n for n in report.notes if "nobody knows" in n]
+    line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if "# expect-read" in text)
+    assert len(read) == 1 and "aten._local_scalar_dense" in read[0] and "assumed all ones" in read[0]
+    assert f"test_compiled_and_meta.py:{line}" in read[0]
+    assert report.saved_bytes == 0  # the first branch: fc saves x, an input
+    assert "nobody knows" in gradaudit.audit(model, x).to_dict()["notes"][-1]  # in JSON too
 
 
 MODEL_FILE = '''
@@ -90,6 +109,10 @@ class ReadsAValue(nn.Module):
 
 def reads_a_value():
     return ReadsAValue(), torch.randn(2, 4)
+
+
+def reads_a_known_value():
+    return ReadsAValue(), -torch.ones(2, 4)
 '''
 
 
@@ -116,9 +139,15 @@ def test_scan_eager_audits_a_compiled_factory_op_by_op(tmp_path, monkeypatch):
     assert "GA401" in eager.output and "torch.compile'd region" not in eager.output
 
 
-def test_scan_on_meta_says_values_cannot_be_read_there(tmp_path, monkeypatch):
+def test_scan_on_meta_answers_value_reads_and_says_what_it_assumed(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    # torch.randn on meta has no values: the read is assumed (all ones) and the note says where
     result = _scan(tmp_path, "models.py:reads_a_value", "--device", "meta")
-    assert result.exit_code == 2
-    assert "meta device" in result.output and "audit on CPU" in result.output
-    assert "check that the inputs" not in result.output  # the inputs are not the problem
+    assert result.exit_code == 0, result.output
+    line = MODEL_FILE.splitlines().index("        return self.fc(x) if x.sum().item() > 0 else self.fc(-x)") + 1
+    assert f"nobody knows at models.py:{line}" in " ".join(result.output.split())
+    assert "assumed all ones" in result.output
+    # torch.ones made by the factory on meta keeps its values: the read is answered, no note
+    known = _scan(tmp_path, "models.py:reads_a_known_value", "--device", "meta")
+    assert known.exit_code == 0, known.output
+    assert "nobody knows" not in known.output

@@ -390,10 +390,10 @@ def _as_audited(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, targ
     buffers, RNG state included)."""
     from ..auditing import ModelState, apply_trainable, runs_on_meta
     from ..meta import standing_for
-    from ..tensors import iter_tensors
+    from ..tensors import first_meta_parameter, iter_tensors
 
     tensors = list(iter_tensors(inputs))
-    on_meta = runs_on_meta(next(iter(model.parameters()), None), tensors)
+    on_meta = runs_on_meta(first_meta_parameter(model.parameters()), tensors)
     state = ModelState(model)
     # gradients the caller has are set aside, not accumulated into: backward adds to an existing
     # .grad in place, which putting the same tensor object back would not undo
@@ -764,13 +764,14 @@ def plan(
     Raises BudgetError when no plan of the blocks fits (its ``smallest`` says how low they go).
     The model is left as found; ``Plan.apply(model)`` checkpoints the chosen modules.
     """
-    from ..auditing import audit, runs_on_meta
+    from ..auditing import audit, meta_inputs, runs_on_meta
     from ..loading import parse_size
-    from ..tensors import iter_tensors
+    from ..tensors import first_meta_parameter, iter_tensors
 
     if not isinstance(model, nn.Module):
         raise GradauditError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
-    timing.check_cost(cost, runs_on_meta(next(iter(model.parameters()), None), list(iter_tensors(inputs))))
+    inputs = meta_inputs(model, inputs)  # CPU token ids and masks beside a meta model
+    timing.check_cost(cost, runs_on_meta(first_meta_parameter(model.parameters()), list(iter_tensors(inputs))))
     budget_bytes = _budget_bytes(budget, parse_size)
     if bound not in (HELD_BOUND, PEAK_BOUND):
         raise GradauditError(f"bound must be {HELD_BOUND!r} or {PEAK_BOUND!r}, not {bound!r}")

@@ -1,0 +1,425 @@
+"""Real values beside meta tensors: what a forward on the meta device reads, answered where it can be.
+
+Meta tensors have shapes but no values, and model code reads values while it builds masks and
+positions: Hugging Face's mask helpers call ``padding_mask.all()`` and look for packed sequences in the
+position ids, and a model may take ``.item()`` of an index. Those reads decide what autograd saves
+(whether attention gets a mask, which kernel runs), so an audit on meta must answer them as the CPU
+would.
+
+``Values`` keeps a CPU copy of every meta storage whose contents can be known: written by a
+deterministic factory (``torch.arange``, ``zeros``, ``full``, ``torch.tensor``), given by the user (a CPU
+tensor beside a meta model), or computed by an op from known storages (a mask, position ids). Views
+need nothing: a meta tensor's value is its storage's copy seen through the tensor's own sizes, strides
+and offset. In-place ops are applied to the copy; a write the mode cannot compute, or one made outside
+it (the storage's version counter moved), forgets the copy. Values that follow from the weights
+(anything computed from a parameter) stay unknown: a value read that meets one is answered by an
+assumption the ``Values`` object records (``reads``), which the audit reports as a note.
+
+Only storages up to ``MAX_ELEMENTS`` elements get a copy: masks and indices, not activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+
+from . import torchapi
+from .torchapi import TorchDispatchMode, tree_map
+
+# a copy is kept for storages up to this many elements (a 4 x 4096 mask is 16,384; a causal 4-D mask
+# of 8 x 4096 x 4096 is 134M, and is never read)
+MAX_ELEMENTS = 1 << 20
+
+_aten = torch.ops.aten
+# ops that leave memory uninitialised: their values are unknown, not zeros
+_UNINITIALISED = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
+                  _aten.new_empty.default, _aten.new_empty_strided.default}
+# ops that hand a value to Python (not a tensor): answered from the copy
+_READS = {_aten._local_scalar_dense.default, _aten.is_nonzero.default, _aten.equal.default}
+
+
+@dataclass(frozen=True)
+class ValueRead:
+    """A value read on the meta device that no known value answered, and what was assumed."""
+
+    op: str  # the aten op that read it ("aten._local_scalar_dense", "aten.nonzero", ...)
+    shape: tuple[int, ...]
+    dtype: str
+    assumed: str  # what the audit assumed in its place
+    where: str  # the model's source line that asked, or "unknown"
+
+
+class _Copy:
+    __slots__ = ("meta", "cpu", "version")
+
+    def __init__(self, meta: Any, cpu: Any, version: int) -> None:
+        self.meta, self.cpu, self.version = meta, cpu, version
+
+
+class Values:
+    """The CPU copies of meta storages, process-wide (weakly keyed: a copy dies with its storage)."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, _Copy] = {}
+
+    def _entry(self, t: torch.Tensor) -> Optional[_Copy]:
+        entry = self._copies.get(torchapi.storage_key(t))
+        if entry is None:
+            return None
+        if entry.meta.expired() or entry.version != torchapi.version_counter(t):
+            return None  # the storage died (its address reused) or was written where no copy followed
+        return entry
+
+    def known(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and (t.device.type != "meta" or (
+            t.layout == torch.strided and self._entry(t) is not None))
+
+    def value(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """The CPU tensor holding ``t``'s values (a view of its storage's copy), or None when unknown.
+        A tensor on a real device is its own value."""
+        if t.device.type != "meta":
+            return t
+        if t.layout != torch.strided:
+            return None
+        entry = self._entry(t)
+        if entry is None:
+            return None
+        out = torch.empty(0, dtype=t.dtype, device="cpu")
+        return out.set_(entry.cpu, t.storage_offset(), t.size(), t.stride())
+
+    def remember(self, meta: torch.Tensor, cpu: torch.Tensor) -> None:
+        """Keep ``cpu``'s values as those of ``meta``'s storage (same shape); over the size limit, nothing."""
+        if meta.device.type != "meta" or meta.layout != torch.strided:
+            return
+        storage = meta.untyped_storage()
+        if storage.nbytes() > MAX_ELEMENTS * max(meta.element_size(), 1):
+            return
+        copy = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu").untyped_storage()
+        view = torch.empty(0, dtype=meta.dtype, device="cpu").set_(copy, meta.storage_offset(), meta.size(), meta.stride())
+        with torch.no_grad():
+            view.copy_(cpu.detach())
+        self._copies[torchapi.storage_key(meta)] = _Copy(StorageWeakRef(storage), copy,
+                                                         torchapi.version_counter(meta))
+
+    def written(self, meta: torch.Tensor) -> None:
+        """``meta``'s storage was written and its copy followed: take its new version."""
+        entry = self._copies.get(torchapi.storage_key(meta))
+        if entry is not None:
+            entry.version = torchapi.version_counter(meta)
+
+    def forget(self, meta: torch.Tensor) -> None:
+        self._copies.pop(torchapi.storage_key(meta), None)
+
+    def prune(self) -> None:
+        for key in [k for k, entry in self._copies.items() if entry.meta.expired()]:
+            del self._copies[key]
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+
+VALUES = Values()
+
+
+def _meta_tensors(values: list) -> list[torch.Tensor]:
+    return [v for v in values if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.device) and value.type == "meta":
+        return torch.device("cpu")
+    if isinstance(value, str) and value == "meta":
+        return "cpu"
+    return value
+
+
+class KnownValues(TorchDispatchMode):
+    """Carries values through a forward (or a factory) on meta: every op whose inputs are all known
+    is also run on their CPU copies; value reads are answered from the copies.
+
+    A read of a value nobody knows (one that follows from the weights, or a meta input built without
+    this mode) is answered as if the tensor held ones, the convention of torch's own meta ``nonzero``
+    fallback: ``mask.all()`` is True, ``nonzero`` finds every element, ``.item()`` gives 1. Each such
+    read is recorded (``reads``) with the model's source line that asked, and the audit reports it.
+    With ``assume=False`` the read raises as meta does.
+    """
+
+    def __init__(self, values: Values = VALUES, assume: bool = True) -> None:
+        super().__init__()
+        self.values = values
+        self.assume = assume
+        self.reads: list[ValueRead] = []
+        self._written: list[torch.Tensor] = []  # in-place targets whose version moves after the op
+
+    @property
+    def notes(self) -> list[str]:
+        """One note per distinct unknown read: which, where, what was assumed."""
+        seen: dict[tuple[str, str, str], int] = {}
+        for read in self.reads:
+            key = (read.op, read.where, read.dtype)
+            seen[key] = seen.get(key, 0) + 1
+        notes = []
+        for (op, where, dtype), count in seen.items():
+            times = f" ({count} times)" if count > 1 else ""
+            notes.append(f"on meta, {op} read the values of a {dtype} tensor nobody knows at {where}{times} (they follow "
+                         f"from the weights, or from a meta input without values): assumed all ones; what autograd "
+                         f"saves after that point may depend on it. Pass the real values (CPU tensors beside the meta "
+                         f"model) to remove the assumption")
+        return notes
+
+    def _assumed(self, func: Any, t: torch.Tensor) -> torch.Tensor:
+        from .recorder import user_source_line  # noqa: WPS433 (the read's site, only when one is assumed)
+
+        where = user_source_line(sys._getframe(1)) or "unknown"
+        self.reads.append(ValueRead(str(func).removesuffix(".default"), tuple(t.shape),
+                                    str(t.dtype).removeprefix("torch."), "all ones", where))
+        return torch.ones(t.shape, dtype=t.dtype, device="cpu")
+
+    def __enter__(self) -> "KnownValues":
+        self.values.prune()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        self._settle()
+        return super().__exit__(*exc)
+
+    def _settle(self) -> None:
+        # autograd bumps an in-place target's version after the op returns: take it now
+        for t in self._written:
+            self.values.written(t)
+        self._written.clear()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self._settle()
+        flat = _tensors_of(args, kwargs)
+        metas = _meta_tensors(flat)
+        if not metas and not _factory(func, kwargs):
+            return func(*args, **kwargs)  # nothing on meta reaches it
+        if metas and (func in _READS or torch.Tag.data_dependent_output in func.tags
+                      or (func is _aten._to_copy.default and _leaves_meta(kwargs.get("device")))):
+            return self._read(func, args, kwargs, flat)
+        known = all(self.values.known(t) for t in flat if isinstance(t, torch.Tensor))
+        try:
+            out = func(*args, **kwargs)
+        except (NotImplementedError, RuntimeError):
+            if not (metas and torch.Tag.dynamic_output_shape in func.tags):
+                raise
+            # nonzero, masked_select, unique, indexing with a bool mask: the output's shape depends
+            # on values, which meta does not have
+            return self._data_dependent(func, args, kwargs, flat, known)
+        if known and func not in _UNINITIALISED and not _random(func):
+            self._follow(func, args, kwargs, out)
+        else:
+            for t in _written_arguments(func, args, kwargs):
+                self.values.forget(t)
+        return out
+
+    def _cpu_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        def swap(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                return self.values.value(v)
+            return _to_cpu(v)
+
+        cpu_args = tree_map(swap, args)
+        cpu_kwargs = tree_map(swap, kwargs)
+        return func(*cpu_args, **cpu_kwargs)
+
+    def _follow(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        written = _written_arguments(func, args, kwargs)
+        outs = _meta_tensors(_outputs(out))
+        fresh = [t for t in outs if not self.values.known(t)]
+        if not written and not fresh:
+            return  # a view of known storage: nothing to compute
+        if any(t.numel() > MAX_ELEMENTS for t in fresh + written):
+            for t in written:
+                self.values.forget(t)
+            return
+        try:
+            with torch.no_grad():
+                cpu_out = self._cpu_call(func, args, kwargs)
+        except Exception:  # noqa: BLE001  (the op's CPU kernel refuses what meta accepted: stay unknown)
+            for t in written:
+                self.values.forget(t)
+            return
+        self._written.extend(written)
+        cpu_outs = _outputs(cpu_out)
+        meta_outs = _outputs(out)
+        if len(cpu_outs) != len(meta_outs):
+            return
+        for meta, cpu in zip(meta_outs, cpu_outs):
+            if meta.device.type == "meta" and not self.values.known(meta) and meta.shape == cpu.shape:
+                self.values.remember(meta, cpu)
+
+    def _read(self, func: Any, args: tuple, kwargs: dict, flat: list) -> Any:
+        metas = _meta_tensors(flat)
+        if all(self.values.known(t) for t in metas):
+            return self._cpu_call(func, args, kwargs)
+        if not self.assume:
+            return func(*args, **kwargs)  # raises as meta does
+        substitutes = {id(t): (self.values.value(t) if self.values.known(t) else self._assumed(func, t))
+                       for t in metas}
+
+        def swap(v: Any) -> Any:
+            if isinstance(v, torch.Tensor) and id(v) in substitutes:
+                return substitutes[id(v)]
+            return _to_cpu(v)
+
+        return func(*tree_map(swap, args), **tree_map(swap, kwargs))
+
+    def _data_dependent(self, func: Any, args: tuple, kwargs: dict, flat: list, known: bool) -> Any:
+        if not known:
+            if not self.assume:
+                return func(*args, **kwargs)  # raises as meta does
+            for t in _meta_tensors(flat):
+                if not self.values.known(t):
+                    self.values.remember(t, self._assumed(func, t))
+        with torch.no_grad():
+            cpu_out = self._cpu_call(func, args, kwargs)
+
+        def as_meta(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor):
+                return v
+            meta = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device="meta")
+            self.values.remember(meta, v)
+            return meta
+
+        return tree_map(as_meta, cpu_out)
+
+
+def _leaves_meta(device: Any) -> bool:
+    """Whether a ``device=`` argument names a real device (a copy out of meta reads values)."""
+    return device is not None and torch.device(device).type != "meta"
+
+
+def _factory(func: Any, kwargs: dict) -> bool:
+    """An op with no tensor arguments that makes a tensor on meta (arange, zeros, full)."""
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type == "meta"
+
+
+def _random(func: Any) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+
+
+def _tensors_of(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments (tensors, lists of tensors: an op's schema nests no
+    deeper), faster than a pytree walk on every op of a forward."""
+    found = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
+
+
+def _outputs(out: Any) -> list[torch.Tensor]:
+    return _tensors_of(tuple(out) if isinstance(out, (tuple, list)) else (out,), {})
+
+
+_MUTABLE: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The meta tensors ``func`` writes in place (its schema's mutable arguments)."""
+    mutable = _MUTABLE.get(func)
+    if mutable is None:
+        mutable = _MUTABLE[func] = tuple(
+            (i, argument.name) for i, argument in enumerate(func._schema.arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write)
+    written = []
+    for i, name in mutable:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        for t in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                written.append(t)
+    return written
+
+
+class LiteralsOnMeta(TorchFunctionMode):
+    """``torch.tensor(...)`` / ``torch.as_tensor(...)`` on meta, and a list used as an index
+    (``ids[:, [-1, 0]]``), build a CPU tensor and move it without an op a dispatch mode sees: build it
+    on CPU here, and keep its values beside the meta tensor (an index list stays a CPU tensor, which
+    indexing a meta tensor accepts)."""
+
+    def __init__(self, values: Values = VALUES) -> None:
+        super().__init__()
+        self.values = values
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _INDEXING and len(args) > 1 and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            args = (args[0], _lists_as_tensors(args[1]), *args[2:])
+            return func(*args, **kwargs)
+        if func in (torch.tensor, torch.as_tensor):
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.device.type == "meta" and out.numel() <= MAX_ELEMENTS:
+                cpu_kwargs = dict(kwargs, device="cpu")
+                cpu_kwargs.pop("requires_grad", None)
+                # the copy is gradaudit's bookkeeping: no storage tracker may count it
+                with torchapi.without_dispatch_modes():
+                    try:
+                        cpu = func(*args, **cpu_kwargs)
+                    except Exception:  # noqa: BLE001  (stays unknown)
+                        return out
+                    self.values.remember(out, cpu)
+            return out
+        return func(*args, **kwargs)
+
+
+def to_meta(inputs: Any, values: Values = VALUES) -> Any:
+    """``inputs`` with every tensor on a real device replaced by a meta tensor of the same shape,
+    strides, dtype and requires_grad whose values are kept (CPU token ids, masks, positions beside a
+    meta model). Meta tensors, and everything that is not a tensor, stay as they are."""
+    def move(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return t
+        meta = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+        values.remember(meta, t)
+        return meta.requires_grad_(t.requires_grad) if t.requires_grad else meta
+
+    return tree_map(move, inputs)
+
+
+def knowing_values() -> Any:
+    """The modes that give meta tensors made meanwhile their values where they can be known (a
+    factory building the model and its inputs on meta)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(KnownValues())
+    stack.enter_context(LiteralsOnMeta())
+    return stack
+
+
+@contextlib.contextmanager
+def meta_device() -> Iterator[None]:
+    """``with gradaudit.meta_device(): model = build()``: ``torch.device("meta")`` for building a model
+    and its batch without memory, where tensors whose contents can be known (``torch.arange``,
+    ``zeros``, ``torch.tensor``, what is computed from them) keep their values: constructors that
+    read them (torchvision's RegNet sizes its stages with ``.tolist()``) work, and a batch made inside
+    (a padded mask) is audited as its values say. ``gradaudit scan --device meta`` builds this way."""
+    with torch.device("meta"), knowing_values():
+        yield
+
+
+_INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        (isinstance(v, (int, bool)) and not isinstance(v, torch.Tensor)) or _int_list(v) for v in value)
+
+
+def _lists_as_tensors(index: Any) -> Any:
+    """An index with its lists of ints or bools as CPU tensors (the same advanced indexing)."""
+    if _int_list(index):
+        return torch.tensor(index, device="cpu")
+    if isinstance(index, tuple):
+        return tuple(torch.tensor(i, device="cpu") if _int_list(i) else i for i in index)
+    return index
