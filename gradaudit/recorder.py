@@ -190,7 +190,11 @@ class AttentionCalls(TorchFunctionMode):
         return out
 
     def call_of(self, sequence: int) -> Optional[AttentionCall]:
-        for start, end, call in self.calls:
+        # calls are recorded in sequence order and do not overlap: the last one starting at or
+        # before ``sequence`` is the only candidate (asked once per node: no linear scan)
+        i = bisect.bisect_right(self.calls, sequence, key=lambda entry: entry[0]) - 1
+        if i >= 0:
+            start, end, call = self.calls[i]
             if start <= sequence < end:
                 return call
         return None

@@ -77,7 +77,7 @@ class Values:
         return entry
 
     def known(self, t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and (t.device.type != "meta" or (
+        return isinstance(t, torch.Tensor) and (not t.is_meta or (
             t.layout == torch.strided and self._entry(t) is not None))
 
     def value(self, t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -128,7 +128,7 @@ VALUES = Values()
 
 
 def _meta_tensors(values: list) -> list[torch.Tensor]:
-    return [v for v in values if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+    return [v for v in values if isinstance(v, torch.Tensor) and v.is_meta]
 
 
 def _to_cpu(value: Any) -> Any:
@@ -197,7 +197,8 @@ class KnownValues(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        self._settle()
+        if self._written:
+            self._settle()
         flat = _tensors_of(args, kwargs)
         metas = _meta_tensors(flat)
         if not metas and not _factory(func, kwargs):
@@ -338,7 +339,7 @@ def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tenso
     for i, name in mutable:
         value = args[i] if i < len(args) else kwargs.get(name)
         for t in (value if isinstance(value, (list, tuple)) else (value,)):
-            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            if isinstance(t, torch.Tensor) and t.is_meta:
                 written.append(t)
     return written
 
