@@ -113,6 +113,15 @@ def reads_a_value():
 
 def reads_a_known_value():
     return ReadsAValue(), -torch.ones(2, 4)
+
+
+class RaisesLong(nn.Module):
+    def forward(self, x):
+        raise RuntimeError("the layer needs " + " ".join(f"word{i}" for i in range(80)) + " END")
+
+
+def raises_long():
+    return RaisesLong(), torch.ones(2, 4)
 '''
 
 
@@ -151,3 +160,13 @@ def test_scan_on_meta_answers_value_reads_and_says_what_it_assumed(tmp_path, mon
     known = _scan(tmp_path, "models.py:reads_a_known_value", "--device", "meta")
     assert known.exit_code == 0, known.output
     assert "nobody knows" not in known.output
+
+def test_a_long_error_wraps_and_is_never_cut(tmp_path, monkeypatch):
+    # the first line says what failed (whole, wrapped), the next what to do
+    monkeypatch.chdir(tmp_path)
+    result = _scan(tmp_path, "models.py:raises_long")
+    assert result.exit_code == 2
+    text = " ".join(result.output.split())
+    assert "the layer needs " + " ".join(f"word{i}" for i in range(80)) + " END" in text
+    assert "check that the inputs" in text
+    assert all(len(line) <= 120 for line in result.output.splitlines())

@@ -147,3 +147,19 @@ def test_scan_of_a_stock_decoder_on_meta_equals_the_cpu_scan(tmp_path, monkeypat
            [(t["node"], t["attr"], t["shape"], t["nbytes"]) for t in cpu["tensors"]]
     # the padded row made the mask helpers build a 2 x 1 x 12 x 12 mask, which attention saves
     assert any(t["attr"] == "attn_mask" and t["shape"] == [BATCH, 1, SEQ, SEQ] for t in meta["tensors"])
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"])
+def test_packed_sequences_on_meta_equal_the_cpu(name):
+    # two sequences packed in each row (position ids restart at 0, no attention mask): the model
+    # finds the packing from the position ids' values and builds a block-diagonal mask, on meta too
+    arch = next(a for a in ARCHS if a.model == name)
+    positions = torch.cat([torch.arange(7), torch.arange(SEQ - 7)]).repeat(BATCH, 1)
+    packed = {"input_ids": batch(arch, False)["input_ids"], "position_ids": positions,
+              "labels": batch(arch, False)["labels"]}
+    on_cpu = gradaudit.audit(build_model(arch, transformers), packed)
+    on_meta = gradaudit.audit(build_model(arch, transformers, device="meta"), packed)
+    assert not [n for n in on_meta.notes if "nobody knows" in n]
+    assert _figures(on_meta) == _figures(on_cpu)
+    # the packing made a mask, which attention saves (as the CPU run does)
+    assert any(t.attr == "attn_mask" for t in on_meta.tensors)
