@@ -55,6 +55,11 @@ class ValueRead:
     where: str  # the model's source line that asked, or "unknown"
 
 
+def _version(t: torch.Tensor) -> int:
+    # inference-mode tensors keep no version counter (and cannot be written outside inference mode)
+    return -1 if t.is_inference() else torchapi.version_counter(t)
+
+
 class _Copy:
     __slots__ = ("meta", "cpu", "version")
 
@@ -72,7 +77,7 @@ class Values:
         entry = self._copies.get(torchapi.storage_key(t))
         if entry is None:
             return None
-        if entry.meta.expired() or entry.version != torchapi.version_counter(t):
+        if entry.meta.expired() or entry.version != _version(t):
             return None  # the storage died (its address reused) or was written where no copy followed
         return entry
 
@@ -105,13 +110,13 @@ class Values:
         with torch.no_grad():
             view.copy_(cpu.detach())
         self._copies[torchapi.storage_key(meta)] = _Copy(StorageWeakRef(storage), copy,
-                                                         torchapi.version_counter(meta))
+                                                         _version(meta))
 
     def written(self, meta: torch.Tensor) -> None:
         """``meta``'s storage was written and its copy followed: take its new version."""
         entry = self._copies.get(torchapi.storage_key(meta))
         if entry is not None:
-            entry.version = torchapi.version_counter(meta)
+            entry.version = _version(meta)
 
     def forget(self, meta: torch.Tensor) -> None:
         self._copies.pop(torchapi.storage_key(meta), None)
@@ -255,40 +260,42 @@ class KnownValues(TorchDispatchMode):
         if len(cpu_outs) != len(meta_outs):
             return
         for meta, cpu in zip(meta_outs, cpu_outs):
-            if meta.device.type == "meta" and not self.values.known(meta) and meta.shape == cpu.shape:
+            if meta.is_meta and not self.values.known(meta) and meta.shape == cpu.shape:
                 self.values.remember(meta, cpu)
 
     def _read(self, func: Any, args: tuple, kwargs: dict, flat: list) -> Any:
-        metas = _meta_tensors(flat)
-        if all(self.values.known(t) for t in metas):
-            return self._cpu_call(func, args, kwargs)
-        if not self.assume:
+        if not self.assume and not all(self.values.known(t) for t in _meta_tensors(flat)):
             return func(*args, **kwargs)  # raises as meta does
-        substitutes = {id(t): (self.values.value(t) if self.values.known(t) else self._assumed(func, t))
-                       for t in metas}
+        return self._with_values(func, args, kwargs, flat)
+
+    def _with_values(self, func: Any, args: tuple, kwargs: dict, flat: list) -> Any:
+        """``func`` run on the CPU values of its meta arguments; an unknown one is assumed (and
+        recorded), for this call only: nothing computed from an assumption is remembered as known."""
+        substitutes = {}
+        for t in _meta_tensors(flat):
+            if id(t) not in substitutes:
+                value = self.values.value(t)
+                substitutes[id(t)] = value if value is not None else self._assumed(func, t)
 
         def swap(v: Any) -> Any:
             if isinstance(v, torch.Tensor) and id(v) in substitutes:
                 return substitutes[id(v)]
             return _to_cpu(v)
 
-        return func(*tree_map(swap, args), **tree_map(swap, kwargs))
+        with torch.no_grad():
+            return func(*tree_map(swap, args), **tree_map(swap, kwargs))
 
     def _data_dependent(self, func: Any, args: tuple, kwargs: dict, flat: list, known: bool) -> Any:
-        if not known:
-            if not self.assume:
-                return func(*args, **kwargs)  # raises as meta does
-            for t in _meta_tensors(flat):
-                if not self.values.known(t):
-                    self.values.remember(t, self._assumed(func, t))
-        with torch.no_grad():
-            cpu_out = self._cpu_call(func, args, kwargs)
+        if not known and not self.assume:
+            return func(*args, **kwargs)  # raises as meta does
+        cpu_out = self._with_values(func, args, kwargs, flat)
 
         def as_meta(v: Any) -> Any:
             if not isinstance(v, torch.Tensor):
                 return v
             meta = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device="meta")
-            self.values.remember(meta, v)
+            if known:  # a shape and values that follow from an assumption stay unknown
+                self.values.remember(meta, v)
             return meta
 
         return tree_map(as_meta, cpu_out)
