@@ -450,14 +450,16 @@ def scan(spec: str, inputs: Optional[str], input_shape: Optional[str], dtype: st
 def _fail(message: str, debug: bool) -> None:
     if debug:
         traceback.print_exc()
-    # what failed, then what to do: each line whole, wrapped to the terminal, never cut
+    # what failed, then what to do: each line whole, never cut; on a terminal wrapped to its width,
+    # elsewhere (a log, a pipe) one line each, for grep
     lines = message.strip().splitlines() or ["failed"]
-    width = max(60, shutil.get_terminal_size((100, 24)).columns - 2)
-    first = textwrap.wrap(f"gradaudit: error: {lines[0]}", width, subsequent_indent="  ", break_on_hyphens=False)
-    click.echo("\n".join(first), err=True)
-    for line in lines[1:2]:
-        click.echo("\n".join(textwrap.wrap(line, width, initial_indent="  ", subsequent_indent="  ",
-                                           break_on_hyphens=False)), err=True)
+    lines = [f"gradaudit: error: {lines[0]}", *(f"  {line}" for line in lines[1:2])]
+    if sys.stderr.isatty():
+        width = max(60, shutil.get_terminal_size((100, 24)).columns - 1)
+        lines = [wrapped for line in lines for wrapped in textwrap.wrap(
+            line, width, subsequent_indent="  ", break_on_hyphens=False, drop_whitespace=False) or [line]]
+    for line in lines:
+        click.echo(line, err=True)
     sys.exit(EXIT_ERROR)
 
 

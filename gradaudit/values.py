@@ -357,6 +357,9 @@ class LiteralsOnMeta(TorchFunctionMode):
     on CPU here, and keep its values beside the meta tensor (an index list stays a CPU tensor, which
     indexing a meta tensor accepts)."""
 
+    # a checkpoint's recomputation in backward runs under it again, as the forward did (planning/apply.py)
+    reenter_on_recompute = True
+
     def __init__(self, values: Values = VALUES) -> None:
         super().__init__()
         self.values = values

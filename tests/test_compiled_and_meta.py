@@ -161,12 +161,26 @@ def test_scan_on_meta_answers_value_reads_and_says_what_it_assumed(tmp_path, mon
     assert known.exit_code == 0, known.output
     assert "nobody knows" not in known.output
 
-def test_a_long_error_wraps_and_is_never_cut(tmp_path, monkeypatch):
-    # the first line says what failed (whole, wrapped), the next what to do
+def test_a_long_error_is_never_cut(tmp_path, monkeypatch):
+    # the first line says what failed (whole: off a terminal one line, for grep), the next what to do
     monkeypatch.chdir(tmp_path)
     result = _scan(tmp_path, "models.py:raises_long")
     assert result.exit_code == 2
-    text = " ".join(result.output.split())
-    assert "the layer needs " + " ".join(f"word{i}" for i in range(80)) + " END" in text
-    assert "check that the inputs" in text
-    assert all(len(line) <= 120 for line in result.output.splitlines())
+    lines = result.output.splitlines()
+    assert lines[0].endswith("the layer needs " + " ".join(f"word{i}" for i in range(80)) + " END")
+    assert lines[1].startswith("  check that the inputs") and len(lines) == 2
+
+
+def test_a_long_error_on_a_terminal_wraps_to_its_width(monkeypatch, capsys):
+    import sys
+
+    from gradaudit.cli import _fail
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    monkeypatch.setenv("COLUMNS", "60")
+    words = " ".join(f"word{i}" for i in range(40))
+    with pytest.raises(SystemExit):
+        _fail(f"it failed: {words}\ndo this instead", debug=False)
+    err = capsys.readouterr().err
+    assert all(len(line) <= 60 for line in err.splitlines()) and len(err.splitlines()) > 3
+    assert " ".join(err.split()) == f"gradaudit: error: it failed: {words} do this instead"

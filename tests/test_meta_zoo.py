@@ -10,6 +10,8 @@ code does, and gradaudit keeps them beside the meta copies. No case may need an 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -163,3 +165,24 @@ def test_packed_sequences_on_meta_equal_the_cpu(name):
     assert _figures(on_meta) == _figures(on_cpu)
     # the packing made a mask, which attention saves (as the CPU run does)
     assert any(t.attr == "attn_mask" for t in on_meta.tensors)
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel"])
+def test_meta_plan_peaks_and_baselines_equal_the_cpu(name):
+    # every measured step (the plan's, the unplanned one, each baseline's: every block, sqrt(n)
+    # segments, whose recomputation in backward must take the same kernels as the forward) predicts
+    # on meta the CPU's peak; a linear-probe freezing pattern, a padded batch
+    arch = next(a for a in ARCHS if a.model == name)
+    layers = "n_layer" if "n_layer" in arch.overrides else "num_hidden_layers"
+    arch = dataclasses.replace(arch, overrides={**arch.overrides, layers: 4})  # sqrt(4): 2 segments
+    plans = []
+    for device in ("cpu", "meta"):
+        model = build_model(arch, transformers, device=device)
+        names = [n for n, _ in model.named_parameters()]
+        trainable = [n for n in names if ".1." in n]  # only the second block trains
+        plans.append(gradaudit.plan(model, batch(arch, True), "1GiB", trainable=trainable))
+    on_cpu, on_meta = plans
+    assert (on_meta.peak_bytes, on_meta.unplanned_peak_bytes) == (on_cpu.peak_bytes, on_cpu.unplanned_peak_bytes)
+    assert [(b.name, b.held_bytes, b.peak_bytes) for b in on_meta.baselines] == \
+           [(b.name, b.held_bytes, b.peak_bytes) for b in on_cpu.baselines]
+    assert any("segments" in b.name for b in on_meta.baselines)

@@ -161,25 +161,40 @@ def _checkpointed(module: nn.Module, forward: Callable[..., Any], policy: str,
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         tensors, fill, _ = flatten((args, kwargs))
-        runs = [0]
-        # gradaudit's own meta-device emulation (kernel choices, autocast) applies to the
-        # recomputation too: backward, called through torch.autograd.backward, runs with the mode
-        # stack set aside (torch restores autocast and the device itself, not such modes)
-        modes = [m for m in torchapi.function_modes() if getattr(m, "reenter_on_recompute", False)]
 
         def run(*inputs: torch.Tensor) -> Any:
             call_args, call_kwargs = fill(inputs)
-            runs[0] += 1
-            if runs[0] == 1:
-                return forward(*call_args, **call_kwargs)
-            with _statistics_kept(norms), _counts_aside(counters), torchapi.function_modes_entered(modes):
-                return forward(*call_args, **call_kwargs)  # backward's recomputation
+            return forward(*call_args, **call_kwargs)
 
-        setattr(run, torchapi.KEEP_CHECKPOINTING, True)  # a plan's own checkpoint, even where the model's are off
-        return checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True, **options)
+        def rerun(*inputs: torch.Tensor) -> Any:  # backward's recomputation
+            with _statistics_kept(norms), _counts_aside(counters):
+                return run(*inputs)
+
+        return checkpoint(recomputed_as_run(run, rerun), *tensors, use_reentrant=False, preserve_rng_state=True,
+                          **options)
 
     planned_forward.__wrapped__ = forward  # type: ignore[attr-defined]
     return planned_forward
+
+
+def recomputed_as_run(run: Callable[..., Any], rerun: Optional[Callable[..., Any]] = None) -> Callable[..., Any]:
+    """``run`` for ``checkpoint``: its first call is the forward; later ones, backward's recomputation,
+    run ``rerun`` (default ``run``) under gradaudit's meta-device emulation as the forward had it
+    (kernel choices, autocast, literals' values: backward, called through torch.autograd.backward, runs
+    with the function mode stack set aside; torch restores autocast and the device itself, not such
+    modes). Marked as gradaudit's own checkpoint, kept where the model's are turned off."""
+    modes = [m for m in torchapi.function_modes() if getattr(m, "reenter_on_recompute", False)]
+    calls = [0]
+
+    def checkpointed(*inputs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            return run(*inputs)
+        with torchapi.function_modes_entered(modes):
+            return (rerun or run)(*inputs)
+
+    setattr(checkpointed, torchapi.KEEP_CHECKPOINTING, True)
+    return checkpointed
 
 
 class PlanHandle:

@@ -17,9 +17,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .. import torchapi
 from ..errors import GradauditError
-from .apply import Forwards
+from .apply import Forwards, recomputed_as_run
 
 
 def _stack(model: nn.Module, paths: Sequence[str], kind: type) -> Optional[tuple[str, nn.Module]]:
@@ -74,12 +73,11 @@ def segmented(container: nn.Sequential, segments: int) -> Iterator[list[tuple[in
                 x = child(x)
             return x
 
-        setattr(segment, torchapi.KEEP_CHECKPOINTING, True)
         return segment
 
     def forward(x: Any) -> Any:
         for first, last in ranges[:-1]:
-            x = checkpoint(run(first, last), x, use_reentrant=False, preserve_rng_state=True)
+            x = checkpoint(recomputed_as_run(run(first, last)), x, use_reentrant=False, preserve_rng_state=True)
         return run(*ranges[-1])(x)
 
     forwards = Forwards()
@@ -150,8 +148,7 @@ def loop_segmented(modules: Sequence[nn.Module], segments: int) -> Iterator[list
                     out = originals[k](_first_tensor(out), *call_args[1:], **call_kwargs)
                 return out
 
-            setattr(run, torchapi.KEEP_CHECKPOINTING, True)
-            out = checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True)
+            out = checkpoint(recomputed_as_run(run), *tensors, use_reentrant=False, preserve_rng_state=True)
             running[segment] = (out, _first_tensor(out), flatten((args[1:], kwargs))[0])
             return out
 
