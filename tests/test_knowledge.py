@@ -134,6 +134,11 @@ CASES = {
     "LinalgVectorNormBackward0": (lambda x: torch.linalg.vector_norm(x, dim=1), [_float(4, 8)], (0,)),
     "ScaledDotProductFlashAttentionForCpuBackward0": (
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [_float(1, 2, 4, 8)] * 3, (0, 1, 2)),
+    # a padded batch: the second sequence's last key is padding (SDPA saves the mask it makes of it)
+    "ScaledDotProductFlashAttentionForCpuBackward0 (padding mask)": (
+        lambda q, k, v, keep: F.scaled_dot_product_attention(q, k, v, attn_mask=keep),
+        [*[_float(2, 2, 4, 8)] * 3, _const(torch.tensor([True] * 4 + [True, True, True, False]).view(2, 1, 1, 4))],
+        (0, 1, 2)),
     "NllLossBackward0": (lambda x, t: F.nll_loss(x, t), [_float(4, 5), _const(torch.tensor([0, 4, 2, 1]))], (0,)),
     "MseLossBackward0": (F.mse_loss, [_float(4, 8), _float(4, 8)], (0, 1)),
     "ClampBackward1": (lambda x: x.clamp(-0.5, 0.5), [_float(4, 8)], (0,)),
@@ -202,7 +207,8 @@ STATIC_CASES = {
 
 
 def _node_name(case_name: str) -> str:
-    return case_name.split("[")[0]
+    # "Name[key=value]" is a variant's case; "Name (label)" another case of the same node
+    return case_name.split("[")[0].split(" (")[0]
 
 
 class _Function(nn.Module):

@@ -215,3 +215,27 @@ def test_mixture_of_experts_saves_all_have_verdicts(transformers, config_name):
     assert any(t.node == "GroupedMmBackward0" for t in report.held_tensors)
     assert [t for t in report.held_tensors if t.verdict == "unknown"] == []
     assert report.saved_bytes == held_bytes_after_forward(model, ids)
+
+
+# -- saves the op knowledge names for real models (issue 23) -------------------------------------
+
+
+@pytest.mark.slow
+def test_a_padded_batch_keeps_the_attention_mask_with_a_verdict(tiny_hf_model):
+    # Llama's SDPA (no attention dropout) runs the CPU flash kernel; given a padding mask, each
+    # layer's node keeps the float mask SDPA makes of the boolean one, and backward reads it
+    model = tiny_hf_model("llama").train()
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[1, 12:] = 0  # the second sequence has 12 tokens
+    inputs = {"input_ids": ids, "attention_mask": padding}
+    report = check_accuracy(model, inputs)
+    masks = [t for t in report.held_tensors if (t.node, t.attr) == ("ScaledDotProductFlashAttentionForCpuBackward0",
+                                                                     "attn_mask")]
+    # one mask per layer, 2 sequences x 1 x 16 queries x 16 keys float32 = 2*16*16*4 = 2048 bytes each
+    assert [(t.module, report.storages[t.storage_id].nbytes) for t in masks] == [
+        ("model.layers.0.self_attn", 2048), ("model.layers.1.self_attn", 2048)]
+    assert {t.verdict for t in masks} == {"needed"} and report.summary()["unknown_tensors"] == 0
+    proven = gradaudit.audit(model, inputs, verify=True)
+    assert not proven.disagreements
+    assert [(t.verdict, t.proven) for t in proven.held_tensors if t.attr == "attn_mask"] == [("needed", True)] * 2

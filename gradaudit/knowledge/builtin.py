@@ -149,7 +149,8 @@ declare("PreluKernelBackward0", edges=("self", "weight"), weight="weight", sourc
         saves={"self": Read(why="read by the self and weight gradients"),
                "weight": Read(by=("self",), rule="GA102")})
 declare("ScaledDotProductFlashAttentionForCpuBackward0", edges=("query", "key", "value"),
-        source="derivatives.yaml _scaled_dot_product_flash_attention_for_cpu", saves={
+        source="derivatives.yaml _scaled_dot_product_flash_attention_for_cpu; ATen cpu/FlashAttentionKernel.cpp "
+               "cpu_flash_attention_backward", saves={
             # dV = P^T dO needs only query, key and logsumexp (to recompute P); the output and
             # value enter dQ and dK (through rowsum(dO * O) and dO V^T)
             "query": Read(why="the probabilities are recomputed from it"),
@@ -157,6 +158,13 @@ declare("ScaledDotProductFlashAttentionForCpuBackward0", edges=("query", "key", 
             "logsumexp": Read(why="the probabilities are recomputed from it"),
             "value": Read(by=("query", "key"), rule="GA001"),
             "output": Read(by=("query", "key"), rule="GA001"),
+            # saved when the caller passes one (a padded batch: every Hugging Face model with a padding
+            # mask); SDPA hands a boolean mask over as a new float one, 0 where attended and -inf where
+            # not. The backward recomputes P = exp(scale * Q K^T + mask - logsumexp) block by block, and
+            # every gradient reads P. The mask is no gradient edge of the node: derivatives.yaml
+            # differentiates query, key and value only (a mask that requires grad takes the math path)
+            "attn_mask": Read(why="added to the scores when backward recomputes the probabilities, which "
+                                  "every gradient reads; the mask itself gets no gradient"),
         })
 declare("AddcmulBackward0", edges=("self", "tensor1", "tensor2"), source="derivatives.yaml addcmul",
         saves={"tensor1": Read(by=("tensor2",), rule="GA001"), "tensor2": Read(by=("tensor1",), rule="GA001")})
