@@ -218,6 +218,10 @@ def to_device(value: Any, device: str) -> Any:
     if isinstance(value, torch.Tensor):
         if str(value.device) == device or value.device.type == device:
             return value
+        if device == "meta":  # its values may decide what the model does: kept beside the meta tensor
+            from .values import to_meta
+
+            return to_meta(value)
         moved = value.detach().to(device)
         return moved.requires_grad_(value.requires_grad) if moved.is_floating_point() else moved
     if isinstance(value, dict):

@@ -44,6 +44,14 @@ _UNINITIALISED = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.
 _READS = {_aten._local_scalar_dense.default, _aten.is_nonzero.default, _aten.equal.default}
 
 
+_ASSUMED = "on meta, a value was assumed:"
+
+
+def is_assumption_note(note: str) -> bool:
+    """Whether a report's note says a value read on meta was answered by an assumption."""
+    return note.startswith(_ASSUMED)
+
+
 @dataclass(frozen=True)
 class ValueRead:
     """A value read on the meta device that no known value answered, and what was assumed."""
@@ -172,7 +180,7 @@ class KnownValues(TorchDispatchMode):
         notes = []
         for (op, where, dtype), count in seen.items():
             times = f" ({count} times)" if count > 1 else ""
-            notes.append(f"on meta, {op} read the values of a {dtype} tensor nobody knows at {where}{times} (they follow "
+            notes.append(f"{_ASSUMED} {op} read the values of a {dtype} tensor nobody knows at {where}{times} (they follow "
                          f"from the weights, or from a meta input without values): assumed all ones; what autograd "
                          f"saves after that point may depend on it. Pass the real values (CPU tensors beside the meta "
                          f"model) to remove the assumption")

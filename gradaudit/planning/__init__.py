@@ -766,6 +766,7 @@ def plan(
     """
     from ..auditing import audit, meta_inputs, runs_on_meta
     from ..loading import parse_size
+    from ..values import is_assumption_note
     from ..tensors import first_meta_parameter, iter_tensors
 
     if not isinstance(model, nn.Module):
@@ -836,7 +837,8 @@ def plan(
     costs = _Costs(tuple(flops.get(b.path, (0, 0))[0] for b in chain_blocks),
                    tuple(flops.get(b.path, (0, 0))[1] for b in chain_blocks),
                    tuple(nanoseconds.get(b.path, 0) for b in chain_blocks) if cost == "time" else None)
-    notes = []
+    # a value the model read on meta that nobody knew was assumed: the plan's figures rest on it too
+    notes = [note for note in report.notes if is_assumption_note(note)]
     unplanned = _held_by_report(report, bitpack)
     if chain.held(()) != unplanned:  # both count the held saves' storages of held kinds, as trim leaves them
         raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit {unplanned}")
