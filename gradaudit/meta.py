@@ -334,11 +334,13 @@ def _dropout_arguments(func: Any, args: tuple, kwargs: dict) -> Optional[tuple[A
 TARGETS = ("cpu", "cuda")
 
 
-class CpuKernelsOnMeta(torchapi.TorchDispatchMode):
-    """Ops whose meta implementation refuses what the CPU kernel accepts: ``_grouped_mm`` (mixture of
-    experts) in float32 or float16, which the meta kernel checks as CUDA would (bfloat16 only). The
-    output is the CPU kernel's: the shape the meta kernel gives for the same call, contiguous, in the
-    inputs' dtype. Dispatched below autograd, so the node and its saves are those of a CPU run."""
+class GroupedMmOnMeta(torchapi.TorchDispatchMode):
+    """``_grouped_mm`` (mixture of experts) in float32 or float16 on meta. Its meta kernel accepts
+    bfloat16 only (the condition of CUDA's fused kernel); the CPU kernel, and CUDA's fallback for other
+    dtypes (a loop of matrix products, in aten/native/cuda/GroupedBlas.cpp since torch 2.10), take
+    them. The output is theirs (GroupedMMUtils.h, create_grouped_gemm_output_tensor): the meta kernel's
+    shape, each row padded to a multiple of 16 bytes (checked against the CPU kernel: a 10 x 6 float32
+    output has row stride 8). Dispatched below autograd, so the node and its saves are a real run's."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -346,12 +348,18 @@ class CpuKernelsOnMeta(torchapi.TorchDispatchMode):
             as_bf16 = [torch.empty_like(t, dtype=torch.bfloat16) for t in args[:2]]
             shape = func(*as_bf16, *args[2:], **kwargs).shape
             dtype = kwargs.get("out_dtype") or args[0].dtype
-            return torch.empty(shape, dtype=dtype, device="meta")
+            return torch.empty_strided(shape, _grouped_mm_strides(shape, dtype), dtype=dtype, device="meta")
         return func(*args, **kwargs)
 
 
 _GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
 _GROUPED_MM = getattr(_GROUPED_MM, "default", None)
+
+
+def _grouped_mm_strides(shape: torch.Size, dtype: torch.dtype) -> tuple[int, ...]:
+    align = max(1, 16 // torch.empty((), dtype=dtype, device="meta").element_size())
+    row = -(-shape[-1] // align) * align
+    return (row, 1) if len(shape) == 2 else (shape[-2] * row, row, 1)
 
 
 def _meta_floats_other_than_bf16(tensors: Any) -> bool:
@@ -387,8 +395,7 @@ def standing_for(target: str, also: Any = None) -> Iterator[Emulation]:
     with contextlib.ExitStack() as stack:
         if target == "cuda":
             stack.enter_context(torchapi.cuda_autocast_without_cuda())
-        else:
-            stack.enter_context(CpuKernelsOnMeta())
+        stack.enter_context(GroupedMmOnMeta())
         # above the kernels: it sees what they return (values carried through masks and positions)
         values = stack.enter_context(KnownValues())
         stack.enter_context(LiteralsOnMeta())

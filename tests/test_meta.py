@@ -337,3 +337,21 @@ def test_autocast_on_meta_gives_each_op_the_cpu_dtype(name):
             meta = call(tensor_on("meta"))
     assert meta.device.type == "meta" and meta.dtype == cpu.dtype
     assert meta.grad_fn.name() == cpu.grad_fn.name()
+
+
+def test_float32_grouped_mm_on_meta_has_the_cpu_kernels_layout():
+    # the meta kernel accepts bfloat16 only; the CPU kernel (and CUDA's fallback) take float32 and
+    # pad each output row to 16 bytes: a 10 x 6 float32 output has row stride 8 (9*8 + 6 = 78 floats)
+    from gradaudit.meta import GroupedMmOnMeta
+
+    offs = torch.tensor([2, 5, 8, 10], dtype=torch.int32)
+    cases = [(torch.randn(10, 16), torch.randn(4, 6, 16).transpose(-2, -1), offs),  # padded rows
+             (torch.randn(10, 16), torch.randn(4, 16, 8), offs),
+             (torch.randn(4, 10, 16), torch.randn(4, 6, 16).transpose(-2, -1), None)]
+    for x, w, o in cases:
+        on_cpu = torch._grouped_mm(x, w, offs=o)
+        with GroupedMmOnMeta():
+            on_meta = torch._grouped_mm(x.to("meta"), w.to("meta"), offs=None if o is None else o.to("meta"))
+        assert (on_meta.shape, on_meta.stride(), on_meta.dtype) == (on_cpu.shape, on_cpu.stride(), on_cpu.dtype)
+        assert on_meta.untyped_storage().nbytes() == on_cpu.untyped_storage().nbytes()
+    assert on_cpu.stride() == (80, 8, 1)

@@ -186,3 +186,13 @@ def test_meta_plan_peaks_and_baselines_equal_the_cpu(name):
     assert [(b.name, b.held_bytes, b.peak_bytes) for b in on_meta.baselines] == \
            [(b.name, b.held_bytes, b.peak_bytes) for b in on_cpu.baselines]
     assert any("segments" in b.name for b in on_meta.baselines)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: a.name)
+def test_every_architecture_audits_for_a_cuda_target(arch):
+    # the CUDA emulation on meta takes every architecture of the zoo in its training configuration
+    # (mixture of experts in float32 included: CUDA's grouped-mm fallback), with no value assumed
+    report = gradaudit.audit(build_model(arch, transformers, device="meta"), batch(arch, True), target="cuda")
+    assert report.target == "cuda" and report.saved_bytes > 0
+    assert not [n for n in report.notes if "nobody knows" in n]
