@@ -45,6 +45,11 @@ def _buffer(make):
     return factory
 
 
+def _library(module, name):
+    """``module.name`` of an optional library; skips the test where the library is not installed."""
+    return getattr(pytest.importorskip(module), name)
+
+
 def _softmax_data(x):
     # the softmax backward's own node, recorded by differentiating it with create_graph
     y = torch.softmax(x, -1)
@@ -166,6 +171,15 @@ CASES = {
     "SelectBackward0": (lambda x: x[1], [_float(4, 8)], (0,)),
     "ViewBackward0": (lambda x: x.view(8, 4), [_float(4, 8)], (0,)),
     "UnsafeViewBackward0": (lambda x, w: x @ w, [_float(2, 3, 4), _float(4, 5)], (0, 1)),
+    # libraries' custom Functions (knowledge/libraries.py): BLOOM's GELU, torchvision's roi_align. The boxes
+    # never require grad here: with only them wanted, the backward would still read them as indices for
+    # the input's gradient it computes anyway (declared needed), but the proof would find them unread and
+    # poison them with out-of-range batch indices the kernel does not check
+    "GeLUFunctionBackward": (lambda x: _library("transformers.models.bloom.modeling_bloom", "GeLUFunction").apply(x),
+                             [_float(4, 8)], (0,)),
+    "GeneratedBackwardFor_torchvision_roi_align_defaultBackward": (
+        lambda x, boxes: _library("torchvision.ops", "roi_align")(x, boxes, (2, 2), 1.0, 2, False),
+        [_float(2, 3, 8, 8), _const(torch.tensor([[0, 0.5, 0.5, 5.0, 6.0], [1, 1.0, 2.0, 7.0, 7.0]]))], (0,)),
     # CUDA's dropout (target="cuda" builds it on meta); the CPU runs the op too, so it is proven here
     "NativeDropoutBackward0": (lambda x: torch.native_dropout(x, 0.5, True)[0], [_float(4, 8)], (0,)),
 }
@@ -233,8 +247,11 @@ def _patterns(case):
 
 
 def test_every_declared_node_type_exists_in_the_installed_torch():
-    missing = [name for name in declared_ops() if not torchapi.node_type_exists(name)]
+    # a library's Function makes its node when it runs: its generated case checks that it does
+    libraries = {v.name for v in declarations() if v.library}
+    missing = [name for name in declared_ops() if name not in libraries and not torchapi.node_type_exists(name)]
     assert not missing, f"declared but not a node type of torch {torch.__version__}: {missing}"
+    assert libraries <= set(CASES) and not libraries & {name for name in declared_ops() if torchapi.node_type_exists(name)}
 
 
 def test_every_declared_node_type_has_a_generated_case():
@@ -437,6 +454,31 @@ def test_declarations_validate_what_they_say():
     with pytest.raises(ValueError, match="twice"):
         gradaudit.declare("ReluBackward0", edges=("self",),
                           saves={"result": Read(reads=Reads.SIGN, bit=Bit.GT_ZERO, rule="GA401")})
+
+
+def test_a_libraries_function_declared_by_name_says_only_needed():
+    """A Function of the same class name elsewhere makes a node of the same name: a declaration by
+    name may not leave a save unneeded or bit-packable, and saves it does not name stay unknown."""
+    with pytest.raises(ValueError, match="same name"):
+        gradaudit.declare("SomeFunctionBackward", library="somelib", edges=("x", "y"),
+                          saves={"saved_tensors[0]": Read(by=("y",), rule="GA001")})
+    with pytest.raises(ValueError, match="same name"):
+        gradaudit.declare("SomeFunctionBackward", library="somelib", edges=("x",), default=Read(why="read"))
+    assert "SomeFunctionBackward" not in declared_ops()
+
+    class GeLUFunction(torch.autograd.Function):  # not BLOOM's: saves its input and an unread copy
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x, x * 2)
+            return F.gelu(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * ctx.saved_tensors[0]
+
+    report = gradaudit.audit(_Function(lambda x: GeLUFunction.apply(x)), torch.randn(4, 8, requires_grad=True))
+    saves = {t.attr: t.verdict for t in report.tensors if t.node == "GeLUFunctionBackward"}
+    assert saves == {"saved_tensors[0]": NEEDED, "saved_tensors[1]": UNKNOWN}
 
 
 def test_an_in_place_op_on_a_view_gets_the_verdict_of_the_node_it_hides():

@@ -239,3 +239,57 @@ def test_a_padded_batch_keeps_the_attention_mask_with_a_verdict(tiny_hf_model):
     proven = gradaudit.audit(model, inputs, verify=True)
     assert not proven.disagreements
     assert [(t.verdict, t.proven) for t in proven.held_tensors if t.attr == "attn_mask"] == [("needed", True)] * 2
+
+
+@pytest.mark.slow
+def test_bloom_gelu_function_saves_have_a_verdict(transformers):
+    # BLOOM's MLP runs its own autograd.Function for GELU (GeLUFunction), saving the input of the
+    # activation: declared by name in gradaudit/knowledge/libraries.py, read by the input's gradient
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4,
+                                                                   vocab_size=100)).train()
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # input-only: every parameter frozen, the embeddings require grad
+        embeds = model.get_input_embeddings()(ids)
+    inputs = {"inputs_embeds": embeds.requires_grad_(True)}
+    report = check_accuracy(model, inputs, trainable=[])
+    gelu = [t for t in report.held_tensors if t.node == "GeLUFunctionBackward"]
+    # one per layer: the 4h-wide activation input, 2 sequences x 16 tokens x 128 float32 = 2*16*128*4 = 16384 bytes
+    assert [(t.module, report.storages[t.storage_id].nbytes) for t in gelu] == [
+        ("transformer.h.0.mlp.gelu_impl", 16384), ("transformer.h.1.mlp.gelu_impl", 16384)]
+    assert {t.verdict for t in gelu} == {"needed"} and report.summary()["unknown_tensors"] == 0
+    proven = gradaudit.audit(model, inputs, trainable=[], verify=True)
+    assert not proven.disagreements
+    assert [(t.verdict, t.proven) for t in proven.held_tensors if t.node == "GeLUFunctionBackward"] == [("needed", True)] * 2
+
+
+def test_torchvision_roi_align_boxes_have_a_verdict(torchvision):
+    # Faster/Mask R-CNN pool their box features with MultiScaleRoIAlign: one roi_align per feature
+    # level, each saving the boxes (batch index and corners) that level got; backward reads them
+    from collections import OrderedDict
+
+    class BoxPooling(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.pool = torchvision.ops.MultiScaleRoIAlign(["p2", "p3"], output_size=2, sampling_ratio=2)
+
+        def forward(self, images, boxes):
+            features = self.conv(images)
+            levels = OrderedDict(p2=features, p3=nn.functional.avg_pool2d(features, 2))
+            return self.pool(levels, boxes, [(32, 32)] * len(boxes))
+
+    torch.manual_seed(0)
+    model = BoxPooling()
+    # level = floor(4 + log2(sqrt(area) / 224)), clamped to the two levels: the 8x8 and 28x27 boxes of the
+    # first image go to the finer one (-0.8 and 0.97 -> 0), the 31x31 box of the second to the coarser (1.15 -> 1)
+    boxes = [torch.tensor([[1.0, 1.0, 9.0, 9.0], [2.0, 4.0, 30.0, 31.0]]), torch.tensor([[0.0, 0.0, 31.0, 31.0]])]
+    inputs = (torch.randn(2, 3, 32, 32), boxes)
+    report = check_accuracy(model, inputs)
+    saved = [t for t in report.held_tensors if t.node == "GeneratedBackwardFor_torchvision_roi_align_defaultBackward"]
+    # (boxes, 5) float32 per level: 2*5*4 = 40 and 1*5*4 = 20 bytes
+    assert [(t.shape, report.storages[t.storage_id].nbytes, t.verdict) for t in saved] == [
+        ((2, 5), 40, "needed"), ((1, 5), 20, "needed")]
+    assert report.summary()["unknown_tensors"] == 0
+    proven = gradaudit.audit(model, inputs, verify=True)
+    assert not proven.disagreements and all(t.proven for t in proven.held_tensors if t.node == saved[0].node)

@@ -119,6 +119,9 @@ class Declaration:
     # CopySlices node (which exposes none of its saves): function name -> the attributes it may
     # save (several where which one depends on the inputs that need a gradient, as for mul_)
     in_place: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # for the node of a library's custom autograd.Function declared by name (libraries.py): the
+    # package that defines it; empty for torch's own node types and for declare_function
+    library: str = ""
 
     def read(self, attr: str) -> Optional[Read]:
         found = self.saves.get(attr)
@@ -192,7 +195,7 @@ _DECLARED: dict[str, list[Declaration]] = {}
 def declare(*names: str, edges: Sequence[str], saves: Optional[Mapping[str, Read]] = None,
             default: Optional[Read] = None, when: Optional[Mapping[str, Any]] = None,
             weight: Optional[str] = None, source: str = "",
-            in_place: Optional[Mapping[str, Union[str, Sequence[str]]]] = None) -> list[Declaration]:
+            in_place: Optional[Mapping[str, Union[str, Sequence[str]]]] = None, library: str = "") -> list[Declaration]:
     """Declare what backward reads for the autograd node types ``names`` (one variant each).
 
     ``edges``: the names of the op's gradient edges in ``next_functions`` order; ``saves``:
@@ -203,9 +206,13 @@ def declare(*names: str, edges: Sequence[str], saves: Optional[Mapping[str, Read
     in-place call on a view hides this node inside CopySlices; such a save gets the verdict only
     when every named attribute gives the same one. The function must make this node (this
     variant, whatever its scalars) every time it hides one: a hidden save has no scalars to
-    choose a variant by. Raises ValueError on a second declaration of a name with the same
+    choose a variant by. ``library``: the package whose custom autograd.Function makes the node,
+    declared by name without importing it; another package's Function of the same class name
+    makes a node of the same name, so such a declaration may say only "needed" (what can cost a
+    finding, never a gradient). Raises ValueError on a second declaration of a name with the same
     ``when``, a Read naming an edge not in ``edges``, an in-place function naming an undeclared
-    save or already named by a declaration, or ``in_place`` given for several names.
+    save or already named by a declaration, ``in_place`` given for several names, or a library's
+    declaration with a read that can leave a save unneeded or bit-packable.
     """
     saves = dict(saves or {})
     when = dict(when or {})
@@ -227,6 +234,10 @@ def declare(*names: str, edges: Sequence[str], saves: Optional[Mapping[str, Read
         for edge in (*read.by, *([read.witness] if read.witness else [])):
             if edge not in edges:
                 raise DeclarationError(f"{names[0]}.{attr}: edge {edge!r} is not one of {tuple(edges)}")
+    if library and (default is not None or any(read != Read(why=read.why) for read in saves.values())):
+        raise DeclarationError(f"{names[0]}: a declaration by name of {library}'s Function may only say "
+                               f"what backward reads whenever the node runs (Read(why=...)): a Function of "
+                               f"the same name elsewhere gets the same verdicts")
     if weight is not None and weight not in saves:
         raise DeclarationError(f"{names[0]}: weight slot {weight!r} is not a declared save")
     made = []
@@ -234,7 +245,7 @@ def declare(*names: str, edges: Sequence[str], saves: Optional[Mapping[str, Read
         variants = _DECLARED.setdefault(name, [])
         if any(v.when == when for v in variants):
             raise DeclarationError(f"op knowledge for {name} (when={when}) declared twice")
-        declaration = Declaration(name, tuple(edges), saves, default, when, weight, source, hiding)
+        declaration = Declaration(name, tuple(edges), saves, default, when, weight, source, hiding, library)
         variants.append(declaration)
         # the most specific variant first; among equals, the first declared
         variants.sort(key=lambda v: -len(v.when))
