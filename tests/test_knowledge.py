@@ -144,6 +144,16 @@ CASES = {
         lambda q, k, v, keep: F.scaled_dot_product_attention(q, k, v, attn_mask=keep),
         [*[_float(2, 2, 4, 8)] * 3, _const(torch.tensor([True] * 4 + [True, True, True, False]).view(2, 1, 1, 4))],
         (0, 1, 2)),
+    "SmoothL1LossBackward0": (F.smooth_l1_loss, [_float(4, 8), _float(4, 8)], (0, 1)),  # |x - y| on both sides of beta 1
+    "IndexSelectBackward0": (lambda x, i: torch.index_select(x, 0, i), [_float(6, 4), _const(torch.tensor([0, 5, 2]))],
+                             (0,)),
+    "MaximumBackward0": (torch.maximum, [_float(4, 8), _float(4, 8)], (0, 1)),
+    "MinimumBackward0": (torch.minimum, [_float(4, 8), _float(4, 8)], (0, 1)),
+    # the fused kernels: one norm per row (dim 0) and one per column (the last dim)
+    "WeightNormInterfaceBackward0": (lambda v, g: torch._weight_norm(v, g, 0),
+                                     [_float(4, 8), lambda: torch.rand(4, 1) + 0.5], (0, 1)),
+    "WeightNormInterfaceBackward0 (last dim)": (lambda v, g: torch._weight_norm(v, g, 1),
+                                                [_float(4, 8), lambda: torch.rand(1, 8) + 0.5], (0, 1)),
     "NllLossBackward0": (lambda x, t: F.nll_loss(x, t), [_float(4, 5), _const(torch.tensor([0, 4, 2, 1]))], (0,)),
     "MseLossBackward0": (F.mse_loss, [_float(4, 8), _float(4, 8)], (0, 1)),
     "ClampBackward1": (lambda x: x.clamp(-0.5, 0.5), [_float(4, 8)], (0,)),

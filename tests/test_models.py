@@ -293,3 +293,33 @@ def test_torchvision_roi_align_boxes_have_a_verdict(torchvision):
     assert report.summary()["unknown_tensors"] == 0
     proven = gradaudit.audit(model, inputs, verify=True)
     assert not proven.disagreements and all(t.proven for t in proven.held_tensors if t.node == saved[0].node)
+
+
+@pytest.mark.slow
+def test_ssdlite_box_loss_saves_have_a_verdict(torchvision):
+    # SSD's box loss is smooth_l1_loss(predicted offsets, encoded targets) over each image's matched
+    # (foreground) anchors: backward reads both for the head's gradient
+    from torchvision.models.detection.transform import GeneralizedRCNNTransform
+
+    torch.manual_seed(0)
+    model = torchvision.models.detection.ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None,
+                                                                       num_classes=5).train()
+    # 128x128 instead of 320x320 (anchors follow the feature maps), to keep the test fast
+    model.transform = GeneralizedRCNNTransform(128, 128, [0.5] * 3, [0.5] * 3, size_divisible=1, fixed_size=(128, 128))
+    g = torch.Generator().manual_seed(0)
+    images = [torch.rand(3, 64, 64, generator=g), torch.rand(3, 64, 48, generator=g)]
+    targets = [{"boxes": torch.tensor([[10.0, 12.0, 40.0, 50.0], [30.0, 5.0, 60.0, 30.0]]), "labels": torch.tensor([1, 3])},
+               {"boxes": torch.tensor([[5.0, 20.0, 40.0, 60.0]]), "labels": torch.tensor([2])}]
+    inputs = (images, targets)
+    report = check_accuracy(model, inputs, trainable=["head.*"])  # the head is trained, the backbone frozen
+    losses = [t for t in report.held_tensors if t.node == "SmoothL1LossBackward0"]
+    assert [t.attr for t in losses] == ["self", "target"] * 2  # one loss per image
+    for (offsets, encoded), boxes in zip([losses[:2], losses[2:]], [2, 1]):
+        matched = offsets.shape[0]  # every box keeps at least its best anchor (low-quality matches)
+        assert offsets.shape == encoded.shape == (matched, 4) and matched >= boxes
+        # (matched anchors, 4) float32, each its own storage: matched*4*4 bytes
+        assert report.storages[offsets.storage_id].nbytes == report.storages[encoded.storage_id].nbytes == matched * 16
+    assert {t.verdict for t in losses} == {"needed"} and report.summary()["unknown_tensors"] == 0
+    proven = gradaudit.audit(model, inputs, trainable=["head.*"], verify=True)
+    assert not proven.disagreements
+    assert [(t.verdict, t.proven) for t in proven.held_tensors if t.node == "SmoothL1LossBackward0"] == [("needed", True)] * 4

@@ -166,6 +166,15 @@ declare("ScaledDotProductFlashAttentionForCpuBackward0", edges=("query", "key", 
             "attn_mask": Read(why="added to the scores when backward recomputes the probabilities, which "
                                   "every gradient reads; the mask itself gets no gradient"),
         })
+# weight normalisation (nn.utils.parametrizations.weight_norm, wav2vec2's positional convolution): the
+# fused kernels (dim 0 or the last dim; CPU cpu/WeightNormKernel.cpp, CUDA cuda/WeightNorm.cu, and
+# _weight_norm_differentiable_backward under create_graph) compute grad_g = sum(grad * v) / norm and
+# grad_v = g / norm * (grad - v * grad_g / norm): g enters the v gradient only, result1 is the norms
+declare("WeightNormInterfaceBackward0", edges=("v", "g"),
+        source="derivatives.yaml _weight_norm_interface; ATen WeightNorm.cpp, cpu/WeightNormKernel.cpp, cuda/WeightNorm.cu",
+        saves={"v": Read(why="read by the v and g gradients"),
+               "result1": Read(why="the norms, read by the v and g gradients"),
+               "g": Read(by=("v",), rule="GA001")})
 declare("AddcmulBackward0", edges=("self", "tensor1", "tensor2"), source="derivatives.yaml addcmul",
         saves={"tensor1": Read(by=("tensor2",), rule="GA001"), "tensor2": Read(by=("tensor1",), rule="GA001")})
 # the target gradient is -grad * self (or reads only self and pos_weight): it never reads the target
@@ -307,5 +316,8 @@ declare(
     "ProdBackward0", "ProdBackward1", "CumsumBackward0", "VarMeanBackward0", "StdMeanBackward0",
     "SliceBackward0", "SelectBackward0", "ViewBackward0", "UnsafeViewBackward0",
     "SoftmaxBackwardDataBackward0", "TopkBackward0", "SortBackward0",
+    # smooth_l1_loss_backward(grad, self, target) and (grad, target, self) read both; index_select's
+    # gradient scatters by the index; maximum/minimum compare self with other for either gradient
+    "SmoothL1LossBackward0", "IndexSelectBackward0", "MaximumBackward0", "MinimumBackward0",
     edges=(), default=Read(why=_MATMUL_WHY), source="derivatives.yaml (single-output formulas, guarded saves)",
 )
