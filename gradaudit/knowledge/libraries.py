@@ -25,9 +25,10 @@ declare("GeLUFunctionBackward", library="transformers", edges=("input",),
 # torch.library.register_autograd, whose setup_context saves the boxes only (the input's shape is
 # kept as a plain attribute). The backward always calls the _roi_align_backward kernel, which reads
 # each box (batch index and corners) to scatter the output bins' gradients into the input's
-# gradient; the boxes themselves get no gradient (None). The kernel casts rois[:, 0] to a batch index
-# without a bounds check, so the boxes are read whatever gradients are wanted (other values would
-# write out of bounds)
+# gradient; the boxes themselves get no gradient (None). The boxes are read whatever gradients are
+# wanted: with only the boxes wanted the input's gradient is still computed (then dropped), and the
+# kernel casts rois[:, 0] to a batch index without a bounds check, so a placeholder of other values
+# would make it write out of bounds
 declare("GeneratedBackwardFor_torchvision_roi_align_defaultBackward", library="torchvision", edges=("input", "rois"),
         source="torchvision _autograd_registrations.py _roi_align_backward; csrc/ops/cpu/roi_align_kernel.cpp",
         saves={"saved_tensors[0]": Read(why="the boxes say where each output bin's gradient goes in the input")})
