@@ -199,7 +199,8 @@ def bench_mincut(layers: int, runs: int) -> None:
     import torch._functorch.config as functorch_config
 
     import gradaudit
-    from gradaudit.planning import BudgetError, _counting, plan
+    from gradaudit.planning import BudgetError, plan
+    from gradaudit.planning.costs import counting
     from gradaudit.report.units import human_bytes
 
     warnings.simplefilter("ignore")  # dynamo's graph-break warnings (a builtin it cannot trace in the model)
@@ -222,7 +223,7 @@ def bench_mincut(layers: int, runs: int) -> None:
         with functorch_config.patch(activation_memory_budget=fraction):
             compiled = LastHidden(torch.compile(model.model, backend="aot_eager"))
             held = gradaudit.audit(compiled, ids).saved_bytes
-            with _counting() as counter:  # as the planner counts: one per element where torch has no formula
+            with counting() as counter:  # as the planner counts: one per element where torch has no formula
                 compiled(ids).float().pow(2).mean().backward()
             model.zero_grad(set_to_none=True)
             times = []

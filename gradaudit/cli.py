@@ -476,21 +476,6 @@ def _cost_needs_a_real_device() -> str:
             "use --device cpu or cuda, or --cost flops")
 
 
-def _extra_text(plan: Any, figures: Any) -> str:
-    """What ``figures`` (the plan, or a baseline) adds per step: a share of one unplanned step's
-    FLOPs, or with --cost time the milliseconds and their share of one step's time."""
-    step = plan.step_seconds if plan.cost == "time" else plan.step_flops
-    share = f"+{100 * plan.share(figures):.1f}%" if step else "+?"
-    if plan.cost != "time":
-        return share
-    return f"+{_milliseconds(figures.extra_seconds or 0.0)} ms ({share})"
-
-
-def _milliseconds(seconds: float) -> str:
-    ms = 1e3 * seconds
-    return f"{ms:.2f}" if ms < 10 else f"{ms:.1f}" if ms < 1000 else f"{ms:.0f}"
-
-
 def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[str, ...], peak: bool = True,
              html_path: Optional[str] = None, selective: bool = True, cost: str = "flops", trim: bool = False,
              bitpack: bool = True, bound: str = "held") -> int:
@@ -498,7 +483,7 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     from .auditing import check_patterns
     from .planning import BudgetError, plan
     from .planning.timing import REPEATS
-    from .report.units import human_bytes, path_ranges
+    from .report import plantext
 
     to_stderr = options.json == "-"
 
@@ -550,53 +535,9 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
 
         _write(html_path, planhtml.render(chosen, title=f"gradaudit plan: {options.spec}"), "--html")
 
-    on = f"meta as {chosen.target}" if chosen.device == "meta" else chosen.device
-    by_peak = chosen.bound == "peak"
-    out(f"gradaudit plan: {chosen.model} on {on}, budget {human_bytes(budget)} "
-        f"{'for the peak of a step' if by_peak else 'held after the forward'}{_with_trim(chosen)}")
-    if code != EXIT_OK:
-        least = (f"peaks at least at {human_bytes(chosen.peak_bytes)}" if by_peak
-                 else f"holds at least {human_bytes(chosen.held_bytes)}")
-        out(f"no plan fits: checkpointing the candidate blocks {least} "
-            f"(every useful block: {len(chosen.checkpointed)} of {len(chosen.blocks)}); raise --budget or "
-            f"add modules with --blocks")
-    elif not options.quiet:
-        out(f"checkpoint {len(chosen.checkpointed)} of {len(chosen.blocks)} blocks: "
-            f"{path_ranges(chosen.checkpointed) or '(none: it fits unplanned)'}")
-        if chosen.selective:
-            out(f"  of which op by op (outputs of matrix products, convolutions, attention and batch norm kept): "
-                f"{path_ranges(chosen.selective)}")
+    out(plantext.render(chosen, repeats=REPEATS, quiet=options.quiet))
     if options.quiet:
-        peak_text = f", peak {human_bytes(chosen.peak_bytes)}" if chosen.peak_bytes is not None else ""
-        out(f"held {human_bytes(chosen.held_bytes)} (unplanned {human_bytes(chosen.unplanned_held_bytes)}){peak_text}, "
-            f"extra {'time' if chosen.cost == 'time' else 'compute'} {_extra_text(chosen, chosen)}, "
-            f"{len(chosen.checkpointed)} blocks checkpointed")
         return code
-    rows = [("this plan" if code == EXIT_OK else "least possible", chosen.held_bytes, chosen.peak_bytes,
-             _extra_text(chosen, chosen), len(chosen.checkpointed))]
-    rows += [(b.name, b.held_bytes, b.peak_bytes, _extra_text(chosen, b), len(b.checkpointed))
-             for b in chosen.baselines]
-    width = max(13, *(len(extra) for _, _, _, extra, _ in rows))
-    heading = "EXTRA TIME" if chosen.cost == "time" else "EXTRA COMPUTE"
-    out(f"  {'':<16}{'HELD':>11}{'PEAK':>11}  {heading:>{width}}  {'BLOCKS':>6}  FITS")
-    for name, held, peak_bytes, extra, count in rows:
-        fits = (peak_bytes is not None and peak_bytes <= budget) if by_peak else held <= budget
-        out(f"  {name:<16}{human_bytes(held):>11}{human_bytes(peak_bytes) if peak_bytes is not None else '-':>11}  "
-            f"{extra:>{width}}  {count:>6}  {'yes' if fits else 'no'}")
-    held_means = ("held: after the forward with gradaudit.trim installed (exact: an audit's saved_bytes less "
-                  "what trim frees)" if chosen.trimmed else "held: after the forward (exact, what an audit counts)")
-    out(held_means + "; peak: through forward, recomputation and backward, gradients included"
-        + (" (one step of each run on meta: shapes only)" if chosen.device == "meta"
-           else f" (one step of each measured on {chosen.device})") if peak else held_means)
-    if chosen.cost == "time":
-        out(f"extra time: the checkpointed blocks' forward time as a share of one unplanned step's "
-            f"({_milliseconds(chosen.step_seconds or 0.0)} ms), medians of {REPEATS} runs on {chosen.device}; "
-            f"extra FLOPs +{100 * chosen.extra_flops / chosen.step_flops if chosen.step_flops else 0:.1f}%")
-    else:
-        out(f"extra compute: the recomputed FLOPs as a share of one unplanned step's ({chosen.step_flops:.3g} "
-            f"FLOPs: torch.utils.flop_counter, plus one per element written by ops it has no formula for)")
-    for note in chosen.notes:
-        out(f"note: {note}")
     if options.json and options.json != "-":
         out(f"JSON plan: {options.json}")
     if html_path:
@@ -604,18 +545,11 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     return code
 
 
-def _with_trim(chosen: Any) -> str:
-    """How the header says a plan's figures are with trim ("" without)."""
-    if not chosen.trimmed:
-        return ""
-    return " with gradaudit.trim" + ("" if chosen.bitpack else " (no bit-packing)")
-
-
 def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callable[[str], None],
            peaks: bool = True) -> int:
     """One line per budget, from one audit: what to checkpoint and at what extra compute (and, unless
     --no-peak, each plan's measured peak: one step per budget)."""
-    from .report.units import human_bytes, path_ranges
+    from .report import plantext
 
     plans = first.sweep(budgets, measure_peak=peaks)
     code = EXIT_OK if all(p.fits for p in plans) else EXIT_ERROR
@@ -627,23 +561,7 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
             sys.stdout.write(document)
         else:
             _write(options.json, document, "--json")
-    on = f"meta as {first.target}" if first.device == "meta" else first.device
-    out(f"gradaudit plan: {first.model} on {on}, {len(budgets)} budgets"
-        f"{' for the peak of a step' if first.bound == 'peak' else ''}, unplanned "
-        f"{human_bytes(first.unplanned_held_bytes)} held after the forward{_with_trim(first)}")
-    extras = [_extra_text(p, p) for p in plans]
-    width = max(13, *map(len, extras))
-    heading = "EXTRA TIME" if first.cost == "time" else "EXTRA COMPUTE"
-    by_peak = peaks or first.bound == "peak"
-    peak_heading = f"  {'PEAK':>10}" if by_peak else ""
-    out(f"  {'BUDGET':>10}  {'HELD':>10}{peak_heading}  {heading:>{width}}  {'BLOCKS':>6}  CHECKPOINT")
-    for p, extra in zip(plans, extras):
-        what = path_ranges(p.checkpointed) or "(nothing)"
-        if p.selective:
-            what += f" (op by op: {path_ranges(p.selective)})"
-        peak_text = f"  {human_bytes(p.peak_bytes):>10}" if by_peak else ""
-        out(f"  {human_bytes(p.budget):>10}  {human_bytes(p.held_bytes):>10}{peak_text}  {extra:>{width}}  "
-            f"{len(p.checkpointed):>6}  {what if p.fits else 'no plan fits: ' + what}")
+    out(plantext.render_sweep(plans))
     if options.json and options.json != "-":
         out(f"JSON plans: {options.json}")
     return code

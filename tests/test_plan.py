@@ -691,26 +691,35 @@ def plan_cli(tmp_path, monkeypatch):
     return lambda *args: runner.invoke(cli, ["plan", "stack.py:build", *args], catch_exceptions=False)
 
 
-def test_cli_prints_the_plan_beside_the_baselines(plan_cli):
+def test_the_plan_beside_the_baselines_as_text(golden):
+    from gradaudit.report import plantext
+
     # the stack of test_plan_of_a_sequential_stack_is_exact_and_minimal: 12 * 8192 B unplanned
-    result = plan_cli("--budget", str(9 * 8192))
-    assert result.exit_code == 0, result.output
-    lines = result.output.splitlines()
-    assert lines[1].startswith("checkpoint 2 of 6 blocks: ") and "5" in lines[1]
-    row = re.compile(r"^  (?P<name>\S+(?: \S+)*?) +(?P<held>[\d.]+ \S+) +(?P<peak>[\d.]+ \S+|-) +"
-                     r"(?P<extra>\+[\d.]+%) +(?P<blocks>\d+) +(?P<fits>yes|no)$")
-    rows = {m["name"]: m.groupdict() for m in map(row.match, lines) if m}
+    chosen = plan(mlp_stack(), torch.randn(32, 64), 9 * 8192)
+    rows = {"this plan": chosen, **{b.name: b for b in chosen.baselines}}
     # every 3rd block (0, 3) frees 2 * 8192, too little; every 2nd (0, 2, 4) fits: 96 - 24 = 72 KiB
     assert rows.keys() == {"this plan", "none", "every block", "every 2 blocks", "2 segments"}
     # sqrt(6) ~ 2 segments of 3: blocks 0-2 checkpointed hold t_2; blocks 3-5 hold r and t: 7 * 8192 B
-    assert rows["2 segments"]["held"] == "56 KiB" and rows["2 segments"]["blocks"] == "3"
-    assert rows["every 2 blocks"]["held"] == "72 KiB" and rows["every 2 blocks"]["fits"] == "yes"
-    assert rows["this plan"]["held"] == "72 KiB" and rows["this plan"]["fits"] == "yes"
-    assert rows["none"]["held"] == "96 KiB" and rows["none"]["extra"] == "+0.0%" and rows["none"]["fits"] == "no"
-    assert rows["every block"]["held"] == "40 KiB" and rows["every block"]["blocks"] == "6"  # 5 * 8192
-    assert all(r["peak"] != "-" for r in rows.values())
+    assert rows["2 segments"].held_bytes == 7 * 8192 and len(rows["2 segments"].checkpointed) == 3
+    assert rows["every 2 blocks"].held_bytes == 9 * 8192 <= chosen.budget  # fits
+    assert chosen.held_bytes == 9 * 8192 and chosen.fits and len(chosen.checkpointed) == 2 and "5" in chosen.checkpointed
+    assert rows["none"].held_bytes == 12 * 8192 > chosen.budget and rows["none"].extra_flops == 0  # +0.0%, no fit
+    assert rows["every block"].held_bytes == 5 * 8192 and len(rows["every block"].checkpointed) == 6
+    assert all(r.peak_bytes is not None for r in rows.values())
+    # the table, as the CLI prints it (test_cli_prints_the_plan_beside_the_baselines)
+    golden.assert_golden("plan.txt", plantext.render(chosen, repeats=timing.REPEATS) + "\n")
+    unmeasured = plan(mlp_stack(), torch.randn(32, 64), 9 * 8192, measure_peak=False)
+    assert all(r.peak_bytes is None for r in (unmeasured, *unmeasured.baselines))  # PEAK "-" in every row
+    golden.assert_golden("plan-no-peak.txt", plantext.render(unmeasured, repeats=timing.REPEATS) + "\n")
+
+
+def test_cli_prints_the_plan_beside_the_baselines(plan_cli, golden):
+    # the plan of test_the_plan_beside_the_baselines_as_text: STACK_FILE is mlp_stack() and its input
+    result = plan_cli("--budget", str(9 * 8192))
+    assert result.exit_code == 0, result.output
+    golden.assert_golden("plan.txt", result.output)
     unmeasured = plan_cli("--budget", str(9 * 8192), "--no-peak")
-    assert all(m["peak"] == "-" for m in map(row.match, unmeasured.output.splitlines()) if m)
+    golden.assert_golden("plan-no-peak.txt", unmeasured.output)
 
 
 def test_cli_json_and_quiet(plan_cli, tmp_path):
@@ -985,7 +994,9 @@ class Tick(nn.Module):
         return x
 
 
-def test_time_cost_checkpoints_the_block_that_takes_least_time(monkeypatch):
+def test_time_cost_checkpoints_the_block_that_takes_least_time(monkeypatch, golden):
+    from gradaudit.report import plantext
+
     clock = FakeClock()
     monkeypatch.setattr(timing, "clock", clock)
     model, x = mlp_stack(3, 64), torch.randn(32, 64)
@@ -1020,6 +1031,8 @@ def test_time_cost_checkpoints_the_block_that_takes_least_time(monkeypatch):
     assert tighter.cost == "time" and tighter.checkpointed == ("2",) and tighter.extra_seconds == 1e-3
     with timed.apply(model):
         assert gradaudit.audit(model, x).saved_bytes == timed.held_bytes
+    # as text: milliseconds and their share of a step in every row (the CLI prints this table)
+    golden.assert_golden("plan-time.txt", plantext.render(timed, repeats=timing.REPEATS) + "\n")
 
 
 def test_time_cost_on_the_real_clock_plans_exactly():
@@ -1072,15 +1085,15 @@ def test_cli_plans_by_measured_time(plan_cli, tmp_path):
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[2].split() == ["HELD", "PEAK", "EXTRA", "TIME", "BLOCKS", "FITS"]
-    row = re.compile(r"^  (?P<name>\S+(?: \S+)*?) +(?P<held>[\d.]+ \S+) +(?P<peak>[\d.]+ \S+|-) +"
-                     r"\+(?P<ms>[\d.]+) ms \(\+(?P<share>[\d.]+)%\) +(?P<blocks>\d+) +(?P<fits>yes|no)$")
-    rows = {m["name"]: m.groupdict() for m in map(row.match, lines) if m}
+    data = json.loads((tmp_path / "plan.json").read_text())
+    rows = {"this plan": data, **{b["name"]: b for b in data["baselines"]}}
     assert rows.keys() == {"this plan", "none", "every block", "every 2 blocks", "2 segments"}
     # sqrt(6) ~ 2 segments of 3: blocks 0-2 checkpointed hold t_2; blocks 3-5 hold r and t: 7 * 8192 B
-    assert rows["2 segments"]["held"] == "56 KiB" and rows["2 segments"]["blocks"] == "3"
-    assert float(rows["none"]["ms"]) == 0 and float(rows["every block"]["ms"]) > 0
+    assert rows["2 segments"]["held_bytes"] == 7 * 8192 and len(rows["2 segments"]["checkpointed"]) == 3
+    assert rows["none"]["extra_seconds"] == 0 and rows["every block"]["extra_seconds"] > 0
+    # each of the five rows prints its milliseconds and their share of a step (the layout: tests/golden/plan-time.txt)
+    assert [" ms (+" in line for line in lines[3:9]] == [True] * 5 + [False]
     assert any(line.startswith("extra time: ") for line in lines)
-    data = json.loads((tmp_path / "plan.json").read_text())
     assert data["cost"] == "time" and data["extra_seconds"] > 0 and data["step_seconds"] > 0
     assert data["held_bytes"] <= 9 * 8192 and data["frontier"][0] == {"held_bytes": 12 * 8192, "extra_seconds": 0}
     quiet = plan_cli("--budget", str(9 * 8192), "--cost", "time", "-q", "--no-peak")

@@ -9,7 +9,7 @@ Every figure is the median of ``REPEATS`` runs after one warm-up step (first cal
 allocation, kernel selection and caches); the step runs and the hooked forwards alternate, so a
 machine that slows down part-way slows both. The solver works on integers: times are nanoseconds.
 
-The caller runs this under the same context as the FLOP count (``planning._as_audited``: the
+The caller runs this under the same context as the FLOP count (``conditions.as_audited``: the
 what-if trainable patterns applied, the model's own checkpointing off, the model put back as
 found afterwards: gradients, buffers, RNG state).
 """

@@ -1,1 +1,1 @@
-"""Reporters: pure functions from a Report to text (terminal, JSON, DOT/SVG, HTML)."""
+"""Reporters: pure functions from a Report (or a checkpoint Plan) to text (terminal, JSON, DOT/SVG, HTML)."""

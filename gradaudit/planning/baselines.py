@@ -1,0 +1,76 @@
+"""What a user would otherwise pick, with the same figures as the plan: nothing, every block, every
+n-th block (``usual_baselines``, from the chain alone), and for a stack, sqrt(n) segments
+(``segments_baseline``: an audit with it in force, see segments.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from torch import nn
+
+from . import segments
+from .chain import held_by_report
+from .conditions import trimmed
+from .costs import Costs
+from .result import Baseline
+from .solve import Chain
+
+
+def usual_baselines(chain: Chain, costs: Costs, budget: int) -> tuple[Baseline, ...]:
+    """What a user would otherwise pick: nothing, every block (Hugging Face's
+    gradient_checkpointing_enable()), and every n-th block for the largest n that fits the budget
+    (or 2 when none does)."""
+    n = len(chain.blocks)
+
+    def baseline(name: str, chosen: Sequence[int]) -> Baseline:
+        return Baseline(name, tuple(chain.blocks[i].path for i in chosen), chain.held(chosen),
+                        costs.extra_flops(chosen), extra_seconds=costs.extra_seconds(chosen))
+
+    found = [baseline("none", []), baseline("every block", range(n))]
+    if n >= 4:
+        step = next((k for k in range(n // 2, 1, -1) if chain.held(range(0, n, k)) <= budget), 2)
+        found.append(baseline(f"every {step} blocks", range(0, n, step)))
+    return tuple(found)
+
+
+def stack_runner(model: nn.Module, paths: Sequence[str], calls: Sequence[Any]) -> Optional[Callable[[int], Any]]:
+    """What runs the blocks ``paths`` in k segments (``runner(k)``, a context manager), where they are
+    the children of one nn.Sequential run by its own forward or a stack a loop runs passing each
+    block its predecessor's result (``calls``: the audit's module calls); None for other blocks."""
+    parent = segments.sequential_parent(model, paths)
+    if parent is not None:
+        container = model.get_submodule(parent) if parent else model
+        return functools.partial(segments.segmented, container)
+    if segments.looped_stack(model, paths, [c for c in calls if c.path in set(paths)]):
+        return functools.partial(segments.loop_segmented, [model.get_submodule(p) for p in paths])
+    return None
+
+
+@contextlib.contextmanager
+def _in_segments(in_segments: Callable[[int], Any], count: int, model: nn.Module,
+                 bitpack: Optional[bool]) -> Iterator[list[tuple[int, int]]]:
+    """The stack run in ``count`` segments (and trim installed where the plan has it)."""
+    with in_segments(count) as ranges, trimmed(model, bitpack):
+        yield ranges
+
+
+def segments_baseline(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: Optional[str],
+                      chain: Chain, costs: Costs, children: Sequence[str], in_segments: Callable[[int], Any],
+                      bitpack: Optional[bool]) -> tuple[Baseline, Callable[[], Any]]:
+    """The sqrt(n) segments baseline of the stack ``children`` (see segments.py; ``in_segments(k)``
+    runs it in k segments): its held bytes from an audit with it in force, its recompute from the
+    blocks of its checkpointed segments that build a graph; and what puts it in force (to measure
+    its peak)."""
+    from ..auditing import audit
+
+    count = segments.square_root_segments(len(children))
+    applied = functools.partial(_in_segments, in_segments, count, model, bitpack)
+    with applied() as ranges:
+        held = held_by_report(audit(model, inputs, trainable=trainable, frozen=frozen, target=target), bitpack)
+    recomputed = {children[k] for first, last in ranges[:-1] for k in range(first, last + 1)}
+    chosen = [i for i, b in enumerate(chain.blocks) if b.path in recomputed]
+    return Baseline(f"{count} segments", tuple(p for p in children if p in recomputed), held,
+                    costs.extra_flops(chosen), extra_seconds=costs.extra_seconds(chosen)), applied

@@ -1,0 +1,62 @@
+"""Which modules a plan may checkpoint: the repeated blocks of a model (``repeated_blocks``), or the
+modules the caller's glob patterns name (``candidates``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from typing import Optional, Sequence
+
+from torch import nn
+
+from ..errors import GradauditError
+
+
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """The modules a plan checkpoints by default: the children of every ``nn.ModuleList`` or
+    ``nn.Sequential`` with two or more children of one class (transformer layers, ResNet stages'
+    blocks, the layers of a sequential stack), the outermost such container on each branch."""
+    found: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        children = list(module.named_children())
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and children:
+            if max(Counter(type(c) for _, c in children).values()) >= 2:
+                found.extend(f"{prefix}{name}" for name, _ in children)
+                return
+        for name, child in children:
+            visit(f"{prefix}{name}.", child)
+
+    visit("", model)
+    return found
+
+
+def candidates(model: nn.Module, blocks: Optional[Sequence[str]]) -> list[str]:
+    """The module paths ``blocks`` (glob patterns; None: ``repeated_blocks``) names, the outermost of
+    nested matches."""
+    if blocks is None:
+        paths = repeated_blocks(model)
+        if not paths:
+            raise GradauditError("no repeated blocks found (children of an nn.ModuleList or nn.Sequential "
+                                 "that share a class): name the modules to consider with blocks=[GLOB, ...] "
+                                 "(--blocks GLOB)")
+        return paths
+    if isinstance(blocks, str):
+        blocks = [blocks]
+    names = [path for path, _ in model.named_modules() if path]
+    paths = []
+    for pattern in blocks:
+        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not matched:
+            raise GradauditError(f"blocks: {pattern!r} matches no module (names as in named_modules(), "
+                                 f"e.g. {names[0]!r})" if names else "blocks: the model has no submodules")
+        paths.extend(matched)
+    # the outermost of nested matches: checkpointing a module already recomputes what is inside
+    paths = sorted(set(paths))
+    return [p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p)]
+
+
+def inside(path: str, block: str) -> bool:
+    """Whether the module ``path`` is the block ``block`` or inside it."""
+    return path == block or path.startswith(block + ".")

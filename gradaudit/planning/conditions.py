@@ -1,0 +1,106 @@
+"""The conditions every run of the planner shares: the audit's what-if and target device
+(``as_audited``), ``gradaudit.trim`` installed or not (``trim_options``, ``trimmed``), and the
+model's own checkpointing, which the plan replaces (``checkpointed_now``, ``own_checkpointing_off``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional, Sequence
+
+from torch import nn
+
+from .. import torchapi
+from ..errors import GradauditError
+from ..recorder import CHECKPOINT_INPUTS
+from ..records import Manager
+
+
+@contextlib.contextmanager
+def as_audited(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str) -> Iterator[None]:
+    """The requires_grad what-if applied and, on meta, the kernel choices and autocast of the
+    target device, as the audit has them; the model is left as found afterwards (gradients,
+    buffers, RNG state included)."""
+    from ..auditing import ModelState, apply_trainable, runs_on_meta
+    from ..meta import standing_for
+    from ..tensors import first_meta_parameter, iter_tensors
+
+    tensors = list(iter_tensors(inputs))
+    on_meta = runs_on_meta(first_meta_parameter(model.parameters()), tensors)
+    state = ModelState(model)
+    # gradients the caller has are set aside, not accumulated into: backward adds to an existing
+    # .grad in place, which putting the same tensor object back would not undo
+    leaves = [(t, t.grad) for t in tensors if t.is_leaf and t.requires_grad and t.grad is not None]
+    try:
+        for p in model.parameters():
+            p.grad = None
+        for t, _ in leaves:
+            t.grad = None
+        apply_trainable(model, trainable, frozen)
+        with standing_for(target) if on_meta else contextlib.nullcontext():
+            yield
+    finally:
+        state.restore()
+        for t, grad in leaves:
+            t.grad = grad
+
+
+def checkpointed_now(report: Any) -> list[str]:
+    """The modules the audited forward checkpointed itself (torch.utils.checkpoint regions)."""
+    regions = {n.module or "the model" for n in report.nodes
+               if n.name in (CHECKPOINT_INPUTS, torchapi.REENTRANT_CHECKPOINT_NODE)}
+    if not regions and any(t.managed_by == Manager.CHECKPOINT for t in report.tensors):
+        regions.add("the model")
+    return sorted(regions)
+
+
+def own_checkpointing_off(now: Sequence[str]) -> Any:
+    """The model's own checkpointing turned off while in force, where it has some (``now``:
+    ``checkpointed_now``): the planner's runs measure the model as the plan would leave it."""
+    return torchapi.checkpointing_off() if now else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def trimmed(model: nn.Module, bitpack: Optional[bool]) -> Iterator[None]:
+    """gradaudit.trim installed (with ``bitpack``) while in force, unless it is already or ``bitpack``
+    is None (a plan without trim)."""
+    from ..auditing import trimmed_now
+
+    if bitpack is None or trimmed_now(model):
+        yield
+        return
+    from ..trimming import trim as install_trim
+
+    with install_trim(model, bitpack=bitpack):
+        yield
+
+
+def trim_options(model: nn.Module, trim: Optional[bool], bitpack: Optional[bool]) -> tuple[Any, Optional[bool]]:
+    """(the trim handle installed on ``model`` or None, the plan's bitpack: None for a plan without
+    trim). Every combination that would make the figures wrong for the model is refused."""
+    from ..auditing import trimmed_now
+
+    for name, value in (("trim", trim), ("bitpack", bitpack)):
+        if value is not None and not isinstance(value, bool):
+            raise GradauditError(f"{name} must be True, False or None, not {value!r}")
+    installed = None
+    if trimmed_now(model):
+        from ..trimming.handle import handle_of
+
+        installed = handle_of(model)
+    if trim is None:
+        trim = installed is not None
+    if not trim:
+        if installed is not None:
+            raise GradauditError("gradaudit.trim is installed on this model, so it holds less than a plan without "
+                                 "trim says: plan with trim=True (--trim), or remove the trim handle first")
+        if bitpack is not None:
+            raise GradauditError(f"bitpack={bitpack} is an option of trim: pass trim=True with it (--trim)")
+        return None, None
+    if installed is not None:
+        if bitpack is not None and bitpack != installed.bitpack:
+            raise GradauditError(f"gradaudit.trim is installed on this model with bitpack={installed.bitpack}: plan "
+                                 f"with bitpack={installed.bitpack}, or remove the trim handle first")
+        return installed, installed.bitpack
+    torchapi.require("node creation hook", "gradaudit.plan(trim=True)")  # now, not after the audit
+    return None, True if bitpack is None else bitpack

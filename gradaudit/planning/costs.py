@@ -1,0 +1,129 @@
+"""What recomputing a block costs, counted: each candidate block's forward FLOPs (and of those, the
+FLOPs a selective checkpoint does not redo) and one whole step's, under
+``torch.utils.flop_counter.FlopCounterMode`` with one FLOP per element for the ops torch has no
+formula for; ``Costs`` holds them per chain block (with ``cost="time"`` beside the forward times
+timing.py measures) and prices any plan in FLOPs and seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .apply import kept_by_selective
+from .conditions import as_audited
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Each chain block's forward FLOPs (and of those, the FLOPs an op-level checkpoint does not
+    redo) and, with cost="time", its measured forward nanoseconds: the figures of any plan,
+    whichever of the two the solver minimised."""
+
+    flops: tuple[int, ...]
+    kept: tuple[int, ...]
+    nanoseconds: Optional[tuple[int, ...]] = None
+
+    @classmethod
+    def of(cls, paths: Sequence[str], flops: dict[str, tuple[int, int]],
+           nanoseconds: Optional[dict[str, int]]) -> "Costs":
+        """The costs of the blocks ``paths`` (the chain's, in order) from ``count_flops``'s figures and,
+        with cost="time", timing.measure's (None otherwise)."""
+        return cls(tuple(flops.get(path, (0, 0))[0] for path in paths),
+                   tuple(flops.get(path, (0, 0))[1] for path in paths),
+                   tuple(nanoseconds.get(path, 0) for path in paths) if nanoseconds is not None else None)
+
+    def extra_flops(self, chosen: Iterable[int], selective: Iterable[int] = ()) -> int:
+        selective = set(selective)
+        return sum(self.flops[i] - (self.kept[i] if i in selective else 0) for i in set(chosen))
+
+    def extra_seconds(self, chosen: Iterable[int]) -> Optional[float]:
+        if self.nanoseconds is None:
+            return None
+        return sum(self.nanoseconds[i] for i in set(chosen)) / 1e9
+
+    def extra(self, chosen: Iterable[int], selective: Iterable[int] = ()) -> Union[int, float]:
+        """In the cost's units: FLOPs, or seconds with cost="time" (whole blocks only)."""
+        seconds = self.extra_seconds(chosen)
+        return self.extra_flops(chosen, selective) if seconds is None else seconds
+
+
+# ops that allocate without computing (their outputs are written by the next op) or only reinterpret
+# an existing storage without saying so in their schema
+_NO_WORK = frozenset(getattr(torch.ops.aten, name) for name in (
+    "_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
+    "_reshape_alias", "set_", "resize_") if hasattr(torch.ops.aten, name))
+
+
+def _writes_nothing(op: Any) -> bool:
+    """Whether ``op`` (an overload packet) makes no new elements: a view or an allocation only."""
+    if op in _NO_WORK:
+        return True
+    try:
+        schema = getattr(op, op.overloads()[0])._schema
+    except (AttributeError, IndexError, RuntimeError):
+        return False
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _elements(*_: Any, out_val: Any = None, **__: Any) -> int:
+    from ..tensors import iter_tensors
+
+    return sum(t.numel() for t in iter_tensors(out_val))
+
+
+def _none(*_: Any, **__: Any) -> int:
+    return 0
+
+
+class _EveryOp(dict):
+    """FlopCounterMode's formula table, answering for every op: torch's formula where it has one
+    (matrix products, convolutions, attention), else one FLOP per element the op writes. Torch
+    counts those ops (activations, norms, softmax, elementwise arithmetic) as 0, which would make
+    recomputing them look free; they are memory-bound, and the elements they write are the
+    nearest FLOP-like measure of their cost."""
+
+    def __contains__(self, op: object) -> bool:
+        return True
+
+    def __missing__(self, op: Any) -> Any:
+        formula = _none if _writes_nothing(op) else _elements
+        self[op] = formula
+        return formula
+
+
+def counting() -> Any:
+    """A FlopCounterMode that counts every op (``_EveryOp``), displaying nothing."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    mode = FlopCounterMode(display=False)
+    mode.flop_registry = _EveryOp(mode.flop_registry)
+    return mode
+
+
+def count_flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
+                paths: Sequence[str]) -> tuple[dict[str, tuple[int, int]], int]:
+    """(forward FLOPs, of which in ops a selective checkpoint keeps) of each module in ``paths`` (all its calls) and the
+    FLOPs of one whole step (forward and backward), as torch.utils.flop_counter counts them plus one
+    per element for the ops it has no formula for; the model is left as found."""
+    from ..tensors import iter_tensors, split_inputs, unique
+
+    args, kwargs = split_inputs(inputs)
+    with as_audited(model, inputs, trainable, frozen, target):
+        with counting() as forward:
+            output = model(*args, **kwargs)
+        outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
+        with counting() as backward:
+            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        del output, outputs
+    counts = forward.get_flop_counts()
+    root = type(model).__name__
+    per_module = {}
+    for path in paths:
+        ops = counts.get(f"{root}.{path}", {})
+        per_module[path] = (sum(ops.values()), sum(n for op, n in ops.items() if kept_by_selective(op)))
+    step = forward.get_total_flops() + backward.get_total_flops()
+    return per_module, step

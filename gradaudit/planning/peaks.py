@@ -1,0 +1,80 @@
+"""Where the planner measures peaks: one training step run on the model's device under a frontier
+point's checkpointing (or a baseline's), the storage tracker or the allocator counting the bytes
+alive at its worst moment. ``PeakProbes`` runs each step once and remembers it; it is the live half
+of a plan (it holds the model weakly, and the inputs), kept apart from the plan's data.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+from torch import nn
+
+from ..errors import GradauditError
+from .apply import SELECTIVE_POLICY, PlanHandle
+from .conditions import as_audited, own_checkpointing_off
+from .result import Baseline
+from .solve import Point
+
+
+def step_figures(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
+                 applied: Callable[[], Any]) -> tuple[int, int]:
+    """(held after the forward less the outputs, peak through forward and backward) of one step
+    with ``applied()`` in force (a plan's or a baseline's checkpointing), measured on the model's
+    device: the storage tracker on CPU and meta (where it follows the meta tensors the step would
+    allocate), the allocator on CUDA. Left as found."""
+    from ..measure import forward_backward
+    from ..tensors import split_inputs
+
+    args, kwargs = split_inputs(inputs)
+    with as_audited(model, inputs, trainable, frozen, target):
+        with applied():
+            return forward_backward(model, args, kwargs)
+
+
+class PeakProbes:
+    """The measured peak of a step under any of a frontier's points or baselines, each step run once
+    (``peak``, ``baseline_peak``), with the model's own checkpointing off and trim installed where
+    the plan has it. Holds the model weakly: measuring once the model is gone raises."""
+
+    def __init__(self, model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
+                 block_paths: Sequence[str], bitpack: Optional[bool], own_checkpointing: Sequence[str],
+                 progress: Callable[[str], None]) -> None:
+        self._model = weakref.ref(model)
+        self._inputs, self._trainable, self._frozen, self._target = inputs, trainable, frozen, target
+        self._block_paths = tuple(block_paths)  # the chain's blocks, in order
+        self._bitpack = bitpack
+        self._own_checkpointing = tuple(own_checkpointing)  # checkpointed_now: turned off for every step
+        self._progress = progress
+        self._measured: dict[Any, tuple[int, int]] = {}  # (held, peak) of each step run, by what was applied
+
+    def peak(self, point: Optional[Point]) -> int:
+        """The measured peak of a frontier point's step (None: of the unplanned step)."""
+        paths = tuple(self._block_paths[i] for i in sorted(point.chosen)) if point is not None else ()
+        selective = tuple(self._block_paths[i] for i in sorted(point.selective)) if point is not None else ()
+        return self._measure((paths, selective), functools.partial(self._checkpointing, paths, selective),
+                             f"{len(paths)} of {len(self._block_paths)} blocks checkpointed")
+
+    def baseline_peak(self, baseline: Baseline, applied: Optional[Callable[[], Any]] = None) -> int:
+        """The measured peak of a baseline's step: ``applied()`` puts it in force where it is not the
+        checkpointing of its blocks (the sqrt(n) segments)."""
+        if applied is not None:
+            return self._measure((baseline.name,), applied, baseline.name)
+        return self._measure((baseline.checkpointed, ()), functools.partial(self._checkpointing, baseline.checkpointed),
+                             baseline.name)
+
+    def _checkpointing(self, paths: tuple[str, ...], selective: tuple[str, ...] = ()) -> PlanHandle:
+        return PlanHandle(self._model(), paths, {path: SELECTIVE_POLICY for path in selective}, trim=self._bitpack)
+
+    def _measure(self, key: Any, applied: Callable[[], Any], what: str) -> int:
+        if key not in self._measured:
+            model = self._model()
+            if model is None:
+                raise GradauditError("the model this plan was made for is gone: plan again to measure peaks")
+            self._progress(f"measuring the peak of a step ({what})")
+            with own_checkpointing_off(self._own_checkpointing):
+                self._measured[key] = step_figures(model, self._inputs, self._trainable, self._frozen, self._target,
+                                                   applied)
+        return self._measured[key][1]

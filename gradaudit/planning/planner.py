@@ -1,0 +1,316 @@
+"""``gradaudit.plan()``: the planner's steps in order, each a named function over the one before's
+results: audit the candidate blocks, count (or time) what recomputing each costs, build the chain
+and its selective option, solve the frontier, add the baselines, choose the cheapest point within
+the budget and measure its peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .. import torchapi
+from ..errors import GradauditError
+from ..values import is_assumption_note
+from . import segments, timing
+from .baselines import segments_baseline, stack_runner
+from .candidates import candidates, inside
+from .chain import add_selective, audited_with, build_chain, held_by_report
+from .conditions import as_audited, checkpointed_now, own_checkpointing_off, trim_options
+from .costs import Costs, count_flops
+from .frontier import Frontier
+from .peaks import PeakProbes
+from .result import HELD_BOUND, PEAK_BOUND, Baseline, Plan, budget_error, parse_budget
+from .solve import Chain, solve
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every run of the planner is given: the model, its inputs, the audit's what-if and the
+    target as the caller named it (``audit``'s argument; the audit's report says what it resolved to)."""
+
+    model: nn.Module
+    inputs: Any
+    trainable: Any
+    frozen: Any
+    target: Optional[str]
+
+
+@dataclass
+class _Audited:
+    """The planner's audit: the report (of the model without its own checkpointing), the modules the
+    model checkpoints itself (``checkpointed_now``) and what it holds with that (None without)."""
+
+    report: Any
+    now: list[str]
+    current_held: Optional[int]
+
+
+def plan(
+    model: nn.Module,
+    inputs: Any,
+    budget: Union[int, str],
+    *,
+    trainable: Optional[Sequence[str]] = None,
+    frozen: Optional[Sequence[str]] = None,
+    blocks: Optional[Sequence[str]] = None,
+    target: Optional[str] = None,
+    selective: bool = True,
+    bound: str = HELD_BOUND,
+    measure_peak: bool = True,
+    cost: str = "flops",
+    trim: Optional[bool] = None,
+    bitpack: Optional[bool] = None,
+    progress: Optional[Callable[[str], None]] = None,
+) -> Plan:
+    """Choose which modules of ``model`` to checkpoint so that autograd holds at most ``budget``
+    bytes after the forward on ``inputs``, for the least recompute.
+
+    budget: bytes (int) or a size such as "8GiB", "500MB".
+    trainable / frozen: what-if requires_grad patterns, as for ``audit``.
+    blocks: glob patterns over module paths to consider (default: ``repeated_blocks(model)``).
+    target: on the meta device, the device type the figures are for ("cpu", the default, or "cuda"),
+        as for ``audit``.
+    selective: also consider checkpointing a block op by op (keep the outputs of its matrix products,
+        convolutions and attention, recompute the rest) where that beats recomputing all of it.
+    bound: what ``budget`` bounds: "held" (bytes held after the forward, exact by the audit) or
+        "peak" (the peak of one training step, measured: the cheapest frontier point whose peak
+        fits, found by bisection with a step run per probe, about log2 of the frontier's size).
+    measure_peak: run the chosen plan's step, the unplanned step and the baselines' once each on the
+        model's device to measure their peaks (``Plan.peak_bytes``; on meta nothing is computed).
+    cost: what a checkpointed block costs, which the plan minimises: "flops" (its forward FLOPs, as
+        torch.utils.flop_counter counts them; any device) or "time" (its forward time measured on the
+        model's device, all its calls: the median of timing.REPEATS runs after a warm-up, like one
+        whole step's; a real device only). ``Plan.frontier`` and ``extra_compute`` are in its units.
+    trim: plan the bytes that remain with ``gradaudit.trim`` installed: every figure (held, unplanned,
+        frontier, baselines, blocks, peaks) is what the model holds with trim and the plan, and
+        ``Plan.apply`` installs trim too where it is not installed. None (the default) follows the
+        model: with trim installed on it, as True (with its bitpack); without, as False. trim=False
+        on a trimmed model raises GradauditError (its figures would be wrong for it).
+    bitpack: trim's option (default True, or the installed handle's); only with trim.
+
+    Raises BudgetError when no plan of the blocks fits (its ``smallest`` says how low they go).
+    The model is left as found; ``Plan.apply(model)`` checkpoints the chosen modules.
+    """
+    from ..auditing import meta_inputs
+
+    inputs = meta_inputs(model, inputs)  # CPU token ids and masks beside a meta model keep their values
+    budget_bytes = _checked_arguments(model, inputs, budget, bound, measure_peak, cost)
+    installed, bitpack = trim_options(model, trim, bitpack)
+    say = progress or _silent
+    run = _Run(model, inputs, trainable, frozen, target)
+    paths = candidates(model, blocks)
+    audited = _audit(run, paths, bitpack, say)
+    report, now = audited.report, audited.now
+    _refuse_opaque(report)
+    flops, step_flops, nanoseconds, step_seconds = _block_costs(run, report, paths, now, cost, say)
+    ran, graphless, calls = _blocks_that_ran(report, paths)
+    chain = build_chain(report, ran, calls, {path: (nanoseconds.get(path, 0), 0) if nanoseconds is not None
+                                             else flops.get(path, (0, 0)) for path in ran}, bitpack)
+    # the solver minimises the integer it is given as a block's cost: FLOPs, or nanoseconds
+    # (op-level checkpointing is costed in FLOPs only: with time, whole blocks)
+    costs = Costs.of([b.path for b in chain.blocks], flops, nanoseconds)
+    unplanned = held_by_report(report, bitpack)
+    if chain.held(()) != unplanned:  # both count the held saves' storages of held kinds, as trim leaves them
+        raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit {unplanned}")
+    # a value the model read on meta that nobody knew was assumed: the plan's figures rest on it too
+    notes = [note for note in report.notes if is_assumption_note(note)]
+    notes += _selective_option(run, chain, costs, report, paths, selective, cost, now, bitpack, say)
+    notes += _blind_spots(report, graphless)
+    say(f"solving ({len(chain.blocks)} blocks)")
+    points, optimal = solve(chain)
+    notes += _assumed(chain)
+    if installed is not None and trim is None:
+        notes.append(f"gradaudit.trim is installed on this model (bitpack={bitpack}), so the plan's figures are "
+                     f"with it, as trim=True plans them; to plan without trim, remove its handle first")
+    if now:
+        notes.insert(0, f"the model checkpoints {_few(now)} itself and so holds {audited.current_held} bytes; the "
+                        f"plan replaces that (its figures are without it): turn the model's own checkpointing off "
+                        f"before applying it (Hugging Face: model.gradient_checkpointing_disable())")
+    fixed, applying, note = _segments(run, report, paths, now, chain, costs, bitpack, say)
+    notes += note
+    frontier = Frontier(chain, points, costs, fixed)
+    probes = PeakProbes(model, inputs, trainable, frozen, report.target, [b.path for b in chain.blocks], bitpack,
+                        now, say)
+    chosen = frontier.cheapest(budget_bytes, 0, probes.peak if bound == PEAK_BOUND else None)
+    result = Plan(model=type(model).__name__, device=report.device, target=report.target,
+                  unplanned_held_bytes=chain.held(()), step_flops=step_flops, blocks=frontier.blocks(),
+                  frontier=frontier.entries(), optimal=optimal, notes=list(notes), replaces=tuple(now),
+                  current_held_bytes=audited.current_held, cost=cost, step_seconds=step_seconds,
+                  trimmed=bitpack is not None, bitpack=bitpack, bound=bound, _frontier=frontier, _probes=probes,
+                  **frontier.at(chosen if chosen is not None else points[-1], budget_bytes))
+    if measure_peak:
+        _measure_peaks(result, probes, applying)
+    if chosen is None:
+        raise budget_error(result, len(chain.blocks))
+    return result
+
+
+def _silent(step: str) -> None:
+    """The progress callback when the caller gives none."""
+
+
+def _checked_arguments(model: Any, inputs: Any, budget: Any, bound: Any, measure_peak: bool, cost: Any) -> int:
+    """The budget in bytes, once every argument that needs no audit is checked."""
+    from ..auditing import runs_on_meta
+    from ..loading import parse_size
+    from ..tensors import first_meta_parameter, iter_tensors
+
+    if not isinstance(model, nn.Module):
+        raise GradauditError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
+    timing.check_cost(cost, runs_on_meta(first_meta_parameter(model.parameters()), list(iter_tensors(inputs))))
+    budget_bytes = parse_budget(budget, parse_size)
+    if bound not in (HELD_BOUND, PEAK_BOUND):
+        raise GradauditError(f"bound must be {HELD_BOUND!r} or {PEAK_BOUND!r}, not {bound!r}")
+    if bound == PEAK_BOUND and not measure_peak:
+        raise GradauditError("bound='peak' chooses by measured peaks: it cannot run with measure_peak=False")
+    return budget_bytes
+
+
+def _audit(run: _Run, paths: Sequence[str], bitpack: Optional[bool], say: Callable[[str], None]) -> _Audited:
+    """One audit watching the candidate blocks; where the model checkpoints itself, what it holds so,
+    and a second audit with that turned off (the plan replaces it)."""
+    from ..auditing import audit
+
+    say(f"auditing the forward ({len(paths)} candidate blocks)")
+    report = audit(run.model, run.inputs, trainable=run.trainable, frozen=run.frozen, watch=paths, target=run.target)
+    now = checkpointed_now(report)
+    if not now:
+        return _Audited(report, now, None)
+    # plan from what the model holds without its own checkpointing (which the plan replaces)
+    current_held = held_by_report(report, bitpack)
+    say("auditing the forward without the model's own checkpointing")
+    with torchapi.checkpointing_off():
+        report = audit(run.model, run.inputs, trainable=run.trainable, frozen=run.frozen, watch=paths,
+                       target=run.target)
+    if checkpointed_now(report):
+        raise GradauditError(f"the model checkpoints ({_few(now)}) in a way gradaudit cannot turn off to plan "
+                             f"from what it would hold; turn it off and plan again")
+    return _Audited(report, now, current_held)
+
+
+def _refuse_opaque(report: Any) -> None:
+    """A block passed an object holding tensors (a cache) cannot be planned: refuse it."""
+    opaque = next((c for c in report.module_calls if c.opaque), None)
+    if opaque is not None:
+        raise GradauditError(f"{opaque.path} is passed a {opaque.opaque[0]} holding tensors: a checkpoint would keep it "
+                             f"out of every figure's sight, and recomputing the block would use it again. Pass "
+                             f"tensors instead (Hugging Face: use_cache=False for training)")
+
+
+def _block_costs(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], cost: str,
+                 say: Callable[[str], None]) -> tuple[dict[str, tuple[int, int]], int, Optional[dict[str, int]],
+                                                      Optional[float]]:
+    """(each block's FLOPs and those a selective checkpoint keeps, one step's FLOPs, with cost="time"
+    each block's forward nanoseconds and one step's seconds, else None and None), on the audit's
+    target device."""
+    target = report.target
+    say("counting FLOPs")
+    with own_checkpointing_off(now):
+        flops, step_flops = count_flops(run.model, run.inputs, run.trainable, run.frozen, target, paths)
+    if cost != "time":
+        return flops, step_flops, None, None
+    say(f"timing the forward of {len(paths)} blocks and a step on {report.device} "
+        f"({timing.REPEATS} runs each, after a warm-up)")
+    with own_checkpointing_off(now), as_audited(run.model, run.inputs, run.trainable, run.frozen, target):
+        nanoseconds, step_nanoseconds = timing.measure(run.model, run.inputs, paths)
+    return flops, step_flops, nanoseconds, step_nanoseconds / 1e9
+
+
+def _blocks_that_ran(report: Any, paths: Sequence[str]) -> tuple[list[str], list[str], dict[str, list]]:
+    """(the candidate blocks that ran and build a graph, in forward order; those that ran and build
+    none; every module's calls, by path)."""
+    calls: dict[str, list] = {}
+    for call in report.module_calls:
+        calls.setdefault(call.path, []).append(call)
+    order = {call.path: i for i, call in reversed(list(enumerate(report.module_calls)))}
+    ran = sorted((p for p in paths if p in calls), key=order.__getitem__)
+    # a block in which no autograd node was made (frozen, its inputs needing no gradient) builds no
+    # graph: a checkpoint of it holds nothing (no node keeps its inputs) and backward never
+    # recomputes it, so checkpointing it changes nothing
+    made = [n.module for n in report.nodes if n.name != "AccumulateGrad"]
+    graphless = [p for p in ran if not any(inside(module, p) for module in made)]
+    return [p for p in ran if p not in graphless], graphless, calls
+
+
+def _selective_option(run: _Run, chain: Chain, costs: Costs, report: Any, paths: Sequence[str], selective: bool,
+                      cost: str, now: Sequence[str], bitpack: Optional[bool], say: Callable[[str], None]) -> list[str]:
+    """Give the chain's blocks with costly ops the option of op-level checkpointing (add_selective),
+    where it is asked for and can be modelled; the notes that say why it was left out."""
+    if not selective:
+        return []
+    if cost == "time" and any(costs.kept):
+        return ["op-level checkpointing left out: its recompute is costed in FLOPs, and this plan minimises "
+                "measured time (cost='flops' considers it)"]
+    if not any(b.kept_flops for b in chain.blocks):
+        return []
+    if not torchapi.has("selective checkpoint cache"):
+        return [f"op-level checkpointing left out: this torch ({torch.__version__}) hides what a selective "
+                f"checkpoint keeps from the audit, so its bytes could not be counted"]
+    say("auditing the forward with every block checkpointed selectively")
+
+    def audit_with(policies: dict[str, str]) -> Any:
+        return audited_with(run.model, run.inputs, run.trainable, run.frozen, run.target, paths, policies, bitpack)
+
+    with own_checkpointing_off(now):
+        note = add_selective(chain, report, audit_with, lambda other: held_by_report(other, bitpack))
+    return [note] if note else []
+
+
+def _blind_spots(report: Any, graphless: Sequence[str]) -> list[str]:
+    """Notes on the blocks that build no graph and the tensors passed to blocks no figure counts."""
+    notes = []
+    if graphless:
+        notes.append(f"{len(graphless)} block(s) build no autograd graph ({_few(graphless)}): no gradient flows "
+                     f"through them, so they hold nothing and checkpointing them would change nothing")
+    uncounted = sum(c.uncounted for c in report.module_calls)
+    if uncounted:
+        notes.append(f"{uncounted} tensor(s) passed to blocks have no single storage (sparse): a checkpoint "
+                     f"of those blocks holds them too, and no figure counts them")
+    return notes
+
+
+def _assumed(chain: Chain) -> list[str]:
+    """The note on the storages the solver charged as always held (then the plan may not be optimal)."""
+    if not chain.assumed:
+        return []
+    return [f"{sum(chain.assumed.values())} bytes in {len(chain.assumed)} storage(s) are shared by "
+            f"blocks that are not neighbours: the solver counted them as always held, so a cheaper "
+            f"plan may exist (the bytes of every plan shown are exact)"]
+
+
+def _segments(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], chain: Chain, costs: Costs,
+              bitpack: Optional[bool], say: Callable[[str], None]
+              ) -> tuple[tuple[Baseline, ...], dict[str, Callable[[], Any]], list[str]]:
+    """The sqrt(n) segments baseline, where the blocks are one nn.Sequential's children or a looped
+    stack (and the model does not checkpoint itself: its regions would be turned off while planning,
+    not these): (the baseline, or none; what puts it in force, by name; the note where there is none)."""
+    if len(paths) < 4:
+        return (), {}, []
+    in_segments = stack_runner(run.model, paths, report.module_calls) if not now else None
+    if in_segments is None:
+        return (), {}, ["no sqrt(n) segments baseline: these blocks are neither the children of one nn.Sequential "
+                        "run by its own forward nor a stack a loop runs passing each block its predecessor's result"]
+    say("auditing the forward in sqrt(n) segments")
+    try:
+        baseline, applied = segments_baseline(run.model, run.inputs, run.trainable, run.frozen, run.target, chain,
+                                              costs, paths, in_segments, bitpack)
+    except segments.NotSegmentable as error:  # the loop passed a block other tensors than the audit suggested
+        return (), {}, [f"no sqrt(n) segments baseline: {error}"]
+    return (baseline,), {baseline.name: applied}, []
+
+
+def _measure_peaks(result: Plan, probes: PeakProbes, applying: dict[str, Callable[[], Any]]) -> None:
+    """The measured peaks of the plan's step, the unplanned step's and each baseline's."""
+    result.peak_bytes = probes.peak(result._point)
+    result.unplanned_peak_bytes = probes.peak(None)  # (the frontier's first point may recompute for free)
+    result.baselines = tuple(dataclasses.replace(b, peak_bytes=probes.baseline_peak(b, applying.get(b.name)))
+                             for b in result.baselines)
+
+
+def _few(paths: Sequence[str]) -> str:
+    return ", ".join(paths[:3]) + (f", ... ({len(paths)} in all)" if len(paths) > 3 else "")
