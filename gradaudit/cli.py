@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import click
 
 from .errors import ForwardError, GradauditError
+from .records import Bound, Cost
 
 EXIT_OK, EXIT_THRESHOLD, EXIT_ERROR = 0, 1, 2
 
@@ -473,8 +474,8 @@ def _cost_needs_a_real_device() -> str:
 
 
 def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[str, ...], peak: bool = True,
-             html_path: Optional[str] = None, selective: bool = True, cost: str = "flops", trim: bool = False,
-             bitpack: bool = True, bound: str = "held") -> int:
+             html_path: Optional[str] = None, selective: bool = True, cost: str = Cost.FLOPS, trim: bool = False,
+             bitpack: bool = True, bound: str = Bound.HELD) -> int:
     from . import loading
     from .auditing import check_patterns
     from .planning import BudgetError, plan
@@ -493,15 +494,15 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     budgets = [loading.parse_size(text) for text in budget_texts]
     if len(budgets) > 1 and html_path:
         raise ScanFailed("--html draws one plan: give one --budget (several make a sweep table)")
-    if cost == "time" and options.device == "meta":
+    if cost == Cost.TIME and options.device == "meta":
         raise ScanFailed(_cost_needs_a_real_device())
     if not bitpack and not trim:
         raise ScanFailed("--no-bitpack is an option of --trim: give both, or neither")
-    if bound == "peak" and not peak:
+    if bound == Bound.PEAK and not peak:
         raise ScanFailed("--bound peak chooses by measured peaks: it cannot run with --no-peak")
     budget = budgets[0]
     model, inputs, where = _prepare_for_target(options)
-    if cost == "time" and where == "meta":  # --device auto, and the factory built it on meta
+    if cost == Cost.TIME and where == "meta":  # --device auto, and the factory built it on meta
         raise ScanFailed(_cost_needs_a_real_device())
     check_patterns(model, options.trainable, "--trainable")
     check_patterns(model, options.freeze, "--freeze")
@@ -509,7 +510,7 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     try:
         chosen = plan(model, inputs, budget, trainable=list(options.trainable) if options.trainable else None,
                       frozen=list(options.freeze), blocks=list(blocks) or None,
-                      measure_peak=peak and (len(budgets) == 1 or bound == "peak"), selective=selective,
+                      measure_peak=peak and (len(budgets) == 1 or bound == Bound.PEAK), selective=selective,
                       cost=cost, bound=bound,
                       target=options.target if where == "meta" else None, trim=trim,
                       bitpack=bitpack if trim else None, progress=options.progress)
@@ -588,11 +589,11 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
               "(the memory/compute frontier with the baselines marked).")
 @click.option("--no-peak", is_flag=True, help="Do not run one step of the plan and of each baseline to "
               "measure their peaks (on a real device each costs a training step).")
-@click.option("--cost", type=click.Choice(["flops", "time"]), default="flops", show_default=True,
+@click.option("--cost", type=click.Choice([str(c) for c in Cost]), default=str(Cost.FLOPS), show_default=True,
               help="What recomputing a block costs, which the plan minimises: its forward FLOPs (any device), "
               "or its forward time measured on the model's device (a real device: a warm-up and a few timed "
               "steps and forwards).")
-@click.option("--bound", type=click.Choice(["held", "peak"]), default="held", show_default=True,
+@click.option("--bound", type=click.Choice([str(b) for b in Bound]), default=str(Bound.HELD), show_default=True,
               help="What --budget bounds: the bytes held after the forward (exact), or the peak of one training "
               "step (measured: a step per probe of a bisection over the plans).")
 @click.option("--no-selective", is_flag=True, help="Checkpoint whole blocks only (no op-level checkpointing "
