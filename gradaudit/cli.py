@@ -7,6 +7,7 @@ Heavy imports (torch, the reporters) happen inside the commands so ``--help`` st
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -19,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import click
 
 from .errors import ForwardError, GradauditError
+from .records import Bound, Cost
 
 EXIT_OK, EXIT_THRESHOLD, EXIT_ERROR = 0, 1, 2
 
@@ -347,6 +349,46 @@ def _thresholds(report: Any, options: ScanOptions, limit: Optional[int]) -> int:
 
 # -- click -------------------------------------------------------------------------------------------
 
+# how to build the model and its inputs, and where: scan and plan take the same options, declared once
+# here; a command decorated with @model_options gets them as one ``model`` dict of ScanOptions fields
+_MODEL_OPTIONS = (
+    click.option("--inputs", "inputs", metavar="SPEC", help="Factory returning the inputs (Tensor, tuple of "
+                 "positional arguments, or dict of keyword arguments), e.g. data.py:batch."),
+    click.option("--input-shape", metavar="SHAPE", help="One random input of this shape, e.g. 8,3,224,224."),
+    click.option("--dtype", default="float32", show_default=True, help="dtype for --input-shape "
+                 "(integer dtypes give zeros: valid token ids)."),
+    click.option("--input-requires-grad", is_flag=True, help="The --input-shape tensor requires grad "
+                 "(e.g. adversarial attacks on a frozen model)."),
+    click.option("--trainable", multiple=True, metavar="GLOB", help="Only parameters matching GLOB "
+                 "(fnmatch over named_parameters) require grad during the audit. Repeatable."),
+    click.option("--freeze", multiple=True, metavar="GLOB", help="Parameters matching GLOB need no grad "
+                 "during the audit. Repeatable."),
+    click.option("--train/--eval", "mode", default=None, help="Put the model in train or eval mode "
+                 "[default: as the factory left it]."),
+    click.option("--device", type=click.Choice(["auto", "meta", "cpu", "cuda"]), default="auto",
+                 show_default=True, help="meta: build the model under torch.device('meta') and use meta "
+                 "inputs (no memory, no weights); auto: the device the model is on."),
+    click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+                 help="With --device meta: the device the figures are for; the forward takes the kernels it "
+                 "would take (cuda: cuDNN batch norm) and autocast is emulated as its own."),
+)
+_MODEL_FIELDS = ("inputs", "input_shape", "dtype", "input_requires_grad", "trainable", "freeze", "mode", "device",
+                 "target")
+quiet_option = click.option("-q", "--quiet", is_flag=True, help="Print one summary line.")
+debug_option = click.option("--debug", is_flag=True, help="Show full tracebacks.")
+
+
+def model_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare the model options (``_MODEL_OPTIONS``) on ``command``, which gets them as ``model``."""
+    @functools.wraps(command)
+    def with_model(**options: Any) -> Any:
+        return command(model={name: options.pop(name) for name in _MODEL_FIELDS}, **options)
+
+    for option in reversed(_MODEL_OPTIONS):
+        with_model = option(with_model)
+    return with_model
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
              epilog=EXIT_CODES_HELP)
 @click.version_option(package_name="gradaudit", prog_name="gradaudit")
@@ -356,25 +398,7 @@ def cli() -> None:
 
 @cli.command(epilog=EXIT_CODES_HELP, short_help="Audit a model built by a factory.")
 @click.argument("spec", metavar="SPEC")
-@click.option("--inputs", "inputs", metavar="SPEC", help="Factory returning the inputs (Tensor, tuple of "
-              "positional arguments, or dict of keyword arguments), e.g. data.py:batch.")
-@click.option("--input-shape", metavar="SHAPE", help="One random input of this shape, e.g. 8,3,224,224.")
-@click.option("--dtype", default="float32", show_default=True, help="dtype for --input-shape "
-              "(integer dtypes give zeros: valid token ids).")
-@click.option("--input-requires-grad", is_flag=True, help="The --input-shape tensor requires grad "
-              "(e.g. adversarial attacks on a frozen model).")
-@click.option("--trainable", multiple=True, metavar="GLOB", help="Only parameters matching GLOB "
-              "(fnmatch over named_parameters) require grad during the audit. Repeatable.")
-@click.option("--freeze", multiple=True, metavar="GLOB", help="Parameters matching GLOB need no grad "
-              "during the audit. Repeatable.")
-@click.option("--train/--eval", "mode", default=None, help="Put the model in train or eval mode "
-              "[default: as the factory left it].")
-@click.option("--device", type=click.Choice(["auto", "meta", "cpu", "cuda"]), default="auto",
-              show_default=True, help="meta: build the model under torch.device('meta') and use meta "
-              "inputs (no memory, no weights); auto: the device the model is on.")
-@click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="With --device meta: the device the scan stands for; the forward takes the kernels it "
-              "would take (cuda: cuDNN batch norm) and autocast is emulated as its own.")
+@model_options
 @click.option("--html", metavar="PATH", default="gradaudit-report.html", show_default=True,
               help="Write the self-contained HTML report here.")
 @click.option("--no-html", is_flag=True, help="Do not write the HTML report.")
@@ -394,12 +418,10 @@ def cli() -> None:
 @click.option("--eager", is_flag=True, help="Run torch.compile'd parts of the model eagerly, so that what "
               "eager autograd keeps is audited op by op (a compiled region is otherwise one opaque node).")
 @click.option("--trim", is_flag=True, help="Also measure held and peak memory with gradaudit.trim.")
-@click.option("-q", "--quiet", is_flag=True, help="Print one summary line.")
+@quiet_option
 @click.option("-v", "--verbose", count=True, help="List more findings (-v: 50, -vv: all).")
-@click.option("--debug", is_flag=True, help="Show full tracebacks.")
-def scan(spec: str, inputs: Optional[str], input_shape: Optional[str], dtype: str, input_requires_grad: bool,
-         trainable: tuple[str, ...], freeze: tuple[str, ...], mode: Optional[bool], device: str, target: str,
-         html: str, no_html: bool, json_path: Optional[str], svg: Optional[str], dot: Optional[str], verify: bool,
+@debug_option
+def scan(spec: str, model: dict[str, Any], html: str, no_html: bool, json_path: Optional[str], svg: Optional[str], dot: Optional[str], verify: bool,
          select: tuple[str, ...], ignore: tuple[str, ...], fail_on_waste: bool,
          max_reclaimable: Optional[str], eager: bool, trim: bool, quiet: bool, verbose: int,
          debug: bool) -> None:
@@ -418,9 +440,7 @@ def scan(spec: str, inputs: Optional[str], input_shape: Optional[str], dtype: st
     """
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
     options = ScanOptions(
-        spec=spec, inputs=inputs, input_shape=input_shape, dtype=dtype,
-        input_requires_grad=input_requires_grad, trainable=trainable, freeze=freeze, mode=mode,
-        device=device, target=target, html=None if no_html else html, json=json_path, svg=svg, dot=dot,
+        spec=spec, **model, html=None if no_html else html, json=json_path, svg=svg, dot=dot,
         verify=verify, eager=eager,
         select=_split_codes(select), ignore=_split_codes(ignore), fail_on_waste=fail_on_waste,
         max_reclaimable=max_reclaimable, top={0: 10, 1: 50}.get(verbose, 1_000_000), quiet=quiet, trim=trim,
@@ -477,8 +497,8 @@ def _cost_needs_a_real_device() -> str:
 
 
 def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[str, ...], peak: bool = True,
-             html_path: Optional[str] = None, selective: bool = True, cost: str = "flops", trim: bool = False,
-             bitpack: bool = True, bound: str = "held") -> int:
+             html_path: Optional[str] = None, selective: bool = True, cost: str = Cost.FLOPS, trim: bool = False,
+             bitpack: bool = True, bound: str = Bound.HELD) -> int:
     from . import loading
     from .auditing import check_patterns
     from .planning import BudgetError, plan
@@ -497,15 +517,15 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     budgets = [loading.parse_size(text) for text in budget_texts]
     if len(budgets) > 1 and html_path:
         raise ScanFailed("--html draws one plan: give one --budget (several make a sweep table)")
-    if cost == "time" and options.device == "meta":
+    if cost == Cost.TIME and options.device == "meta":
         raise ScanFailed(_cost_needs_a_real_device())
     if not bitpack and not trim:
         raise ScanFailed("--no-bitpack is an option of --trim: give both, or neither")
-    if bound == "peak" and not peak:
+    if bound == Bound.PEAK and not peak:
         raise ScanFailed("--bound peak chooses by measured peaks: it cannot run with --no-peak")
     budget = budgets[0]
     model, inputs, where = _prepare_for_target(options)
-    if cost == "time" and where == "meta":  # --device auto, and the factory built it on meta
+    if cost == Cost.TIME and where == "meta":  # --device auto, and the factory built it on meta
         raise ScanFailed(_cost_needs_a_real_device())
     check_patterns(model, options.trainable, "--trainable")
     check_patterns(model, options.freeze, "--freeze")
@@ -513,7 +533,7 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     try:
         chosen = plan(model, inputs, budget, trainable=list(options.trainable) if options.trainable else None,
                       frozen=list(options.freeze), blocks=list(blocks) or None,
-                      measure_peak=peak and (len(budgets) == 1 or bound == "peak"), selective=selective,
+                      measure_peak=peak and (len(budgets) == 1 or bound == Bound.PEAK), selective=selective,
                       cost=cost, bound=bound,
                       target=options.target if where == "meta" else None, trim=trim,
                       bitpack=bitpack if trim else None, progress=options.progress)
@@ -572,19 +592,7 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
 @click.option("--budget", required=True, multiple=True, metavar="SIZE", help="Bytes autograd may hold after "
               "the forward (with --bound peak: the peak of a step), e.g. 8GiB, 500MB or a number of bytes; repeat "
               "it for a sweep (one line per budget, from one audit).")
-@click.option("--inputs", "inputs", metavar="SPEC", help="Factory returning the inputs (as for scan).")
-@click.option("--input-shape", metavar="SHAPE", help="One random input of this shape, e.g. 8,3,224,224.")
-@click.option("--dtype", default="float32", show_default=True, help="dtype for --input-shape.")
-@click.option("--input-requires-grad", is_flag=True, help="The --input-shape tensor requires grad.")
-@click.option("--trainable", multiple=True, metavar="GLOB", help="Only parameters matching GLOB "
-              "require grad (repeatable).")
-@click.option("--freeze", multiple=True, metavar="GLOB", help="Parameters matching GLOB need no grad "
-              "(repeatable).")
-@click.option("--train/--eval", "mode", default=None, help="Put the model in train or eval mode first.")
-@click.option("--device", type=click.Choice(["auto", "meta", "cpu", "cuda"]), default="auto",
-              show_default=True, help="Where to build and run the model (meta: no memory, no values).")
-@click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="With --device meta: the device the figures are for (as for scan).")
+@model_options
 @click.option("--blocks", multiple=True, metavar="GLOB", help="Modules the plan may checkpoint (repeatable; "
               "default: the repeated blocks of every ModuleList/Sequential).")
 @click.option("--json", "json_path", metavar="PATH", help="Write the plan as JSON ('-' for stdout).")
@@ -592,11 +600,11 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
               "(the memory/compute frontier with the baselines marked).")
 @click.option("--no-peak", is_flag=True, help="Do not run one step of the plan and of each baseline to "
               "measure their peaks (on a real device each costs a training step).")
-@click.option("--cost", type=click.Choice(["flops", "time"]), default="flops", show_default=True,
+@click.option("--cost", type=click.Choice([str(c) for c in Cost]), default=str(Cost.FLOPS), show_default=True,
               help="What recomputing a block costs, which the plan minimises: its forward FLOPs (any device), "
               "or its forward time measured on the model's device (a real device: a warm-up and a few timed "
               "steps and forwards).")
-@click.option("--bound", type=click.Choice(["held", "peak"]), default="held", show_default=True,
+@click.option("--bound", type=click.Choice([str(b) for b in Bound]), default=str(Bound.HELD), show_default=True,
               help="What --budget bounds: the bytes held after the forward (exact), or the peak of one training "
               "step (measured: a step per probe of a bisection over the plans).")
 @click.option("--no-selective", is_flag=True, help="Checkpoint whole blocks only (no op-level checkpointing "
@@ -604,11 +612,10 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
 @click.option("--trim", is_flag=True, help="Plan the bytes that remain with gradaudit.trim installed: every "
               "figure is with trim and the plan (in Python plan(..., trim=True), whose apply installs trim too).")
 @click.option("--no-bitpack", is_flag=True, help="With --trim: trim(bitpack=False), drops only.")
-@click.option("-q", "--quiet", is_flag=True, help="Print one summary line.")
-@click.option("--debug", is_flag=True, help="Show full tracebacks.")
-def plan_command(spec: str, budget: tuple[str, ...], inputs: Optional[str], input_shape: Optional[str], dtype: str,
-                 input_requires_grad: bool, trainable: tuple[str, ...], freeze: tuple[str, ...],
-                 mode: Optional[bool], device: str, target: str, blocks: tuple[str, ...], json_path: Optional[str],
+@quiet_option
+@debug_option
+def plan_command(spec: str, budget: tuple[str, ...], model: dict[str, Any], blocks: tuple[str, ...],
+                 json_path: Optional[str],
                  html_path: Optional[str], no_peak: bool, cost: str, bound: str, no_selective: bool,
                  trim: bool, no_bitpack: bool, quiet: bool,
                  debug: bool) -> None:
@@ -629,9 +636,7 @@ def plan_command(spec: str, budget: tuple[str, ...], inputs: Optional[str], inpu
       gradaudit plan mymodel.py:make --input-shape 8,3,224,224 --budget 1GiB --trim
     """
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
-    options = ScanOptions(spec=spec, inputs=inputs, input_shape=input_shape, dtype=dtype,
-                          input_requires_grad=input_requires_grad, trainable=trainable, freeze=freeze, mode=mode,
-                          device=device, target=target, html=None, json=json_path, quiet=quiet, progress=progress)
+    options = ScanOptions(spec=spec, **model, html=None, json=json_path, quiet=quiet, progress=progress)
     try:
         code = run_plan(options, budget, blocks, peak=not no_peak, html_path=html_path, cost=cost,
                         selective=not no_selective, trim=trim, bitpack=not no_bitpack, bound=bound)

@@ -13,6 +13,10 @@ class ForwardError(GradauditError):
     """The model's forward raised on the given inputs."""
 
 
+class LoadError(GradauditError):
+    """The SPEC could not be turned into a model or inputs (exit code 2 on the command line)."""
+
+
 class DeclarationError(GradauditError, ValueError):
     """An op-knowledge declaration (``gradaudit.declare``) contradicts itself or an earlier one."""
 

@@ -14,13 +14,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .errors import GradauditError
+from .errors import GradauditError, LoadError
+from .sizes import parse_size  # noqa: F401  (loading.parse_size, as before)
 
 _DOTTED_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-
-
-class LoadError(GradauditError):
-    """The SPEC could not be turned into a model or inputs (exit code 2 on the command line)."""
 
 
 @dataclass(frozen=True)
@@ -180,20 +177,6 @@ def parse_dtype(text: str) -> Any:
     if not isinstance(dtype, torch.dtype):
         raise LoadError(f"unknown --dtype {text!r}: expected float32, bfloat16, float16, int64, ...")
     return dtype
-
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
-
-
-def parse_size(text: str) -> int:
-    """``64MiB`` -> 67108864; ``1.5GB`` -> 1500000000; a plain number is bytes."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in _UNITS:
-        raise LoadError(f"malformed size {text!r}: expected a number with an optional unit "
-                        f"(B, KB, MB, GB, KiB, MiB, GiB), e.g. 64MiB")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def random_input(shape: tuple[int, ...], dtype: Any, device: str, requires_grad: bool = False) -> Any:

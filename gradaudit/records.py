@@ -62,6 +62,20 @@ class Severity(Name):
     INFO = "info"  # true, but frees nothing
 
 
+class Cost(Name):
+    """What recomputing a checkpointed block costs, which a plan minimises (``plan(cost=...)``)."""
+
+    FLOPS = "flops"  # its forward FLOPs, counted (any device)
+    TIME = "time"  # its forward time, measured on the model's device
+
+
+class Bound(Name):
+    """What a plan's budget bounds (``plan(bound=...)``)."""
+
+    HELD = "held"  # the bytes held after the forward (exact)
+    PEAK = "peak"  # the peak of one training step (measured)
+
+
 STORAGE_KINDS = tuple(StorageKind)
 HELD_KINDS = (StorageKind.ACTIVATION, StorageKind.OUTPUT)  # kinds whose bytes autograd holds
 FREE_KINDS = (StorageKind.PARAMETER, StorageKind.BUFFER, StorageKind.INPUT, StorageKind.MODULE)  # alive anyway

@@ -719,3 +719,17 @@ def any_autocast_enabled(device_types: Iterable[str]) -> bool:
     if check is not None:
         return bool(check())
     return any(torch.is_autocast_enabled(d) for d in device_types)
+
+
+def overload_packet(op: Any) -> Any:
+    """The overload packet of an operator overload (``aten.mm.default`` -> ``aten.mm``); a packet as it is."""
+    return getattr(op, "_overloadpacket", op)
+
+
+def first_overload_schema(packet: Any) -> Optional[Any]:
+    """The schema of an overload packet's first overload (its ``returns`` say which alias an input);
+    None where the packet has no overload or schema to read."""
+    try:
+        return getattr(packet, packet.overloads()[0])._schema
+    except (AttributeError, IndexError, RuntimeError):
+        return None

@@ -30,10 +30,20 @@ def test_no_module_of_gradaudit_but_torchapi_reaches_into_torch_privately():
     package = pathlib.Path(gradaudit.__file__).parent
     private = re.compile(r"torch\._C|torch\.utils\._|torch\.ops\.aten\._|_raw_saved_|_saved_tensors_hooks_is_enabled|_top_saved_tensors_default|"
                          r"\._cdata|\._version\b|\._sequence_nr|\._input_metadata|\._parameters\b|\._buffers\b"
-                         r"|\._modules\b|_NormBase")
+                         r"|\._modules\b|_NormBase|_overloadpacket|\._schema\b")
     offenders = [f"{path.relative_to(package)}:{n}" for path in package.rglob("*.py") if path.name != "torchapi.py"
                  for n, line in enumerate(path.read_text().splitlines(), 1) if private.search(line)]
     assert not offenders, offenders
+
+
+def test_operator_packets_and_schemas():
+    # what the planner reads of an op: its packet (selective checkpoints keep costly ops' outputs) and
+    # whether its first overload returns an alias (a view: no FLOPs counted for it)
+    aten = torch.ops.aten
+    assert torchapi.overload_packet(aten.mm.default) is aten.mm and torchapi.overload_packet(aten.mm) is aten.mm
+    assert any(r.alias_info is not None for r in torchapi.first_overload_schema(aten.view).returns)
+    assert all(r.alias_info is None for r in torchapi.first_overload_schema(aten.mm).returns)
+    assert torchapi.first_overload_schema(object()) is None
 
 
 def test_managers_are_recognised_by_identity():

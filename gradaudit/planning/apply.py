@@ -60,7 +60,7 @@ def kept_by_selective(op: Any) -> bool:
     """Whether a selective checkpoint keeps the output of ``op`` (an overload or its packet): the
     ops torch.utils.flop_counter has a FLOP formula for (matrix products, convolutions,
     attention) and batch norm's."""
-    packet = getattr(op, "_overloadpacket", op)
+    packet = torchapi.overload_packet(op)
     return packet in flop_registry or packet in _NORM_OPS
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from .. import torchapi
 from ..errors import GradauditError
 from ..values import is_assumption_note
+from ..records import Bound, Cost
 from . import segments, timing
 from .baselines import segments_baseline, stack_runner
 from .candidates import candidates, inside
@@ -24,7 +25,7 @@ from .conditions import as_audited, checkpointed_now, own_checkpointing_off, tri
 from .costs import Costs, count_flops
 from .frontier import Frontier
 from .peaks import PeakProbes
-from .result import HELD_BOUND, PEAK_BOUND, Baseline, Plan, budget_error, parse_budget
+from .result import Baseline, Plan, budget_error, parse_budget
 from .solve import Chain, solve
 
 
@@ -60,9 +61,9 @@ def plan(
     blocks: Optional[Sequence[str]] = None,
     target: Optional[str] = None,
     selective: bool = True,
-    bound: str = HELD_BOUND,
+    bound: Union[str, Bound] = Bound.HELD,
     measure_peak: bool = True,
-    cost: str = "flops",
+    cost: Union[str, Cost] = Cost.FLOPS,
     trim: Optional[bool] = None,
     bitpack: Optional[bool] = None,
     progress: Optional[Callable[[str], None]] = None,
@@ -99,7 +100,7 @@ def plan(
     from ..auditing import meta_inputs
 
     inputs = meta_inputs(model, inputs)  # CPU token ids and masks beside a meta model keep their values
-    budget_bytes = _checked_arguments(model, inputs, budget, bound, measure_peak, cost)
+    budget_bytes, bound, cost = _checked_arguments(model, inputs, budget, bound, measure_peak, cost)
     installed, bitpack = trim_options(model, trim, bitpack)
     say = progress or _silent
     run = _Run(model, inputs, trainable, frozen, target)
@@ -136,7 +137,7 @@ def plan(
     frontier = Frontier(chain, points, costs, fixed)
     probes = PeakProbes(model, inputs, trainable, frozen, report.target, [b.path for b in chain.blocks], bitpack,
                         now, say)
-    chosen = frontier.cheapest(budget_bytes, 0, probes.peak if bound == PEAK_BOUND else None)
+    chosen = frontier.cheapest(budget_bytes, 0, probes.peak if bound == Bound.PEAK else None)
     result = Plan(model=type(model).__name__, device=report.device, target=report.target,
                   unplanned_held_bytes=chain.held(()), step_flops=step_flops, blocks=frontier.blocks(),
                   frontier=frontier.entries(), optimal=optimal, notes=list(notes), replaces=tuple(now),
@@ -154,21 +155,22 @@ def _silent(step: str) -> None:
     """The progress callback when the caller gives none."""
 
 
-def _checked_arguments(model: Any, inputs: Any, budget: Any, bound: Any, measure_peak: bool, cost: Any) -> int:
-    """The budget in bytes, once every argument that needs no audit is checked."""
+def _checked_arguments(model: Any, inputs: Any, budget: Any, bound: Any, measure_peak: bool,
+                       cost: Any) -> tuple[int, Bound, Cost]:
+    """The budget in bytes, the bound and the cost, once every argument that needs no audit is checked."""
     from ..auditing import runs_on_meta
-    from ..loading import parse_size
     from ..tensors import first_meta_parameter, iter_tensors
 
     if not isinstance(model, nn.Module):
         raise GradauditError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
-    timing.check_cost(cost, runs_on_meta(first_meta_parameter(model.parameters()), list(iter_tensors(inputs))))
-    budget_bytes = parse_budget(budget, parse_size)
-    if bound not in (HELD_BOUND, PEAK_BOUND):
-        raise GradauditError(f"bound must be {HELD_BOUND!r} or {PEAK_BOUND!r}, not {bound!r}")
-    if bound == PEAK_BOUND and not measure_peak:
+    cost = timing.check_cost(cost, runs_on_meta(first_meta_parameter(model.parameters()), list(iter_tensors(inputs))))
+    budget_bytes = parse_budget(budget)
+    if bound not in tuple(Bound):
+        raise GradauditError(f"bound must be {str(Bound.HELD)!r} or {str(Bound.PEAK)!r}, not {bound!r}")
+    bound = Bound(bound)
+    if bound == Bound.PEAK and not measure_peak:
         raise GradauditError("bound='peak' chooses by measured peaks: it cannot run with measure_peak=False")
-    return budget_bytes
+    return budget_bytes, bound, cost
 
 
 def _audit(run: _Run, paths: Sequence[str], bitpack: Optional[bool], say: Callable[[str], None]) -> _Audited:
@@ -202,7 +204,7 @@ def _refuse_opaque(report: Any) -> None:
                              f"tensors instead (Hugging Face: use_cache=False for training)")
 
 
-def _block_costs(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], cost: str,
+def _block_costs(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], cost: Cost,
                  say: Callable[[str], None]) -> tuple[dict[str, tuple[int, int]], int, Optional[dict[str, int]],
                                                       Optional[float]]:
     """(each block's FLOPs and those a selective checkpoint keeps, one step's FLOPs, with cost="time"
@@ -212,7 +214,7 @@ def _block_costs(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str
     say("counting FLOPs")
     with own_checkpointing_off(now):
         flops, step_flops = count_flops(run.model, run.inputs, run.trainable, run.frozen, target, paths)
-    if cost != "time":
+    if cost != Cost.TIME:
         return flops, step_flops, None, None
     say(f"timing the forward of {len(paths)} blocks and a step on {report.device} "
         f"({timing.REPEATS} runs each, after a warm-up)")
@@ -238,12 +240,12 @@ def _blocks_that_ran(report: Any, paths: Sequence[str]) -> tuple[list[str], list
 
 
 def _selective_option(run: _Run, chain: Chain, costs: Costs, report: Any, paths: Sequence[str], selective: bool,
-                      cost: str, now: Sequence[str], bitpack: Optional[bool], say: Callable[[str], None]) -> list[str]:
+                      cost: Cost, now: Sequence[str], bitpack: Optional[bool], say: Callable[[str], None]) -> list[str]:
     """Give the chain's blocks with costly ops the option of op-level checkpointing (add_selective),
     where it is asked for and can be modelled; the notes that say why it was left out."""
     if not selective:
         return []
-    if cost == "time" and any(costs.kept):
+    if cost == Cost.TIME and any(costs.kept):
         return ["op-level checkpointing left out: its recompute is costed in FLOPs, and this plan minimises "
                 "measured time (cost='flops' considers it)"]
     if not any(b.kept_flops for b in chain.blocks):

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from torch import nn
 
 from ..errors import GradauditError
+from ..records import Bound, Cost
+from ..sizes import parse_size
 from .apply import FULL_POLICY, SELECTIVE_POLICY, PlanHandle
 from .solve import Point
 
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
 # 2: the cost (FLOPs or measured time) is chosen: ``cost``, ``extra_seconds``, ``step_seconds``;
 # ``extra_compute`` and the frontier's entries are in the cost's units
 PLAN_SCHEMA_VERSION = 2
-HELD_BOUND, PEAK_BOUND = "held", "peak"  # what a budget bounds (plan(bound=...))
+HELD_BOUND, PEAK_BOUND = Bound.HELD, Bound.PEAK  # (the names before Bound)
 
 
 class BudgetError(GradauditError):
@@ -89,12 +91,12 @@ class Plan:
     # what the solver minimised: "flops" (forward FLOPs, counted) or "time" (forward time, measured
     # on the model's device: the median of timing.REPEATS runs); with "time", the seconds the
     # recomputation adds per step and one unplanned step's (None with "flops")
-    cost: str = "flops"
+    cost: Cost = Cost.FLOPS
     extra_seconds: Optional[float] = None
     step_seconds: Optional[float] = None
     # what the budget bounds: "held" (bytes held after the forward, exact) or "peak" (the measured
     # peak of one step: the plan is the cheapest frontier point whose peak fits, see _by_peak)
-    bound: str = "held"
+    bound: Bound = Bound.HELD
     # every figure above is with gradaudit.trim installed (with this bitpack option): apply installs it
     trimmed: bool = False
     bitpack: Optional[bool] = None  # trim's option; None without trim
@@ -109,9 +111,7 @@ class Plan:
         again, its peak is not measured), except with ``bound="peak"``, which measures the peaks
         its bisection probes (steps already measured are not run again). Raises BudgetError when
         nothing fits."""
-        from ..loading import parse_size
-
-        budget_bytes = parse_budget(budget, parse_size)
+        budget_bytes = parse_budget(budget)
         return self._for(budget_bytes, 0)
 
     def sweep(self, budgets: Sequence[Union[int, str]], measure_peak: bool = False) -> list["Plan"]:
@@ -122,11 +122,9 @@ class Plan:
         plan's gives way to the next point that peaks no higher (points further on hold less, so
         they fit the budget too; that costs more recompute than the budget alone asks). A budget
         nothing fits gives the least plan (``fits`` False)."""
-        from ..loading import parse_size
-
-        wanted = [parse_budget(b, parse_size) for b in budgets]
+        wanted = [parse_budget(b) for b in budgets]
         points, peak_of = self._frontier.points, self._probes.peak
-        peaks = measure_peak or self.bound == PEAK_BOUND
+        peaks = measure_peak or self.bound == Bound.PEAK
         found: dict[int, Plan] = {}
         start, ceiling = 0, None
         for budget_bytes in sorted(set(wanted), reverse=True):
@@ -149,7 +147,7 @@ class Plan:
         return [found[b] for b in wanted]
 
     def _for(self, budget_bytes: int, start: int) -> "Plan":
-        point = self._frontier.cheapest(budget_bytes, start, self._probes.peak if self.bound == PEAK_BOUND else None)
+        point = self._frontier.cheapest(budget_bytes, start, self._probes.peak if self.bound == Bound.PEAK else None)
         other = self._at(point if point is not None else self._frontier.points[-1], budget_bytes)
         if point is None:
             raise budget_error(other, len(self._frontier.chain.blocks))
@@ -157,7 +155,7 @@ class Plan:
 
     def _at(self, point: Point, budget_bytes: int) -> "Plan":
         """This plan's figures for another frontier point and budget."""
-        peaks = self.bound == PEAK_BOUND
+        peaks = self.bound == Bound.PEAK
         return dataclasses.replace(
             self, **self._frontier.at(point, budget_bytes), notes=list(self.notes),
             peak_bytes=self._probes.peak(point) if peaks else None,
@@ -166,7 +164,7 @@ class Plan:
     @property
     def fits(self) -> bool:
         """Whether the plan keeps what its budget bounds (``bound``) at or under the budget."""
-        if self.bound == PEAK_BOUND:
+        if self.bound == Bound.PEAK:
             return self.peak_bytes is not None and self.peak_bytes <= self.budget
         return self.held_bytes <= self.budget
 
@@ -179,7 +177,7 @@ class Plan:
     def share(self, figures: Union["Plan", Baseline]) -> float:
         """What ``figures`` (this plan, or one of its baselines) adds per step, as a fraction of an
         unplanned step, in the plan's cost units."""
-        if self.cost == "time":
+        if self.cost == Cost.TIME:
             return (figures.extra_seconds or 0.0) / self.step_seconds if self.step_seconds else 0.0
         return figures.extra_flops / self.step_flops if self.step_flops else 0.0
 
@@ -211,7 +209,7 @@ class Plan:
             "fits": self.fits,
             "held_bytes": self.held_bytes,
             "unplanned_held_bytes": self.unplanned_held_bytes,
-            "cost": self.cost,
+            "cost": str(self.cost),
             "extra_flops": self.extra_flops,
             "step_flops": self.step_flops,
             "extra_seconds": self.extra_seconds,
@@ -222,13 +220,13 @@ class Plan:
             "replaces": list(self.replaces),
             "current_held_bytes": self.current_held_bytes,
             "trim": {"bitpack": self.bitpack} if self.trimmed else None,
-            "bound": self.bound,
+            "bound": str(self.bound),
             "checkpointed": list(self.checkpointed),
             "selective": list(self.selective),
             "optimal": self.optimal,
             "blocks": [dict(b) for b in self.blocks],
             # the key names the cost's units
-            "frontier": [{"held_bytes": h, "extra_seconds" if self.cost == "time" else "extra_flops": c}
+            "frontier": [{"held_bytes": h, "extra_seconds" if self.cost == Cost.TIME else "extra_flops": c}
                          for h, c in self.frontier],
             "baselines": [b.to_dict() for b in self.baselines],
             "notes": list(self.notes),
@@ -238,10 +236,10 @@ class Plan:
         selective = f" ({len(self.selective)} selectively)" if self.selective else ""
         return (f"<gradaudit.Plan {self.model}: checkpoint {len(self.checkpointed)}{selective} of {len(self.blocks)} "
                 f"blocks, holds {self.held_bytes} of budget {self.budget} bytes{' with trim' if self.trimmed else ''}, "
-                f"+{100 * self.extra_compute:.1f}% {'time' if self.cost == 'time' else 'compute'}>")
+                f"+{100 * self.extra_compute:.1f}% {'time' if self.cost == Cost.TIME else 'compute'}>")
 
 
-def parse_budget(budget: Any, parse_size: Callable[[str], int]) -> int:
+def parse_budget(budget: Any) -> int:
     """A budget as bytes: an int as it is, a size such as '8GiB' parsed; anything else, or a negative
     figure, refused."""
     if isinstance(budget, bool) or not isinstance(budget, (int, str)):
@@ -254,7 +252,7 @@ def parse_budget(budget: Any, parse_size: Callable[[str], int]) -> int:
 
 def budget_error(least: "Plan", blocks: int) -> "BudgetError":
     """The BudgetError of a budget nothing fits, ``least`` the least plan of the ``blocks`` candidates."""
-    if least.bound == PEAK_BOUND:
+    if least.bound == Bound.PEAK:
         return BudgetError(f"no plan's peak fits {least.budget} bytes: checkpointing the {blocks} candidate blocks "
                            f"peaks at {least.peak_bytes} bytes (unplanned {least.unplanned_peak_bytes}); raise the "
                            f"budget or consider more modules (blocks=...)", least.peak_bytes or 0, least)

@@ -23,22 +23,25 @@ import torch
 from torch import nn
 
 from ..errors import GradauditError
+from ..records import Cost
 from ..tensors import iter_tensors, split_inputs, unique
 
-COSTS = ("flops", "time")
 REPEATS = 5  # timed runs per figure (odd: the median is one of them)
 
 # the clock, in nanoseconds; a module attribute so that tests can put a deterministic one in
 clock: Callable[[], int] = time.perf_counter_ns
 
 
-def check_cost(cost: Any, on_meta: bool) -> None:
-    """Refuse an unknown cost, and time on the meta device (which computes nothing to time)."""
-    if cost not in COSTS:
-        raise GradauditError(f"cost must be one of {', '.join(map(repr, COSTS))}, not {cost!r}")
-    if cost == "time" and on_meta:
+def check_cost(cost: Any, on_meta: bool) -> Cost:
+    """``cost`` as a Cost (a name such as "time", or a Cost); an unknown cost is refused, and so is
+    time on the meta device (which computes nothing to time)."""
+    if cost not in tuple(Cost):
+        raise GradauditError(f"cost must be one of {', '.join(repr(str(c)) for c in Cost)}, not {cost!r}")
+    cost = Cost(cost)
+    if cost == Cost.TIME and on_meta:
         raise GradauditError("cost='time' measures the forward on the model's device, and the meta device computes "
                              "nothing: build the model and inputs on a real device (cpu, cuda), or use cost='flops'")
+    return cost
 
 
 def _synchronizer(model: nn.Module, tensors: Sequence[torch.Tensor]) -> Callable[[], None]:

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from markupsafe import Markup
 
+from ..records import Bound, Cost
 from .html import _load_template, environment
 from .units import human_bytes, path_ranges, share
 
@@ -18,7 +19,7 @@ def frontier_chart(plan: Any, width: int = 900, height: int = 340) -> dict[str, 
     """Coordinates of the frontier, the baselines, the chosen plan and the budget line."""
     left, right, top, bottom = 80, width - 30, 24, height - 40
     # the frontier is in the plan's cost units (FLOPs, or seconds with cost="time")
-    step = (plan.step_seconds if plan.cost == "time" else plan.step_flops) or 1
+    step = (plan.step_seconds if plan.cost == Cost.TIME else plan.step_flops) or 1
     points = [(held, 100 * extra / step) for held, extra in plan.frontier]
     marks = [(b.name, b.held_bytes, 100 * plan.share(b)) for b in plan.baselines]
     chosen = (plan.held_bytes, 100 * plan.extra_compute)
@@ -42,7 +43,7 @@ def frontier_chart(plan: Any, width: int = 900, height: int = 340) -> dict[str, 
                        "lx": x(h) - 9 if x(h) > right - 120 else x(h) + 9} for name, h, c in marks],
         "chosen": {"x": x(chosen[0]), "y": y(chosen[1]),
                    "title": f"this plan: {human_bytes(chosen[0])} held, +{chosen[1]:.1f}%"},
-        "budget": x(plan.budget) if plan.budget <= most_bytes and plan.bound == "held" else None,
+        "budget": x(plan.budget) if plan.budget <= most_bytes and plan.bound == Bound.HELD else None,
         "xticks": [{"x": x(most_bytes * k / 4), "label": human_bytes(most_bytes * k / 4)} for k in range(5)],
         "yticks": [{"y": y(most_compute * k / 4), "label": f"{most_compute * k / 4:.0f}%"} for k in range(5)],
     }
@@ -62,6 +63,8 @@ def render(plan: Any, *, title: Optional[str] = None) -> str:
         "chart": frontier_chart(plan),
         "rows": rows,
         "chosen": set(plan.checkpointed),
+        "by_time": plan.cost == Cost.TIME,  # the cost is measured time (else FLOPs)
+        "by_peak": plan.bound == Bound.PEAK,  # the budget bounds the peak (else the held bytes)
         "css": Markup(_load_template("report.css")),
     }
     return environment().get_template("plan.html.j2").render(context)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from ..records import Bound, Cost
 from .units import human_bytes, path_ranges
 
 
 def render(plan: Any, *, repeats: int, quiet: bool = False) -> str:
     """The plan, its figures beside the baselines', what they mean, and its notes; ``quiet``: the
     header and one summary line. ``repeats``: the timed runs behind each median (cost="time")."""
-    by_peak = plan.bound == "peak"
+    by_peak = plan.bound == Bound.PEAK
     lines = [f"gradaudit plan: {plan.model} on {_where(plan)}, budget {human_bytes(plan.budget)} "
              f"{'for the peak of a step' if by_peak else 'held after the forward'}{_with_trim(plan)}"]
     if not plan.fits:
@@ -30,7 +31,7 @@ def render(plan: Any, *, repeats: int, quiet: bool = False) -> str:
     if quiet:
         peak_text = f", peak {human_bytes(plan.peak_bytes)}" if plan.peak_bytes is not None else ""
         lines.append(f"held {human_bytes(plan.held_bytes)} (unplanned {human_bytes(plan.unplanned_held_bytes)})"
-                     f"{peak_text}, extra {'time' if plan.cost == 'time' else 'compute'} {extra_text(plan, plan)}, "
+                     f"{peak_text}, extra {'time' if plan.cost == Cost.TIME else 'compute'} {extra_text(plan, plan)}, "
                      f"{len(plan.checkpointed)} blocks checkpointed")
         return "\n".join(lines)
     lines += _table(plan)
@@ -47,7 +48,7 @@ def _table(plan: Any) -> list[str]:
     width = max(13, *(len(extra) for _, _, _, extra, _ in rows))
     lines = [f"  {'':<16}{'HELD':>11}{'PEAK':>11}  {_extra_heading(plan):>{width}}  {'BLOCKS':>6}  FITS"]
     for name, held, peak_bytes, extra, count in rows:
-        fits = (peak_bytes is not None and peak_bytes <= plan.budget) if plan.bound == "peak" else held <= plan.budget
+        fits = (peak_bytes is not None and peak_bytes <= plan.budget) if plan.bound == Bound.PEAK else held <= plan.budget
         lines.append(f"  {name:<16}{human_bytes(held):>11}"
                      f"{human_bytes(peak_bytes) if peak_bytes is not None else '-':>11}  "
                      f"{extra:>{width}}  {count:>6}  {'yes' if fits else 'no'}")
@@ -62,7 +63,7 @@ def _meanings(plan: Any, repeats: int) -> list[str]:
         held_means += "; peak: through forward, recomputation and backward, gradients included" + (
             " (one step of each run on meta: shapes only)" if plan.device == "meta"
             else f" (one step of each measured on {plan.device})")
-    if plan.cost == "time":
+    if plan.cost == Cost.TIME:
         extra_means = (f"extra time: the checkpointed blocks' forward time as a share of one unplanned step's "
                        f"({_milliseconds(plan.step_seconds or 0.0)} ms), medians of {repeats} runs on {plan.device}; "
                        f"extra FLOPs +{100 * plan.extra_flops / plan.step_flops if plan.step_flops else 0:.1f}%")
@@ -79,7 +80,7 @@ def render_sweep(plans: Sequence[Any]) -> str:
     first = plans[0]
     by_peak = first.peak_bytes is not None
     lines = [f"gradaudit plan: {first.model} on {_where(first)}, {len(plans)} budgets"
-             f"{' for the peak of a step' if first.bound == 'peak' else ''}, unplanned "
+             f"{' for the peak of a step' if first.bound == Bound.PEAK else ''}, unplanned "
              f"{human_bytes(first.unplanned_held_bytes)} held after the forward{_with_trim(first)}"]
     extras = [extra_text(p, p) for p in plans]
     width = max(13, *map(len, extras))
@@ -99,15 +100,15 @@ def render_sweep(plans: Sequence[Any]) -> str:
 def extra_text(plan: Any, figures: Any) -> str:
     """What ``figures`` (the plan, or a baseline) adds per step: a share of one unplanned step's
     FLOPs, or with cost="time" the milliseconds and their share of one step's time."""
-    step = plan.step_seconds if plan.cost == "time" else plan.step_flops
+    step = plan.step_seconds if plan.cost == Cost.TIME else plan.step_flops
     share = f"+{100 * plan.share(figures):.1f}%" if step else "+?"
-    if plan.cost != "time":
+    if plan.cost != Cost.TIME:
         return share
     return f"+{_milliseconds(figures.extra_seconds or 0.0)} ms ({share})"
 
 
 def _extra_heading(plan: Any) -> str:
-    return "EXTRA TIME" if plan.cost == "time" else "EXTRA COMPUTE"
+    return "EXTRA TIME" if plan.cost == Cost.TIME else "EXTRA COMPUTE"
 
 
 def _milliseconds(seconds: float) -> str:
