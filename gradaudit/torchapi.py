@@ -726,6 +726,11 @@ def overload_packet(op: Any) -> Any:
     return getattr(op, "_overloadpacket", op)
 
 
+def op_schema(op: Any) -> Any:
+    """An operator overload's schema (its arguments' alias information says which it writes)."""
+    return op._schema
+
+
 def first_overload_schema(packet: Any) -> Optional[Any]:
     """The schema of an overload packet's first overload (its ``returns`` say which alias an input);
     None where the packet has no overload or schema to read."""

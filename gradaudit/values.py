@@ -348,7 +348,7 @@ def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tenso
     mutable = _MUTABLE.get(func)
     if mutable is None:
         mutable = _MUTABLE[func] = tuple(
-            (i, argument.name) for i, argument in enumerate(func._schema.arguments)
+            (i, argument.name) for i, argument in enumerate(torchapi.op_schema(func).arguments)
             if argument.alias_info is not None and argument.alias_info.is_write)
     written = []
     for i, name in mutable:
