@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -80,22 +81,76 @@ def build_report(
     left it, when the caller has one (default: one taken here)."""
     tree = tree or ModelTree(model)
     alive = KnownStorages(model, inputs, recording.outputs, recording.attributes_before, tree)
+    nodes = _plain_nodes(recording)
+    saves = _saved_tensors(recording, nodes, alive)
+    tensors, storages = saves.tensors, saves.storages
+    _attach_fused_keeps(nodes, recording, saves.storage_ids)
+    module_calls = _module_calls(recording, saves, alive)
+    _static_verdicts(nodes, tensors, saves.preset)
+    disagreements = []
+    if verify and prove is not None:
+        disagreements = list(prove(recording=recording, nodes=nodes, tensors=tensors,
+                                 live_tensors=saves.live_tensors))
+    accountant = Accountant(tensors, storages)
+    params = {name: p.requires_grad for name, p in tree.parameters}
+    classes = {path: type(m).__name__ for path, m in tree.modules}
+    ctx = RuleContext(tensors=tensors, nodes=nodes, storages=storages, parameter_names=params,
+                      training=model.training, accountant=accountant, measured=dict(measured or {}),
+                      module_classes=classes, checkpoints=checkpoint_regions(model, recording, tree))
+    findings, scoped = _findings(ctx, accountant, select, ignore)
+    # every figure counts the fixes of the (selected) findings
+    reclaimable = scoped.freed_by_storage(scoped.not_needed())  # scoped.reclaimable_bytes(), by storage
+    kept_bytes, kept_where = alive.kept_on_modules()
+    notes = (list(notes) + _unreported(accountant, scoped.scope, ctx.covered, select, ignore)
+             + _notes(tensors, disagreements, kept_bytes, kept_where))
+    device = _device_of(tree, inputs)
+    if target is None:
+        target = "cpu" if device == "meta" else torch.device(device).type
+    return Report(
+        model=type(model).__name__, torch_version=torch.__version__, device=device, target=target,
+        training=model.training, verified=bool(verify), tensors=tensors, storages=storages, nodes=nodes,
+        modules=module_totals(tensors, storages, scoped, classes, reclaimable), findings=findings,
+        saved_bytes=accountant.saved_bytes(), reclaimable_bytes=sum(reclaimable.values()),
+        reclaimable_with_bitpacking_bytes=scoped.reclaimable_with_bitpacking_bytes(),
+        rewrite_bytes=sum(f.bytes_together for f in findings if f.rewrite and f.severity == Severity.WASTE),
+        select=tuple(select), ignore=tuple(ignore),
+        recomputed_bytes=sum(t.view_nbytes for t in tensors if t.managed_by == Manager.CHECKPOINT and t.node_id >= 0),
+        offloaded_bytes=sum(t.view_nbytes for t in tensors if t.managed_by == Manager.OFFLOAD and t.node_id >= 0),
+        kept_on_modules_bytes=kept_bytes,
+        parameters_requiring_grad=sum(1 for v in params.values() if v),
+        inputs_requiring_grad=sum(1 for t in inputs if t.requires_grad),
+        unexplained=blind_spots(tensors, storages), notes=notes, disagreements=disagreements,
+        module_calls=module_calls,
+    )
 
-    # -- plain-data nodes ---------------------------------------------------------------------
-    nodes = [
+
+def _plain_nodes(recording: Recording) -> list[GraphNode]:
+    """The recorded autograd nodes as plain data, in the recording's order."""
+    return [
         GraphNode(id=i, name=live.name, module=live.site.module, next_ids=list(live.next_positions),
                   edge_mask=list(live.edge_mask), variable=live.variable, scalars=dict(live.scalars),
                   created_here=live.created_here, attention=live.attention)
         for i, live in enumerate(recording.nodes)
     ]
 
-    # -- saved tensors and storages, in the order autograd saved them -------------------------
+
+@dataclass
+class _Saves:
+    """The recording's saves as plain data (``_saved_tensors``), with what the later steps need."""
+
+    tensors: list[SavedTensor] = field(default_factory=list)
+    storages: list[Storage] = field(default_factory=list)
+    storage_ids: dict[int, int] = field(default_factory=dict)  # storage key -> this report's storage id
+    live_tensors: list[Optional[torch.Tensor]] = field(default_factory=list)  # for the proof, by index
+    preset: dict[int, tuple[str, str]] = field(default_factory=dict)  # verdicts known from what holds the save
+
+
+def _saved_tensors(recording: Recording, nodes: list[GraphNode], alive: KnownStorages) -> _Saves:
+    """Saved tensors and their storages, in the order autograd saved them; each save is listed on
+    its node and its storage."""
     order = [k for _, _, k in sorted([(s.index < 0, s.index, k) for k, s in enumerate(recording.saves)])]
-    tensors: list[SavedTensor] = []
-    storages: list[Storage] = []
-    storage_ids: dict[int, int] = {}
-    live_tensors: list[Optional[torch.Tensor]] = []
-    preset: dict[int, tuple[str, str]] = {}  # verdicts known from what holds the save
+    found = _Saves()
+    tensors, storages, storage_ids, preset = found.tensors, found.storages, found.storage_ids, found.preset
     strided, device_names = torch.strided, {}  # device -> str(device): one per device, not per save
     for k in order:
         save = recording.saves[k]
@@ -143,9 +198,12 @@ def build_report(
             storages[sid].tensors.append(saved.index)
         nodes[save.node_pos].saved.append(saved.index)
         tensors.append(saved)
-        live_tensors.append(t)
+        found.live_tensors.append(t)
+    return found
 
-    # -- what fused attention would keep, in this report's storage ids ---------------------------
+
+def _attach_fused_keeps(nodes: list[GraphNode], recording: Recording, storage_ids: dict[int, int]) -> None:
+    """What fused attention would keep, in this report's storage ids, on each attention node."""
     calls: dict[int, Any] = {}
     for node in nodes:
         call = node.attention
@@ -157,27 +215,36 @@ def build_report(
             calls[call.index] = dataclasses.replace(call, fused_keeps=keeps)
         node.attention = calls[call.index]
 
-    # -- the watched modules' calls, in this report's storage ids ----------------------------------
-    module_calls, others = [], {}
-    def call_storages(tensors: list[torch.Tensor]) -> tuple[tuple[tuple[int, int, StorageKind], ...], int]:
-        found, uncounted = {}, 0
-        for t in tensors:
-            if t.layout != torch.strided:  # several storages (sparse): not counted, but said
-                uncounted += 1
-                continue
-            key = storage_key(t)
-            sid = storage_ids.get(key)
-            if sid is None:
-                sid = others.setdefault(key, len(storages) + len(others))
-            found[sid] = (sid, t.untyped_storage().nbytes(), alive.classify(key))
-        return tuple(found.values()), uncounted
 
-    for path, cls, passed, opaque, returned in recording.calls:
-        storages_in, uncounted = call_storages(passed)
-        storages_out, _ = call_storages(returned)
-        module_calls.append(ModuleCall(path, cls, storages_in, uncounted, tuple(opaque), storages_out))
+def _module_calls(recording: Recording, saves: _Saves, alive: KnownStorages) -> list[ModuleCall]:
+    """The watched modules' calls, the storages they are passed and return in this report's storage
+    ids (a storage no save holds gets an id after the saved ones)."""
+    others: dict[int, int] = {}
+    return [ModuleCall(path, cls, *_call_storages(passed, saves, others, alive), tuple(opaque),
+                       _call_storages(returned, saves, others, alive)[0])
+            for path, cls, passed, opaque, returned in recording.calls]
 
-    # -- verdicts from op knowledge -----------------------------------------------------------
+
+def _call_storages(tensors: list[torch.Tensor], saves: _Saves, others: dict[int, int],
+                   alive: KnownStorages) -> tuple[tuple[tuple[int, int, StorageKind], ...], int]:
+    """(storage id, bytes, kind) of each storage among ``tensors``, and how many have no single
+    storage (sparse: not counted, but said)."""
+    found, uncounted = {}, 0
+    for t in tensors:
+        if t.layout != torch.strided:
+            uncounted += 1
+            continue
+        key = storage_key(t)
+        sid = saves.storage_ids.get(key)
+        if sid is None:
+            sid = others.setdefault(key, len(saves.storages) + len(others))
+        found[sid] = (sid, t.untyped_storage().nbytes(), alive.classify(key))
+    return tuple(found.values()), uncounted
+
+
+def _static_verdicts(nodes: list[GraphNode], tensors: list[SavedTensor], preset: dict[int, tuple[str, str]]) -> None:
+    """Each save's verdict from the op knowledge of its node; a save it has none for takes the
+    verdict known from what holds it (``preset``)."""
     # an outcome depends on its arguments only, and most saves repeat another's (every ReLU's
     # result): each is worked out once per report
     outcomes: dict[tuple, Any] = {}
@@ -202,34 +269,23 @@ def build_report(
         if tensors[i].verdict == UNKNOWN:
             tensors[i].verdict, tensors[i].reason = verdict, reason
 
-    disagreements = []
-    if verify and prove is not None:
-        disagreements = list(prove(recording=recording, nodes=nodes, tensors=tensors,
-                                 live_tensors=live_tensors))
 
-    # -- findings -------------------------------------------------------------------------------
-    accountant = Accountant(tensors, storages)
-    params = {name: p.requires_grad for name, p in tree.parameters}
-    classes = {path: type(m).__name__ for path, m in tree.modules}
-    ctx = RuleContext(tensors=tensors, nodes=nodes, storages=storages, parameter_names=params,
-                      training=model.training, accountant=accountant, measured=dict(measured or {}),
-                      module_classes=classes, checkpoints=checkpoint_regions(model, recording, tree))
+def _findings(ctx: RuleContext, accountant: Accountant, select: Sequence[str],
+              ignore: Sequence[str]) -> tuple[list[Finding], Accountant]:
+    """``run_rules``' findings and scoped accountant; each save names the first finding's code."""
     findings, scoped = run_rules(ctx, accountant, select, ignore)
     for finding in findings:
         for i in finding.tensors:
-            if tensors[i].rule is None:
-                tensors[i].rule = finding.code
+            if ctx.tensors[i].rule is None:
+                ctx.tensors[i].rule = finding.code
+    return findings, scoped
 
-    # -- accounting: every figure counts the fixes of the (selected) findings -----------------------
-    reclaimable = scoped.freed_by_storage(scoped.not_needed())  # scoped.reclaimable_bytes(), by storage
-    modules = module_totals(tensors, storages, scoped, classes, reclaimable)
-    notes = list(notes) + _unreported(accountant, scoped.scope, ctx.covered, select, ignore)
 
-    unexplained = blind_spots(tensors, storages)
-    offloaded = sum(t.view_nbytes for t in tensors if t.managed_by == Manager.OFFLOAD and t.node_id >= 0)
-    recomputed = sum(t.view_nbytes for t in tensors if t.managed_by == Manager.CHECKPOINT and t.node_id >= 0)
-    notes += [d.message() for d in disagreements]
-    kept_bytes, kept_where = alive.kept_on_modules()
+def _notes(tensors: list[SavedTensor], disagreements: Sequence[Any], kept_bytes: int,
+           kept_where: list[str]) -> list[str]:
+    """What the figures leave out: the proof's disagreements, activations kept on modules, and
+    saves torch.utils.checkpoint manages."""
+    notes = [d.message() for d in disagreements]
     if kept_bytes:
         notes.append(f"{kept_bytes} bytes of activations this forward made are kept "
                      f"on modules as attributes ({', '.join(kept_where[:4])}{', ...' if len(kept_where) > 4 else ''}): "
@@ -238,22 +294,7 @@ def build_report(
     if any(t.managed_by == Manager.CHECKPOINT for t in tensors):
         notes.append("some saves are managed by torch.utils.checkpoint: they are recomputed in backward, "
                      "not held, and their sizes are not known without recomputing (gradaudit does not)")
-    device = _device_of(tree, inputs)
-    if target is None:
-        target = "cpu" if device == "meta" else torch.device(device).type
-    return Report(
-        model=type(model).__name__, torch_version=torch.__version__, device=device, target=target,
-        training=model.training, verified=bool(verify), tensors=tensors, storages=storages, nodes=nodes,
-        modules=modules, findings=findings, saved_bytes=accountant.saved_bytes(),
-        reclaimable_bytes=sum(reclaimable.values()),
-        reclaimable_with_bitpacking_bytes=scoped.reclaimable_with_bitpacking_bytes(),
-        rewrite_bytes=sum(f.bytes_together for f in findings if f.rewrite and f.severity == Severity.WASTE),
-        select=tuple(select), ignore=tuple(ignore),
-        recomputed_bytes=recomputed, offloaded_bytes=offloaded, kept_on_modules_bytes=kept_bytes,
-        parameters_requiring_grad=sum(1 for v in params.values() if v),
-        inputs_requiring_grad=sum(1 for t in inputs if t.requires_grad),
-        unexplained=unexplained, notes=notes, disagreements=disagreements, module_calls=module_calls,
-    )
+    return notes
 
 
 def _hidden_verdict(saved: SavedTensor, function: str, inner: Declaration,

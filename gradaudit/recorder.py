@@ -13,13 +13,12 @@ The recorder never decides anything about the tensors; it only observes (rules l
 from __future__ import annotations
 
 import bisect
-import contextlib
 import functools
 import os
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +28,13 @@ from torch.overrides import TorchFunctionMode
 
 from . import torchapi
 from .meta import SdpaChoice, emulated_sdpa, sdpa_arguments, sdpa_backend
+from .module_tracker import ModuleTracker
 from .records import NEEDED, AttentionCall, Leaf, Manager
+from .sites import _constructed, _user_frame, construction_site, short_path, user_source_line
+from .sites import noting_construction  # noqa: F401  (recorder.noting_construction, as before the move)
 from .tensors import flatten, iter_tensors, storage_key, tensor_attributes, unique
 from .torchapi import NO_SEQUENCE, node_scalars, raw_saved_slots
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PACKAGE_DIR = os.path.dirname(__file__) + os.sep
 _COPY_SLICES_REACH = 4  # nodes announced between an in-place-on-view save and its CopySlices
 
 
@@ -230,232 +230,6 @@ class Recording:
     # calls of the watched modules (Recorder.watch): [path, class, aliases of the tensors passed in,
     # class names of the other arguments that hold tensors, aliases of the tensors it returned]
     calls: list[list[Any]] = field(default_factory=list)
-
-
-# ----------------------------------------------------------------------------------------------
-# Where in the user's code
-
-
-_internal_cache: dict[str, bool] = {}
-_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
-_LIBRARY_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
-# Installed packages that run other people's code: a frame of theirs never explains a tensor. Model
-# libraries (transformers, torchvision, timm, ...) are not here: their frames are where the op is written.
-DRIVER_PACKAGES = frozenset({
-    "click", "typer", "pluggy", "_pytest", "pytest", "py", "IPython", "ipykernel", "debugpy",
-    "_pydevd_bundle", "_pydev_bundle", "pydevd", "coverage", "hypothesis", "tornado", "zmq", "traitlets",
-    "nbclient", "jupyter_client", "jupyter_core", "anyio", "runpy", "importlib_metadata",
-})
-
-
-def _library_of(filename: str) -> Optional[str]:
-    """The top-level package (or module) an installed file belongs to, else None."""
-    for marker in _LIBRARY_DIRS:
-        if marker in filename:
-            first = filename.split(marker, 1)[1].split(os.sep, 1)[0]
-            return first[:-3] if first.endswith(".py") else first
-    return None
-
-
-def _is_internal(code: Any) -> bool:
-    """A frame that never explains a tensor: torch, gradaudit, the standard library (runpy, importlib,
-    contextlib, ...) and installed packages that drive code (click, pytest, IPython, ...)."""
-    name = code.co_filename  # by file: equal code objects of two files compare equal
-    hit = _internal_cache.get(name)
-    if hit is None:
-        library = _library_of(name)
-        hit = (name.startswith(_TORCH_DIR) or name.startswith(_PACKAGE_DIR) or name.startswith("<frozen")
-               or (library is None and name.startswith(_STDLIB_DIR)) or library in DRIVER_PACKAGES)
-        _internal_cache[name] = hit
-    return hit
-
-
-def short_path(filename: str, cwd: Optional[str] = None) -> str:
-    """A path readable and stable across machines: relative to cwd or to site-packages.
-
-    ``cwd``: the working directory to take it relative to (default: the current one).
-    """
-    if not os.path.isabs(filename):
-        return filename
-    cwd = (os.getcwd() if cwd is None else cwd) + os.sep
-    if filename.startswith(cwd):
-        return filename[len(cwd):]
-    marker = os.sep + "site-packages" + os.sep
-    if marker in filename:
-        return filename.split(marker, 1)[1]
-    return filename
-
-
-def user_source_line(frame: Any = None, stop: Any = None) -> Optional[str]:
-    """``file:line`` of the innermost frame outside torch, gradaudit and driver code (from ``frame``
-    outwards; default: the caller's), or None.
-
-    ``stop``: the frame that called the model's forward (``audit()``'s). The walk ends there: a line
-    at or outside it is where the forward was *called* (the ``audit(...)`` line, a test, click), which
-    says nothing about the tensor; the model's own code is only what runs inside the call.
-    """
-    if frame is None:
-        frame = sys._getframe(1)
-    frame = _user_frame(frame, stop)
-    return None if frame is None else f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
-
-
-def _user_frame(frame: Any, stop: Any) -> Any:
-    """The innermost frame from ``frame`` outwards, before ``stop``, that ``_is_internal`` does not
-    rule out; None if there is none (``user_source_line``'s walk, run for every node recorded)."""
-    known = _internal_cache
-    while frame is not None and frame is not stop:
-        code = frame.f_code
-        internal = known.get(code.co_filename)
-        if internal is None:
-            internal = _is_internal(code)
-        if not internal:
-            return frame
-        frame = frame.f_back
-    return None
-
-
-# Where modules were constructed: id(module) -> (weak reference, "file:line" or None). Noted only
-# while ``noting_construction()`` runs (the command line builds its model inside it); a model built
-# before ``audit()`` has none, and its modules' sites are unknown.
-_constructed: dict[int, tuple[weakref.ref, Optional[str]]] = {}
-_CONSTRUCTORS = ("__init__", "__post_init__")
-
-
-def _forget(key: int, ref: weakref.ref) -> None:
-    entry = _constructed.get(key)
-    if entry is not None and entry[0] is ref:
-        del _constructed[key]
-
-
-def _constructing(frame: Any, module: nn.Module) -> bool:
-    """Is ``frame`` a constructor of ``module`` itself (a subclass's ``__init__`` calling super)?"""
-    code = frame.f_code
-    if code.co_name not in _CONSTRUCTORS or not code.co_argcount:
-        return False
-    return frame.f_locals.get(code.co_varnames[0]) is module
-
-
-def construction_line(module: nn.Module, frame: Any) -> Optional[str]:
-    """The innermost line, from ``frame`` outwards, outside torch, gradaudit, driver code and
-    ``module``'s own constructors: the line that constructed it (``nn.Linear(4, 8),`` inside the
-    user's ``nn.Sequential(...)``; ``self.fc = nn.Linear(...)`` inside a parent's ``__init__``)."""
-    while frame is not None:
-        if not _is_internal(frame.f_code) and not _constructing(frame, module):
-            return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return None
-
-
-def construction_site(module: nn.Module) -> Optional[str]:
-    """Where ``module`` was constructed, when noted by ``noting_construction()``; else None."""
-    entry = _constructed.get(id(module))
-    if entry is not None and entry[0]() is module:
-        return entry[1]
-    return None
-
-
-@contextlib.contextmanager
-def noting_construction() -> Iterator[None]:
-    """Note the construction line of every ``nn.Module`` constructed inside (see ``construction_site``).
-
-    torch has no hook for a module's construction (its global registration hooks fire when a module
-    is assigned to a parent, inside ``nn.Sequential.__init__`` for its children, where the user's
-    line is the container's), so ``nn.Module.__init__`` is wrapped while the block runs and put back
-    after it, also when it raises.
-    """
-    original = nn.Module.__init__
-    if getattr(original, "_gradaudit_noting", False):  # nested: the outer one notes
-        yield
-        return
-
-    @functools.wraps(original)
-    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        key = id(self)
-        entry = _constructed.get(key)
-        if entry is not None and entry[0]() is self:
-            return  # Module.__init__ run again on a built module: it was constructed where first seen
-        try:
-            ref = weakref.ref(self, lambda ref, key=key: _forget(key, ref))
-        except TypeError:  # a subclass with __slots__ and no __weakref__: cannot be followed
-            return
-        _constructed[key] = (ref, construction_line(self, sys._getframe(1)))
-
-    __init__._gradaudit_noting = True  # type: ignore[attr-defined]
-    nn.Module.__init__ = __init__  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.__init__ = original  # type: ignore[method-assign]
-
-
-# ----------------------------------------------------------------------------------------------
-# Which module is running
-
-
-class ModuleTracker:
-    """Keeps a stack of the module paths whose forward is running, via per-module forward hooks.
-
-    ``on_boundary``: called as every submodule's forward starts and ends, before the stack changes
-    (``trim`` decides the nodes created since the last boundary there).
-    ``on_enter``: called with the (path, class) of every submodule whose forward starts, before it
-    is pushed (the recorder notes which modules run inside a checkpoint).
-    """
-
-    def __init__(self, model: nn.Module, on_boundary: Optional[Any] = None, on_enter: Optional[Any] = None,
-                 modules: Optional[Sequence[tuple[str, nn.Module]]] = None) -> None:
-        self.model = model
-        self.stack: list[tuple[str, str]] = [("", type(model).__name__)]
-        self.on_boundary = on_boundary
-        self.on_enter = on_enter
-        self._handles: list[Any] = []
-        # ``list(model.named_modules())`` when the caller has it (taken again on entry otherwise)
-        self._named_modules = modules
-
-    def __enter__(self) -> "ModuleTracker":
-        modules = self._named_modules if self._named_modules is not None else self.model.named_modules()
-        post, add = self._post, torchapi.add_forward_hooks
-        for path, module in modules:
-            if module is self.model:
-                continue
-            self._handles.append(add(module, self._make_pre((path, type(module).__name__)), post))
-        return self
-
-    def _make_pre(self, entry: tuple[str, str]):
-        stack, boundary, enter = self.stack, self.on_boundary, self.on_enter
-
-        if enter is not None:
-            def pre(module: nn.Module, args: Any) -> None:
-                if boundary is not None:
-                    boundary()
-                enter(entry)
-                stack.append(entry)
-        elif boundary is None:
-            def pre(module: nn.Module, args: Any) -> None:
-                stack.append(entry)
-        else:
-            def pre(module: nn.Module, args: Any) -> None:
-                boundary()
-                stack.append(entry)
-
-        return pre
-
-    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.on_boundary is not None:
-            self.on_boundary()
-        if len(self.stack) > 1:
-            self.stack.pop()
-
-    def reset(self) -> None:
-        """Back to the root module alone (a forward that raised may leave entries behind)."""
-        del self.stack[1:]
-
-    def __exit__(self, *exc: Any) -> None:
-        remove = torchapi.remove_forward_hooks
-        for added in self._handles:
-            remove(added)
-        self._handles.clear()
 
 
 # ----------------------------------------------------------------------------------------------

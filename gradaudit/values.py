@@ -187,7 +187,7 @@ class KnownValues(TorchDispatchMode):
         return notes
 
     def _assumed(self, func: Any, t: torch.Tensor) -> torch.Tensor:
-        from .recorder import user_source_line  # noqa: WPS433 (the read's site, only when one is assumed)
+        from .sites import user_source_line  # noqa: WPS433 (the read's site, only when one is assumed)
 
         where = user_source_line(sys._getframe(1)) or "unknown"
         self.reads.append(ValueRead(str(func).removesuffix(".default"), tuple(t.shape),

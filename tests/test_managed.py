@@ -13,7 +13,7 @@ from torch import nn
 
 import gradaudit
 from gradaudit.measure import held_bytes_after_forward
-from gradaudit.recorder import short_path
+from gradaudit.sites import short_path
 from gradaudit.report.text import render as render_text
 
 

@@ -22,7 +22,7 @@ import gradaudit
 from gradaudit import loading
 from gradaudit.cli import cli
 from gradaudit.report import text
-from gradaudit.recorder import _is_internal, construction_site, noting_construction
+from gradaudit.sites import _is_internal, construction_site, noting_construction
 
 # Each layer's line carries "# built: <module path>"; findings: GA401 (the ReLU's sign-only save),
 # GA301 (the max-pool's unread input), GA101 (the frozen convolution's input), on one layer each.

@@ -10,6 +10,7 @@ Rules are pure functions of the recording's plain data: they never touch tensors
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import re
 import textwrap
@@ -160,6 +161,26 @@ def rule(code: str, name: str, *, severity: Severity = Severity.WASTE, fix: str,
         _RULES[code] = Rule(code, name, severity, doc.splitlines()[0] if doc else "", doc,
                             fix, inspect.cleandoc(fix_code) if fix_code else "", fix_safe, check, catch_all)
         return check
+
+    return register
+
+
+def claims_rule(code: str, name: str, verdict: str, *, bitpackable: bool = False, each: bool = False,
+                when: Optional[Callable[[list[SavedTensor]], bool]] = None, **options: Any) -> Callable:
+    """Register a rule that only reports the saves the op knowledge names it for: per node, the held
+    saves with ``verdict`` (``bitpackable``: only bit-packable ones) whose declaration names ``code``
+    (``RuleContext.claims``), one flag per node (``each``: per save), skipping nodes whose saves
+    ``when`` refuses. The decorated function gives a flag's message from its node and saves; its
+    docstring is the rule's documentation; ``options`` are ``rule``'s."""
+    def register(message: Callable[[GraphNode, list[SavedTensor]], str]) -> Callable:
+        def check(ctx: RuleContext) -> Iterator[Flag]:
+            for node, hits in ctx.claims(code, verdict, bitpackable=bitpackable):
+                if when is None or when(hits):
+                    for saves in ([t] for t in hits) if each else [hits]:
+                        yield Flag(node, saves, message(node, saves))
+
+        functools.update_wrapper(check, message)
+        return rule(code, name, **options)(check)
 
     return register
 

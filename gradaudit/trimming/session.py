@@ -12,7 +12,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import torchapi
 from ..errors import GradauditError
-from ..recorder import ModuleTracker
+from ..module_tracker import ModuleTracker
 from ..tensors import iter_tensors, storage_key
 from .codec import Packer, contiguous_strides, dense, unfilled_strided, unpack_bits
 from .plan import KEEP, kind_of, plan_for

@@ -1,0 +1,75 @@
+"""Which module is running: a stack of the module paths whose forward is running, kept by forward
+hooks (the recorder's sites, trim's module boundaries).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from torch import nn
+
+from . import torchapi
+
+
+class ModuleTracker:
+    """Keeps a stack of the module paths whose forward is running, via per-module forward hooks.
+
+    ``on_boundary``: called as every submodule's forward starts and ends, before the stack changes
+    (``trim`` decides the nodes created since the last boundary there).
+    ``on_enter``: called with the (path, class) of every submodule whose forward starts, before it
+    is pushed (the recorder notes which modules run inside a checkpoint).
+    """
+
+    def __init__(self, model: nn.Module, on_boundary: Optional[Any] = None, on_enter: Optional[Any] = None,
+                 modules: Optional[Sequence[tuple[str, nn.Module]]] = None) -> None:
+        self.model = model
+        self.stack: list[tuple[str, str]] = [("", type(model).__name__)]
+        self.on_boundary = on_boundary
+        self.on_enter = on_enter
+        self._handles: list[Any] = []
+        # ``list(model.named_modules())`` when the caller has it (taken again on entry otherwise)
+        self._named_modules = modules
+
+    def __enter__(self) -> "ModuleTracker":
+        modules = self._named_modules if self._named_modules is not None else self.model.named_modules()
+        post, add = self._post, torchapi.add_forward_hooks
+        for path, module in modules:
+            if module is self.model:
+                continue
+            self._handles.append(add(module, self._make_pre((path, type(module).__name__)), post))
+        return self
+
+    def _make_pre(self, entry: tuple[str, str]):
+        stack, boundary, enter = self.stack, self.on_boundary, self.on_enter
+
+        if enter is not None:
+            def pre(module: nn.Module, args: Any) -> None:
+                if boundary is not None:
+                    boundary()
+                enter(entry)
+                stack.append(entry)
+        elif boundary is None:
+            def pre(module: nn.Module, args: Any) -> None:
+                stack.append(entry)
+        else:
+            def pre(module: nn.Module, args: Any) -> None:
+                boundary()
+                stack.append(entry)
+
+        return pre
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.on_boundary is not None:
+            self.on_boundary()
+        if len(self.stack) > 1:
+            self.stack.pop()
+
+    def reset(self) -> None:
+        """Back to the root module alone (a forward that raised may leave entries behind)."""
+        del self.stack[1:]
+
+    def __exit__(self, *exc: Any) -> None:
+        remove = torchapi.remove_forward_hooks
+        for added in self._handles:
+            remove(added)
+        self._handles.clear()
