@@ -219,7 +219,7 @@ class KnownValues(TorchDispatchMode):
         if metas and (func in _READS or torch.Tag.data_dependent_output in func.tags
                       or (func is _aten._to_copy.default and _leaves_meta(kwargs.get("device")))):
             return self._read(func, args, kwargs, flat)
-        known = all(self.values.known(t) for t in flat if isinstance(t, torch.Tensor))
+        known = all(self.values.known(t) for t in flat)
         try:
             out = func(*args, **kwargs)
         except (NotImplementedError, RuntimeError):
@@ -235,16 +235,6 @@ class KnownValues(TorchDispatchMode):
                 self.values.forget(t)
         return out
 
-    def _cpu_call(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        def swap(v: Any) -> Any:
-            if isinstance(v, torch.Tensor):
-                return self.values.value(v)
-            return _to_cpu(v)
-
-        cpu_args = tree_map(swap, args)
-        cpu_kwargs = tree_map(swap, kwargs)
-        return func(*cpu_args, **cpu_kwargs)
-
     def _follow(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         written = _written_arguments(func, args, kwargs)
         outs = _meta_tensors(_outputs(out))
@@ -256,8 +246,7 @@ class KnownValues(TorchDispatchMode):
                 self.values.forget(t)
             return
         try:
-            with torch.no_grad():
-                cpu_out = self._cpu_call(func, args, kwargs)
+            cpu_out = self._with_values(func, args, kwargs, _tensors_of(args, kwargs))  # all known: none assumed
         except Exception:  # noqa: BLE001  (the op's CPU kernel refuses what meta accepted: stay unknown)
             for t in written:
                 self.values.forget(t)
