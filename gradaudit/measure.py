@@ -32,7 +32,7 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         storages = self.storages
-        for t in _leaves(out):
+        for t in op_leaves(out):
             if isinstance(t, torch.Tensor):
                 for part in strided_parts(t):
                     storage = part.untyped_storage()
@@ -46,7 +46,7 @@ class StorageTracker(TorchDispatchMode):
                    if not ref.expired() and cdata not in exclude)
 
 
-def _leaves(out: Any) -> Any:
+def op_leaves(out: Any) -> Any:
     """``tree_flatten(out)[0]`` for an op's output: a tensor, or a plain tuple or list of tensors
     (and numbers, None) as they are; anything nested through pytree."""
     if isinstance(out, torch.Tensor):

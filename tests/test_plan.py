@@ -597,9 +597,24 @@ def test_bad_arguments_are_refused_with_what_to_do():
 
 
 def test_a_block_passed_a_cache_object_is_refused(tiny_hf_model):
-    model = tiny_hf_model("llama", num_hidden_layers=2).train()  # use_cache on: a DynamicCache per forward
+    model = tiny_hf_model("llama", num_hidden_layers=2, use_cache=False).train()
+    # the forward asked for a cache in so many words: a DynamicCache is passed to every block
     with pytest.raises(GradauditError, match="use_cache=False"):
-        plan(model, {"input_ids": torch.zeros(1, 8, dtype=torch.long)}, "1MiB")
+        plan(model, {"input_ids": torch.zeros(1, 8, dtype=torch.long), "use_cache": True}, "1MiB")
+
+
+def test_a_model_whose_config_keeps_use_cache_is_planned_as_hugging_face_checkpointing_trains_it(tiny_hf_model):
+    model = tiny_hf_model("llama", num_hidden_layers=4).train()  # use_cache=True: the default config
+    assert model.config.use_cache is True
+    inputs = {"input_ids": torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))}
+    unplanned = gradaudit.audit(model, inputs).saved_bytes
+    chosen = plan(model, inputs, unplanned // 2, measure_peak=False)
+    assert any("use_cache=True" in note for note in chosen.notes)
+    assert model.config.use_cache is True  # left as found
+    with chosen.apply(model):
+        assert model.config.use_cache is False  # off while the plan is applied, as gradient_checkpointing_enable has it
+        assert gradaudit.audit(model, inputs).saved_bytes == chosen.held_bytes <= unplanned // 2
+    assert model.config.use_cache is True
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

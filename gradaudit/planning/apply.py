@@ -236,6 +236,13 @@ class PlanHandle:
             from ..trimming import trim as install_trim
 
             self.trim_handle = install_trim(model, bitpack=trim)
+        # a Hugging Face model asking for a key/value cache: off while checkpointed, as its own
+        # gradient checkpointing trains (a checkpointed block passed a cache would fill it again)
+        from .conditions import cache_config
+
+        self._cache_config = cache_config(model) if paths else None
+        if self._cache_config is not None:
+            self._cache_config.use_cache = False
         self._forwards = Forwards()
         for path in paths:
             module = modules[path]
@@ -249,6 +256,9 @@ class PlanHandle:
 
     def remove(self) -> None:
         self._forwards.restore()
+        if self._cache_config is not None:
+            self._cache_config.use_cache = True
+            self._cache_config = None
         if self.trim_handle is not None:
             self.trim_handle.remove()
             self.trim_handle = None

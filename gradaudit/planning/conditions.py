@@ -45,6 +45,33 @@ def as_audited(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, targe
             t.grad = grad
 
 
+def cache_config(model: nn.Module) -> Any:
+    """The Hugging Face config of ``model`` when it asks the forward for a key/value cache
+    (``use_cache=True``, the default of most decoders), else None."""
+    config = getattr(model, "config", None)
+    return config if getattr(config, "use_cache", None) is True else None
+
+
+CACHE_NOTE = ("the model's config has use_cache=True: it is planned, and a plan applied, with the cache off, as "
+              "Hugging Face's own gradient checkpointing trains (a checkpointed block cannot be passed a cache, "
+              "and training never reads it)")
+
+
+@contextlib.contextmanager
+def cache_off(model: nn.Module) -> Iterator[bool]:
+    """``use_cache`` set to False on the model's Hugging Face config while in force; yields whether it
+    was on."""
+    config = cache_config(model)
+    if config is None:
+        yield False
+        return
+    config.use_cache = False
+    try:
+        yield True
+    finally:
+        config.use_cache = True
+
+
 def checkpointed_now(report: Any) -> list[str]:
     """The modules the audited forward checkpointed itself (torch.utils.checkpoint regions)."""
     regions = {n.module or "the model" for n in report.nodes

@@ -21,7 +21,7 @@ from . import segments, timing
 from .baselines import segments_baseline, stack_runner
 from .candidates import candidates, inside
 from .chain import add_selective, audited_with, build_chain, held_by_report
-from .conditions import as_audited, checkpointed_now, own_checkpointing_off, trim_options
+from .conditions import CACHE_NOTE, as_audited, cache_off, checkpointed_now, own_checkpointing_off, trim_options
 from .costs import Costs, count_flops
 from .frontier import Frontier
 from .peaks import PeakProbes
@@ -99,56 +99,58 @@ def plan(
     """
     from ..auditing import meta_inputs
 
-    inputs = meta_inputs(model, inputs)  # CPU token ids and masks beside a meta model keep their values
-    budget_bytes, bound, cost = _checked_arguments(model, inputs, budget, bound, measure_peak, cost)
-    installed, bitpack = trim_options(model, trim, bitpack)
-    say = progress or _silent
-    run = _Run(model, inputs, trainable, frozen, target)
-    paths = candidates(model, blocks)
-    audited = _audit(run, paths, bitpack, say)
-    report, now = audited.report, audited.now
-    _refuse_opaque(report)
-    flops, step_flops, nanoseconds, step_seconds = _block_costs(run, report, paths, now, cost, say)
-    ran, graphless, calls = _blocks_that_ran(report, paths)
-    chain = build_chain(report, ran, calls, {path: (nanoseconds.get(path, 0), 0) if nanoseconds is not None
-                                             else flops.get(path, (0, 0)) for path in ran}, bitpack)
-    # the solver minimises the integer it is given as a block's cost: FLOPs, or nanoseconds
-    # (op-level checkpointing is costed in FLOPs only: with time, whole blocks)
-    costs = Costs.of([b.path for b in chain.blocks], flops, nanoseconds)
-    unplanned = held_by_report(report, bitpack)
-    if chain.held(()) != unplanned:  # both count the held saves' storages of held kinds, as trim leaves them
-        raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit {unplanned}")
-    # a value the model read on meta that nobody knew was assumed: the plan's figures rest on it too
-    notes = [note for note in report.notes if is_assumption_note(note)]
-    notes += _selective_option(run, chain, costs, report, paths, selective, cost, now, bitpack, say)
-    notes += _blind_spots(report, graphless)
-    say(f"solving ({len(chain.blocks)} blocks)")
-    points, optimal = solve(chain)
-    notes += _assumed(chain)
-    if installed is not None and trim is None:
-        notes.append(f"gradaudit.trim is installed on this model (bitpack={bitpack}), so the plan's figures are "
-                     f"with it, as trim=True plans them; to plan without trim, remove its handle first")
-    if now:
-        notes.insert(0, f"the model checkpoints {_few(now)} itself and so holds {audited.current_held} bytes; the "
-                        f"plan replaces that (its figures are without it): turn the model's own checkpointing off "
-                        f"before applying it (Hugging Face: model.gradient_checkpointing_disable())")
-    fixed, applying, note = _segments(run, report, paths, now, chain, costs, bitpack, say)
-    notes += note
-    frontier = Frontier(chain, points, costs, fixed)
-    probes = PeakProbes(model, inputs, trainable, frozen, report.target, [b.path for b in chain.blocks], bitpack,
-                        now, say)
-    chosen = frontier.cheapest(budget_bytes, 0, probes.peak if bound == Bound.PEAK else None)
-    result = Plan(model=type(model).__name__, device=report.device, target=report.target,
-                  unplanned_held_bytes=chain.held(()), step_flops=step_flops, blocks=frontier.blocks(),
-                  frontier=frontier.entries(), optimal=optimal, notes=list(notes), replaces=tuple(now),
-                  current_held_bytes=audited.current_held, cost=cost, step_seconds=step_seconds,
-                  trimmed=bitpack is not None, bitpack=bitpack, bound=bound, _frontier=frontier, _probes=probes,
-                  **frontier.at(chosen if chosen is not None else points[-1], budget_bytes))
-    if measure_peak:
-        _measure_peaks(result, probes, applying)
-    if chosen is None:
-        raise budget_error(result, len(chain.blocks))
-    return result
+    with cache_off(model) as cache_was_on:  # (planned as Hugging Face's checkpointing trains: see CACHE_NOTE)
+        inputs = meta_inputs(model, inputs)  # CPU token ids and masks beside a meta model keep their values
+        budget_bytes, bound, cost = _checked_arguments(model, inputs, budget, bound, measure_peak, cost)
+        installed, bitpack = trim_options(model, trim, bitpack)
+        say = progress or _silent
+        run = _Run(model, inputs, trainable, frozen, target)
+        paths = candidates(model, blocks)
+        audited = _audit(run, paths, bitpack, say)
+        report, now = audited.report, audited.now
+        _refuse_opaque(report)
+        flops, step_flops, nanoseconds, step_seconds = _block_costs(run, report, paths, now, cost, say)
+        ran, graphless, calls = _blocks_that_ran(report, paths)
+        chain = build_chain(report, ran, calls, {path: (nanoseconds.get(path, 0), 0) if nanoseconds is not None
+                                                 else flops.get(path, (0, 0)) for path in ran}, bitpack)
+        # the solver minimises the integer it is given as a block's cost: FLOPs, or nanoseconds
+        # (op-level checkpointing is costed in FLOPs only: with time, whole blocks)
+        costs = Costs.of([b.path for b in chain.blocks], flops, nanoseconds)
+        unplanned = held_by_report(report, bitpack)
+        if chain.held(()) != unplanned:  # both count the held saves' storages of held kinds, as trim leaves them
+            raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit {unplanned}")
+        # a value the model read on meta that nobody knew was assumed: the plan's figures rest on it too
+        notes = [note for note in report.notes if is_assumption_note(note)]
+        notes += [CACHE_NOTE] if cache_was_on else []
+        notes += _selective_option(run, chain, costs, report, paths, selective, cost, now, bitpack, say)
+        notes += _blind_spots(report, graphless)
+        say(f"solving ({len(chain.blocks)} blocks)")
+        points, optimal = solve(chain)
+        notes += _assumed(chain)
+        if installed is not None and trim is None:
+            notes.append(f"gradaudit.trim is installed on this model (bitpack={bitpack}), so the plan's figures are "
+                         f"with it, as trim=True plans them; to plan without trim, remove its handle first")
+        if now:
+            notes.insert(0, f"the model checkpoints {_few(now)} itself and so holds {audited.current_held} bytes; the "
+                            f"plan replaces that (its figures are without it): turn the model's own checkpointing off "
+                            f"before applying it (Hugging Face: model.gradient_checkpointing_disable())")
+        fixed, applying, note = _segments(run, report, paths, now, chain, costs, bitpack, say)
+        notes += note
+        frontier = Frontier(chain, points, costs, fixed)
+        probes = PeakProbes(model, inputs, trainable, frozen, report.target, [b.path for b in chain.blocks], bitpack,
+                            now, say)
+        chosen = frontier.cheapest(budget_bytes, 0, probes.peak if bound == Bound.PEAK else None)
+        result = Plan(model=type(model).__name__, device=report.device, target=report.target,
+                      unplanned_held_bytes=chain.held(()), step_flops=step_flops, blocks=frontier.blocks(),
+                      frontier=frontier.entries(), optimal=optimal, notes=list(notes), replaces=tuple(now),
+                      current_held_bytes=audited.current_held, cost=cost, step_seconds=step_seconds,
+                      trimmed=bitpack is not None, bitpack=bitpack, bound=bound, _frontier=frontier, _probes=probes,
+                      **frontier.at(chosen if chosen is not None else points[-1], budget_bytes))
+        if measure_peak:
+            _measure_peaks(result, probes, applying)
+        if chosen is None:
+            raise budget_error(result, len(chain.blocks))
+        return result
 
 
 def _silent(step: str) -> None:

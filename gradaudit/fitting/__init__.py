@@ -1,0 +1,95 @@
+"""``gradaudit.fit()``: will a whole training step (forward, backward, optimizer step) fit in a
+device's memory, and if not, the cheapest change (trim, a checkpoint plan) that makes it fit.
+The step is run and followed storage by storage (step.py), counted as the target's allocator
+would (result.py); the remedy searches the planner's frontier by the whole step's peak (remedy.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..errors import GradauditError
+from .result import Fit, figures
+from .step import CATEGORIES, run_step
+
+__all__ = ["fit", "Fit", "CATEGORIES"]
+
+
+def fit(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    memory: Union[int, str],
+    optimizer: Any = None,
+    loss: Optional[Callable[[Any], torch.Tensor]] = None,
+    trainable: Optional[Sequence[str]] = None,
+    frozen: Optional[Sequence[str]] = None,
+    target: Optional[str] = None,
+    autocast: Optional[torch.dtype] = None,
+    remedy: bool = True,
+    progress: Optional[Callable[[str], None]] = None,
+) -> Fit:
+    """The peak memory of one steady-state training step of ``model`` on ``inputs``, by category,
+    and whether it fits in ``memory``.
+
+    memory: the bytes the step may use (an int, or a size such as "80GiB").
+    optimizer: a torch.optim class (built over the parameters that train, with its defaults), an
+        instance (rebuilt with its groups' options), a name ("adamw", "sgd", any torch.optim class in
+        any case, or "module:Class"), or a callable from parameters to an optimizer. Default "adamw".
+        It runs on meta stand-ins of the parameters: its state and its step's temporaries are its own.
+    loss: a callable from the model's output to the scalar loss (default: the output's ``loss`` when
+        it has one, as Hugging Face models given labels do, else the sum of its first tensor).
+    trainable / frozen: what-if requires_grad patterns, as for ``audit``: only what trains gets a
+        gradient and optimizer state.
+    target: on the meta device, the device type the figures are for ("cpu" or "cuda"), as for
+        ``audit``; on a real device, that device.
+    autocast: a dtype (torch.bfloat16, torch.float16): the forward and the loss run under
+        ``torch.autocast(target, dtype)``, and backward and the optimizer step after it closes, as a
+        training loop runs them. Call fit outside any autocast region.
+    remedy: when the step does not fit, search for the cheapest trim and checkpoint plan whose
+        measured step fits (``Fit.remedy``).
+
+    The step is the one a training loop repeats once the optimizer has state: forward, loss,
+    backward, optimizer step, zero_grad(set_to_none=True). Its forward and backward run on the model
+    as it is (left exactly as found, like an audit); the optimizer steps on meta stand-ins, so the
+    model's weights never change.
+    """
+    from ..auditing import _target, meta_inputs, runs_on_meta
+    from ..planning.result import parse_budget
+    from ..tensors import first_meta_parameter, iter_tensors
+    from . import optimizers
+
+    if not isinstance(model, nn.Module):
+        raise GradauditError(f"fit() needs a torch.nn.Module, got {type(model).__name__}")
+    memory_bytes = parse_budget(memory)
+    if isinstance(trainable, str):
+        trainable = [trainable]
+    if isinstance(frozen, str):
+        frozen = [frozen]
+    if autocast is not None and (not isinstance(autocast, torch.dtype) or not autocast.is_floating_point):
+        raise GradauditError(f"autocast must be a floating dtype such as torch.bfloat16, not {autocast!r}")
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        raise GradauditError("fit() was called inside torch.autocast: call it outside and pass autocast=dtype (the "
+                             "forward and loss run under it, backward and the optimizer step after it closes)")
+    builder, name = optimizers.resolve(optimizer)
+    inputs = meta_inputs(model, inputs)
+    tensors = list(iter_tensors(inputs))
+    on_meta = runs_on_meta(first_meta_parameter(model.parameters()), tensors)
+    first = next(iter(model.parameters()), None)
+    target = _target(target, on_meta, ([first] if first is not None else []) + tensors)
+    say = progress or (lambda step: None)
+    say("running a training step (forward, backward, optimizer step)")
+    run = run_step(model, inputs, builder=builder, optimizer_name=name, loss_fn=loss, trainable=trainable,
+                   frozen=frozen, target=target, on_meta=on_meta, autocast=autocast)
+    step = figures(run, target)
+    notes = list(run.notes)
+    if run.output_cache:
+        notes.append("the forward returned a key/value cache (Hugging Face: the config's use_cache=True): training "
+                     "never reads it; model.config.use_cache = False may hold less")
+    result = Fit(model=type(model).__name__, device="meta" if on_meta else target, target=target, optimizer=name,
+                 memory=memory_bytes, peak_bytes=step.peak_bytes, breakdown=step.breakdown,
+                 peak_phase=step.peak_phase, timeline=step.timeline, trained_parameters=run.trained, notes=notes)
+    return result

@@ -1,0 +1,131 @@
+"""The fit, as data: ``Fit`` (the step's peak, its breakdown by category at that moment, whether it
+fits the memory given, the timeline, the remedy), built from a ``StepRun`` by ``figures``; the
+target's allocator (``allocated``: what CUDA's caching allocator hands out for a request).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from .step import CATEGORIES, StepRun
+
+if TYPE_CHECKING:
+    from .remedy import Remedy
+
+FIT_SCHEMA_VERSION = 1
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every request up to a multiple of 512 bytes
+TIMELINE_POINTS = 400  # the timeline keeps each stretch's worst sample, at most this many
+
+
+def allocated(nbytes: int, target: str) -> int:
+    """What the target's allocator takes for a storage of ``nbytes``: on CUDA the request rounded
+    up to 512 bytes (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize; an empty storage asks for
+    nothing); on the CPU the bytes themselves."""
+    if target == "cuda":
+        return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
+    return nbytes
+
+
+@dataclass
+class Figures:
+    """The peak of a step, its breakdown at that moment and the timeline (bytes by category at
+    every sample, thinned to its worst moments)."""
+
+    peak_bytes: int
+    breakdown: dict[str, int]
+    peak_phase: str
+    timeline: list[dict[str, Any]]
+
+
+def figures(run: StepRun, target: str) -> Figures:
+    """The step's peak, breakdown and timeline as the target's allocator counts them."""
+    from .lifetimes import sweep
+
+    steady = {c: sum(allocated(n, target) for n in run.persistent.get(c, ())) for c in CATEGORIES}
+    samples = sum(count for _, count in run.phases)
+    rows = sweep(run.lives, samples, CATEGORIES, lambda n: allocated(n, target))
+    totals = [sum(steady.values()) + sum(row[i] for row in rows) for i in range(samples)]
+    phase_of = []
+    for phase, count in run.phases:
+        phase_of += [phase] * count
+    worst = max(range(samples), key=totals.__getitem__) if samples else 0
+
+    def at(i: int) -> dict[str, int]:
+        return {c: steady[c] + rows[k][i] for k, c in enumerate(CATEGORIES)}
+
+    step = max(1, -(-samples // TIMELINE_POINTS))
+    timeline = []
+    for start in range(0, samples, step):
+        i = max(range(start, min(start + step, samples)), key=totals.__getitem__)
+        timeline.append({"sample": i + 1, "phase": phase_of[i], **at(i)})
+    return Figures(totals[worst] if samples else sum(steady.values()), at(worst) if samples else steady,
+                   phase_of[worst] if samples else "", timeline)
+
+
+@dataclass
+class Fit:
+    """Will one training step fit in ``memory`` bytes on the target device, and if not, what is the
+    cheapest change that makes it."""
+
+    model: str
+    device: str  # where the step ran: "cpu", "cuda", or "meta" standing for the target
+    target: str  # the device type the figures are for
+    optimizer: str
+    memory: int  # the bytes the step may use (the device's memory, as given)
+    peak_bytes: int  # the peak of one steady-state step, as the target's allocator counts it
+    breakdown: dict[str, int]  # at that peak, by category (CATEGORIES)
+    peak_phase: str  # "forward", "backward" or "optimizer"
+    timeline: list[dict[str, Any]]  # bytes by category through the step (its worst moments)
+    trained_parameters: int  # parameter tensors that get a gradient and optimizer state
+    notes: list[str] = field(default_factory=list)
+    remedy: Optional["Remedy"] = None  # the cheapest change whose step fits (None: fits as it is, or nothing does)
+    remedy_searched: bool = False  # whether a remedy was looked for (only when it does not fit)
+    _largest: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the step's peak (the allocated bytes, see ``allocator``) is within ``memory``."""
+        return self.peak_bytes <= self.memory
+
+    @property
+    def allocator(self) -> str:
+        """What ``peak_bytes`` counts, in words."""
+        if self.target == "cuda":
+            return ("bytes allocated by PyTorch's CUDA caching allocator (each storage rounded up to 512 B), as "
+                    "torch.cuda.max_memory_allocated reports; the allocator reserves more (whole segments, "
+                    "cached free blocks), and the CUDA context and libraries' workspaces (cuBLAS, cuDNN) are not "
+                    "counted: leave headroom, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+        return "bytes of the storages alive, as the CPU allocator is asked for them"
+
+    def largest(self, dimension: str = "batch") -> int:
+        """The largest batch (``"batch"``) or sequence length (``"seq"``) whose step fits ``memory``."""
+        from .largest import largest
+
+        return largest(self, dimension)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": FIT_SCHEMA_VERSION,
+            "tool": "gradaudit",
+            "kind": "fit",
+            "model": self.model,
+            "device": self.device,
+            "target": self.target,
+            "optimizer": self.optimizer,
+            "memory": self.memory,
+            "fits": self.fits,
+            "peak_bytes": self.peak_bytes,
+            "peak_phase": self.peak_phase,
+            "allocator": self.allocator,
+            "breakdown": dict(self.breakdown),
+            "trained_parameters": self.trained_parameters,
+            "remedy": self.remedy.to_dict() if self.remedy is not None else None,
+            "remedy_searched": self.remedy_searched,
+            "timeline": list(self.timeline),
+            "notes": list(self.notes),
+        }
+
+    def __repr__(self) -> str:
+        return (f"<gradaudit.Fit {self.model} on {self.target}: peak {self.peak_bytes} of {self.memory} bytes, "
+                f"{'fits' if self.fits else 'does not fit'}>")

@@ -1,0 +1,223 @@
+"""One steady-state training step, run and followed storage by storage.
+
+The step, as a training loop runs it once the optimizer has state (after a first step) and every
+``.grad`` is None (``zero_grad(set_to_none=True)``)::
+
+    output = model(*args, **kwargs)      # under torch.autocast(target, dtype) with autocast=dtype
+    loss = loss_fn(output)               # (the autocast region closes here)
+    del output
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+The forward and backward run on the model as it is (its device, or meta standing for the target,
+as an audit runs it), left as found; the optimizer's step runs on meta stand-ins of the parameters
+and their gradients (it needs shapes, not values, and must not change the user's weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import ForwardError, GradauditError, NothingRequiresGradError
+from ..tensors import iter_tensors, split_inputs, storage_key, strided_parts, unique
+from . import optimizers
+from .lifetimes import Life, Lifetimes, sweep
+
+PARAMETERS, BUFFERS, INPUTS, STATE = "parameters", "buffers", "inputs", "optimizer_state"
+GRADIENTS, ACTIVATIONS, TEMPORARIES = "gradients", "activations", "temporaries"
+# the order of a breakdown and of the timeline's rows: what is always there first
+CATEGORIES = (PARAMETERS, BUFFERS, INPUTS, STATE, GRADIENTS, ACTIVATIONS, TEMPORARIES)
+FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+
+
+@dataclass
+class StepRun:
+    """The storages of one step: those alive throughout (by category), and the lives of those made
+    in each phase, categorised; ``notes``: what the figures rest on."""
+
+    persistent: dict[str, list[int]]  # category -> storage sizes
+    lives: list[Life]  # every storage the step made, categorised
+    phases: list[tuple[str, int]]  # (phase, samples) in order
+    notes: list[str] = field(default_factory=list)
+    trained: int = 0  # parameters with a gradient
+    output_cache: bool = False  # the forward returned a key/value cache (Hugging Face use_cache=True)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The output's ``loss`` (Hugging Face models given labels) when it has one, else the sum of its
+    first tensor."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    first = next(iter_tensors(output), None)
+    if first is None:
+        raise GradauditError("the model's output holds no tensor to take a loss from: pass loss=fn(output) -> scalar")
+    return first.sum()
+
+
+def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str, loss_fn: Optional[Callable],
+             trainable: Any, frozen: Any, target: str, on_meta: bool, autocast: Optional[torch.dtype],
+             applied: Callable[[], Any] = contextlib.nullcontext) -> StepRun:
+    """Run the step (``applied()`` in force around the forward and backward: a plan, trim) and
+    return its storages. The model is left as found."""
+    from ..planning.conditions import as_audited
+
+    args, kwargs = split_inputs(inputs)
+    device = "meta" if on_meta else _device_of(model, inputs)
+
+    def counts(where: torch.device) -> bool:
+        return where.type == device
+
+    persistent: dict[str, list[int]] = {c: [] for c in CATEGORIES}
+    seen: set[int] = set()
+
+    def keep(category: str, tensors: Sequence[torch.Tensor]) -> None:
+        for t in tensors:
+            for part in strided_parts(t):
+                key = storage_key(part)
+                if key not in seen and counts(part.device):
+                    seen.add(key)
+                    persistent[category].append(part.untyped_storage().nbytes())
+
+    notes: list[str] = []
+    with as_audited(model, inputs, trainable, frozen, target):
+        keep(PARAMETERS, list(model.parameters()))
+        keep(BUFFERS, list(model.buffers()))
+        keep(INPUTS, unique(list(iter_tensors((args, kwargs)))))
+        trains = [p for p in model.parameters() if p.requires_grad]
+        leaves = [t for t in unique(list(iter_tensors((args, kwargs)))) if t.is_leaf and t.requires_grad]
+        lifetimes = Lifetimes(seen, counts)
+        with applied():
+            forward, loss, cache = _forward(model, args, kwargs, lifetimes, loss_fn, target, autocast)
+            held = dict(lifetimes.live)
+            forward_samples = lifetimes.samples
+            with lifetimes:
+                loss.backward()
+            lifetimes.close()
+        gradients = {}
+        for p in [*trains, *leaves]:
+            if p.grad is not None:
+                gradients[id(p)] = p.grad
+        grad_keys = {storage_key(g) for g in gradients.values()}
+        loss_key = storage_key(loss)
+        for life in lifetimes.lives:
+            if life.died is None and life.key in grad_keys:
+                life.category = GRADIENTS
+            elif life.key in held and life.key != loss_key:
+                life.category = ACTIVATIONS
+            else:
+                life.category = TEMPORARIES
+        # the gradients of inputs that require grad are the step's too, but no optimizer takes them
+        layouts = [(p, gradients[id(p)]) for p in trains if id(p) in gradients]
+        carried = [life for life in lifetimes.lives if life.died is None]
+        stand_ins, state_notes, optimizer_lives, state_sizes, samples = _optimizer_step(
+            model, trains, layouts, builder, optimizer_name, target, device)
+        notes += state_notes
+        del loss, gradients, layouts
+    persistent[STATE] = state_sizes
+    lives = list(lifetimes.lives)
+    # what the backward left alive (the gradients, the loss) stays alive through the optimizer step
+    offset = lifetimes.samples
+    for life in optimizer_lives:
+        life.born += offset
+        life.died = life.died + offset if life.died is not None else None
+    # the optimizer's step leaves the gradients alive; zero_grad(set_to_none=True) frees them after it
+    end = offset + samples + 1
+    for life in carried:
+        if life.category == GRADIENTS:
+            life.died = end
+    lives += optimizer_lives
+    if not on_meta and device != "cpu":
+        notes.append(f"on {device}, the figures count storages as PyTorch's allocator is asked for them")
+    del stand_ins
+    return StepRun(persistent, lives, [(FORWARD, forward_samples), (BACKWARD, offset - forward_samples),
+                                       (OPTIMIZER, samples + 1)], notes, trained=len(trains), output_cache=cache)
+
+
+def _device_of(model: nn.Module, inputs: Any) -> str:
+    for t in [*model.parameters(), *iter_tensors(inputs)]:
+        return t.device.type
+    return "cpu"
+
+
+def _forward(model: nn.Module, args: tuple, kwargs: dict, lifetimes: Lifetimes, loss_fn: Optional[Callable],
+             target: str, autocast: Optional[torch.dtype]) -> tuple[int, torch.Tensor, bool]:
+    """The forward and the loss, with the model's output dropped after it (garbage cycles collected);
+    (samples, the loss, whether the output carried a key/value cache)."""
+    region = torch.autocast(target, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    with lifetimes, region:
+        try:
+            output = model(*args, **kwargs)
+        except GradauditError:
+            raise
+        except Exception as error:
+            raise ForwardError(f"the forward raised {type(error).__name__}: {error}") from error
+        loss = (loss_fn or default_loss)(output)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise GradauditError(f"the loss must be a tensor of one element, got "
+                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
+    if loss.grad_fn is None:
+        raise NothingRequiresGradError("the loss does not require grad: nothing trains. Unfreeze parameters "
+                                       "(trainable=[...] / --trainable GLOB)")
+    cache = _has_cache(output)
+    del output
+    gc.collect()
+    return lifetimes.samples, loss, cache
+
+
+def _has_cache(output: Any) -> bool:
+    cache = output.get("past_key_values") if isinstance(output, dict) else getattr(output, "past_key_values", None)
+    return cache is not None
+
+
+def _optimizer_step(model: nn.Module, trains: Sequence[torch.Tensor], layouts: Sequence[tuple[Any, torch.Tensor]],
+                    builder: Any, name: str, target: str, device: str
+                    ) -> tuple[dict[int, torch.Tensor], list[str], list[Life], list[int], int]:
+    """The optimizer's steady-state step on meta stand-ins: (the stand-ins, notes, the lives of the
+    storages its step made, the sizes of its state, the step's samples). A first step makes the
+    state; the second is followed."""
+    stand_in = {}
+    for p in model.parameters():
+        if id(p) not in stand_in:
+            stand_in[id(p)] = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta",
+                                                  requires_grad=p.requires_grad)
+    grads = [(stand_in[id(p)], torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device="meta"))
+             for p, g in layouts]
+    optimizer = optimizers.build(builder, optimizers.stand_in_groups(builder, trains, stand_in), name)
+    notes = optimizers.target_defaults(optimizer, target)
+
+    def counts(where: torch.device) -> bool:
+        # the stand-ins are meta tensors; an optimizer also keeps CPU scalars (Adam's step counts, unless
+        # capturable or fused), which are the step's memory when the target is the CPU
+        return where.type == "meta" or (where.type == "cpu" and target == "cpu")
+
+    for stand, grad in grads:
+        stand.grad = grad
+    with torch.no_grad():
+        optimizers.step(optimizer, name)  # the first step makes the state
+    optimizer.zero_grad(set_to_none=True)
+    for stand, grad in grads:
+        stand.grad = grad
+    state = [t for values in optimizer.state.values() for t in iter_tensors(values)]
+    keys = {storage_key(t) for t in [*stand_in.values(), *(g for _, g in grads), *state] if counts(t.device)}
+    state_sizes, counted = [], set()
+    for t in state:
+        if counts(t.device) and storage_key(t) not in counted:
+            counted.add(storage_key(t))
+            state_sizes.append(t.untyped_storage().nbytes())
+    lifetimes = Lifetimes(keys, counts)
+    with lifetimes, torch.no_grad():
+        optimizers.step(optimizer, name)
+    lifetimes.close()
+    new_state = {storage_key(t) for values in optimizer.state.values() for t in iter_tensors(values)}
+    for life in lifetimes.lives:
+        life.category = STATE if life.key in new_state else TEMPORARIES
+    optimizer.zero_grad(set_to_none=True)
+    return stand_in, notes, list(lifetimes.lives), state_sizes, lifetimes.samples
