@@ -31,11 +31,14 @@ _LAZY = {
     "Bit": ("gradaudit.knowledge", "Bit"),
     # build a model (and its batch) on meta with the values that can be known kept
     "meta_device": ("gradaudit.values", "meta_device"),
+    # will a whole training step fit, and the cheapest change that makes it
+    "fit": ("gradaudit.fitting", "fit"),
+    "Fit": ("gradaudit.fitting", "Fit"),
 }
 
 __all__ = [
     "audit", "trim", "TrimHandle", "plan", "Plan", "PlanHandle", "BudgetError", "assert_no_waste", "declare", "declare_function", "Read", "Reads", "Bit",
-    "meta_device", "Report", "Finding", "SavedTensor", "Disagreement", "SCHEMA_VERSION",
+    "meta_device", "fit", "Fit", "Report", "Finding", "SavedTensor", "Disagreement", "SCHEMA_VERSION",
     "GradauditError", "ForwardError", "NothingRequiresGradError", "UnknownCodeError", "NoMatchingParameterError",
     "__version__",
 ]

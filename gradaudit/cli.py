@@ -1,5 +1,5 @@
 """The ``gradaudit`` command line: ``scan`` a model factory, ``plan`` its checkpointing for a memory
-budget, list ``rules``, ``explain`` one rule.
+budget, ``fit`` a whole training step in a device's memory, list ``rules``, ``explain`` one rule.
 
 Only this module prints or writes files; everything it shows comes from a Report and the reporters.
 Heavy imports (torch, the reporters) happen inside the commands so ``--help`` stays instant.
@@ -640,6 +640,102 @@ def plan_command(spec: str, budget: tuple[str, ...], model: dict[str, Any], bloc
     try:
         code = run_plan(options, budget, blocks, peak=not no_peak, html_path=html_path, cost=cost,
                         selective=not no_selective, trim=trim, bitpack=not no_bitpack, bound=bound)
+    except (GradauditError, ScanFailed) as error:
+        progress.done()
+        _fail(str(error), debug)
+    except KeyboardInterrupt:
+        progress.done()
+        click.echo("gradaudit: interrupted", err=True)
+        sys.exit(130)
+    except Exception as error:
+        progress.done()
+        _fail(f"internal error: {type(error).__name__}: {error}\n"
+              f"this is a gradaudit bug; run again with --debug and report the traceback", debug)
+    sys.exit(code)
+
+
+FIT_EXIT_CODES_HELP = """\b
+Exit codes:
+  0  the step fits, or a remedy makes it fit (printed)
+  2  the step does not fit and no remedy does, or something prevented
+     the fit (as for scan)
+"""
+
+_AUTOCAST_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+
+
+def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: Optional[str],
+            autocast: Optional[str], remedy: bool) -> int:
+    import torch
+
+    from . import loading
+    from .auditing import check_patterns
+    from .fitting import fit
+    from .report import fittext
+
+    to_stderr = options.json == "-"
+    if options.json and options.json != "-":
+        _check_writable(options.json, "--json")
+    memory = loading.parse_size(memory_text)
+    loss = loading.load_object(loss_spec) if loss_spec else None
+    if loss is not None and not callable(loss):
+        raise ScanFailed(f"--loss {loss_spec} is not callable: give module:function taking the model's output")
+    model, inputs, where = _prepare_for_target(options)
+    check_patterns(model, options.trainable, "--trainable")
+    check_patterns(model, options.freeze, "--freeze")
+    result = fit(model, inputs, memory=memory, optimizer=optimizer, loss=loss,
+                 trainable=list(options.trainable) if options.trainable else None, frozen=list(options.freeze),
+                 target=options.target if where == "meta" else None,
+                 autocast=getattr(torch, _AUTOCAST_DTYPES[autocast]) if autocast else None, remedy=remedy,
+                 progress=options.progress)
+    options.progress.done()
+    if options.json:
+        import json
+
+        document = json.dumps(result.to_dict(), indent=2) + "\n"
+        if options.json == "-":
+            sys.stdout.write(document)
+        else:
+            _write(options.json, document, "--json")
+    click.echo(fittext.render(result, quiet=options.quiet), err=to_stderr)
+    if options.json and options.json != "-" and not options.quiet:
+        click.echo(f"JSON fit: {options.json}", err=to_stderr)
+    return EXIT_OK if result.fits or result.remedy is not None else EXIT_ERROR
+
+
+@cli.command("fit", epilog=FIT_EXIT_CODES_HELP, short_help="Will a training step fit in memory, and what makes it.")
+@click.argument("spec", metavar="SPEC")
+@click.option("--memory", required=True, metavar="SIZE", help="The memory the step may use, e.g. 80GiB.")
+@model_options
+@click.option("--optimizer", default="adamw", show_default=True, metavar="NAME",
+              help="A torch.optim optimizer by name (adamw, adam, sgd, ... in any case) or module:Class; it runs "
+              "with its defaults over the parameters that train.")
+@click.option("--loss", "loss_spec", metavar="MODULE:FN", help="A function from the model's output to the scalar "
+              "loss (default: the output's loss, as Hugging Face models given labels return, else the sum of "
+              "its first tensor).")
+@click.option("--autocast", type=click.Choice(sorted(_AUTOCAST_DTYPES)), help="Run the forward and the loss "
+              "under torch.autocast with this dtype (backward and the optimizer step after it closes).")
+@click.option("--no-remedy", is_flag=True, help="Do not search for a change that makes the step fit.")
+@click.option("--json", "json_path", metavar="PATH", help="Write the fit as JSON ('-' for stdout).")
+@quiet_option
+@debug_option
+def fit_command(spec: str, memory: str, model: dict[str, Any], optimizer: str, loss_spec: Optional[str],
+                autocast: Optional[str], no_remedy: bool, json_path: Optional[str], quiet: bool, debug: bool) -> None:
+    """Predict the peak memory of one training step (forward, backward, optimizer step) of the model
+    built by SPEC, by category, and whether it fits in --memory; when it does not, the cheapest
+    change (gradaudit.trim, a checkpoint plan) whose measured step fits, beside checkpointing every
+    block.
+
+    \b
+    Examples:
+      gradaudit fit examples/llama_probe.py:build --memory 24GiB --target cuda
+      gradaudit fit mymodel.py:make --input-shape 8,3,224,224 --memory 8GiB --optimizer sgd
+      gradaudit fit mymodel.py:make --device meta --target cuda --memory 80GiB --json fit.json
+    """
+    progress = Progress(enabled=sys.stderr.isatty() and not quiet)
+    options = ScanOptions(spec=spec, **model, html=None, json=json_path, quiet=quiet, progress=progress)
+    try:
+        code = run_fit(options, memory, optimizer, loss_spec, autocast, remedy=not no_remedy)
     except (GradauditError, ScanFailed) as error:
         progress.done()
         _fail(str(error), debug)

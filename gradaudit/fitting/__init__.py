@@ -92,4 +92,18 @@ def fit(
     result = Fit(model=type(model).__name__, device="meta" if on_meta else target, target=target, optimizer=name,
                  memory=memory_bytes, peak_bytes=step.peak_bytes, breakdown=step.breakdown,
                  peak_phase=step.peak_phase, timeline=step.timeline, trained_parameters=run.trained, notes=notes)
+    if remedy and not result.fits:
+        from .remedy import search
+
+        def measure(applied: Callable[[], Any]) -> Any:
+            return figures(run_step(model, inputs, builder=builder, optimizer_name=name, loss_fn=loss,
+                                    trainable=trainable, frozen=frozen, target=target, on_meta=on_meta,
+                                    autocast=autocast, applied=applied), target)
+
+        result.remedy, result.alternatives, more = search(model, inputs, memory_bytes, measure, trainable=trainable,
+                                                          frozen=frozen, target=target, say=say)
+        result.remedy_searched = True
+        result.notes += more
+        if result.remedy is not None:
+            result.notes += [n for n in result.remedy.plan.notes if n not in result.notes]
     return result

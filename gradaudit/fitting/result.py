@@ -81,6 +81,7 @@ class Fit:
     notes: list[str] = field(default_factory=list)
     remedy: Optional["Remedy"] = None  # the cheapest change whose step fits (None: fits as it is, or nothing does)
     remedy_searched: bool = False  # whether a remedy was looked for (only when it does not fit)
+    alternatives: list[Any] = field(default_factory=list)  # what users otherwise try, measured beside the remedy
     _largest: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -122,6 +123,7 @@ class Fit:
             "trained_parameters": self.trained_parameters,
             "remedy": self.remedy.to_dict() if self.remedy is not None else None,
             "remedy_searched": self.remedy_searched,
+            "alternatives": [a.to_dict() for a in self.alternatives],
             "timeline": list(self.timeline),
             "notes": list(self.notes),
         }

@@ -96,7 +96,8 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
         lifetimes = Lifetimes(seen, counts)
         with applied():
             forward, loss, cache = _forward(model, args, kwargs, lifetimes, loss_fn, target, autocast)
-            held = dict(lifetimes.live)
+            # by identity: a storage made later may take the address (the key) of one freed since
+            held = {id(life) for life in lifetimes.live.values()}
             forward_samples = lifetimes.samples
             with lifetimes:
                 loss.backward()
@@ -110,7 +111,7 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
         for life in lifetimes.lives:
             if life.died is None and life.key in grad_keys:
                 life.category = GRADIENTS
-            elif life.key in held and life.key != loss_key:
+            elif id(life) in held and not (life.died is None and life.key == loss_key):
                 life.category = ACTIVATIONS
             else:
                 life.category = TEMPORARIES
@@ -173,8 +174,9 @@ def _forward(model: nn.Module, args: tuple, kwargs: dict, lifetimes: Lifetimes, 
 
 
 def _has_cache(output: Any) -> bool:
-    cache = output.get("past_key_values") if isinstance(output, dict) else getattr(output, "past_key_values", None)
-    return cache is not None
+    """Whether a Hugging Face output carries a key/value cache (read as a dict: the attribute warns)."""
+    return isinstance(output, dict) and any(dict.get(output, key) is not None
+                                            for key in ("past_key_values", "cache", "cache_params"))
 
 
 def _optimizer_step(model: nn.Module, trains: Sequence[torch.Tensor], layouts: Sequence[tuple[Any, torch.Tensor]],

@@ -1,0 +1,250 @@
+"""``gradaudit.fit``: the peak of a whole training step, predicted exactly.
+
+On the CPU the prediction equals a real step measured by an independent tracker (tests/step_tracker.py)
+to the byte; on meta it equals the CPU prediction. Models nobody here wrote, built as users train them.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import gradaudit
+from gradaudit import GradauditError
+from gradaudit.fitting import CATEGORIES
+from step_tracker import measured_step_peak
+
+OPTIMIZERS = {
+    "sgd-momentum": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "adamw-foreach": functools.partial(torch.optim.AdamW, foreach=True),
+}
+
+
+def hf_loss(output):
+    return output.loss
+
+
+def padded_batch(vocab: int, batch: int = 2, sequence: int = 16) -> dict:
+    """Token ids, a padded attention mask (the second sequence ends in 6 padding tokens) and labels
+    with the padding ignored, as a collator makes them."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, sequence), generator=generator)
+    mask = torch.ones(batch, sequence, dtype=torch.long)
+    mask[1, sequence - 6:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, vocab_size=100, use_cache=False)
+    return transformers.LlamaForCausalLM(config).train()
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_a_stock_llama_step_is_predicted_to_the_byte_on_cpu_and_on_meta(llama, optimizer):
+    batch = padded_batch(100)
+    make = OPTIMIZERS[optimizer]
+    fitted = gradaudit.fit(llama, batch, memory="1GiB", optimizer=make)
+    assert fitted.peak_bytes == measured_step_peak(llama, batch, make, hf_loss)
+    on_meta = gradaudit.fit(copy.deepcopy(llama).to("meta"), batch, memory="1GiB", optimizer=make)
+    assert on_meta.peak_bytes == fitted.peak_bytes and on_meta.breakdown == fitted.breakdown
+    assert sum(fitted.breakdown.values()) == fitted.peak_bytes and set(fitted.breakdown) == set(CATEGORIES)
+
+
+def test_the_breakdown_counts_what_each_category_holds(llama):
+    batch = padded_batch(100)
+    fitted = gradaudit.fit(llama, batch, memory="1GiB", optimizer=torch.optim.AdamW)
+    parameter_bytes = sum(p.numel() * 4 for p in llama.parameters())  # float32, no tied weights here
+    assert fitted.breakdown["parameters"] == parameter_bytes
+    # AdamW keeps exp_avg and exp_avg_sq per parameter (float32 like it) and a 4-byte CPU step count
+    tensors = len(list(llama.parameters()))
+    assert fitted.breakdown["optimizer_state"] == 2 * parameter_bytes + 4 * tensors
+    # ids, mask (int64) and labels: 3 * 2 * 16 * 8 = 768
+    assert fitted.breakdown["inputs"] == 768
+    assert fitted.trained_parameters == tensors
+
+
+def test_frozen_parameters_get_neither_gradients_nor_optimizer_state(llama):
+    batch = padded_batch(100)
+    trainable = ["model.layers.1.*"]
+    fitted = gradaudit.fit(llama, batch, memory="1GiB", trainable=trainable, optimizer=torch.optim.AdamW)
+    layer = [p for n, p in llama.named_parameters() if n.startswith("model.layers.1.")]
+    layer_bytes = sum(p.numel() * 4 for p in layer)
+    assert fitted.breakdown["optimizer_state"] == 2 * layer_bytes + 4 * len(layer)
+    assert fitted.trained_parameters == len(layer)
+    assert all(p.requires_grad for p in llama.parameters())  # the what-if is undone
+    frozen = copy.deepcopy(llama)
+    for name, p in frozen.named_parameters():
+        p.requires_grad_(name.startswith("model.layers.1."))
+    assert fitted.peak_bytes == measured_step_peak(frozen, batch, torch.optim.AdamW, hf_loss)
+
+
+def test_an_optimizer_instance_holding_frozen_parameters_keeps_state_only_for_what_trains(llama):
+    """DeepSpeed#5304's case: the optimizer was built over every parameter, most of them frozen."""
+    model = copy.deepcopy(llama)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("lm_head."))
+    instance = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    fitted = gradaudit.fit(model, padded_batch(100), memory="1GiB", optimizer=instance)
+    head = model.lm_head.weight.numel() * 4  # 100 * 32 * 4 = 12800
+    assert fitted.breakdown["optimizer_state"] == 2 * head + 4
+    assert instance.state == {}  # the user's optimizer is not stepped
+
+
+def test_the_model_is_left_exactly_as_found(llama):
+    before = {n: p.detach().clone() for n, p in llama.named_parameters()}
+    gradaudit.fit(llama, padded_batch(100), memory="1GiB")
+    assert all(torch.equal(before[n], p) for n, p in llama.named_parameters())
+    assert all(p.grad is None for p in llama.parameters())
+
+
+def test_gpt2_with_its_default_use_cache_is_fitted_as_it_would_train(tiny_hf_model):
+    model = tiny_hf_model("gpt2").train()  # use_cache=True, as most training scripts leave it
+    batch = padded_batch(100)
+    fitted = gradaudit.fit(model, batch, memory="1GiB", optimizer=torch.optim.AdamW)
+    assert fitted.peak_bytes == measured_step_peak(model, batch, torch.optim.AdamW, hf_loss)
+    assert any("use_cache=True" in note for note in fitted.notes)
+
+
+def test_autocast_around_the_forward_is_predicted_to_the_byte(llama):
+    batch = padded_batch(100)
+    fitted = gradaudit.fit(llama, batch, memory="1GiB", optimizer=torch.optim.SGD, autocast=torch.bfloat16)
+    assert fitted.peak_bytes == measured_step_peak(llama, batch, torch.optim.SGD, hf_loss, autocast=torch.bfloat16)
+    on_meta = gradaudit.fit(copy.deepcopy(llama).to("meta"), batch, memory="1GiB", optimizer=torch.optim.SGD,
+                            autocast=torch.bfloat16)
+    assert on_meta.peak_bytes == fitted.peak_bytes
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(GradauditError, match="autocast=dtype"):
+        gradaudit.fit(llama, batch, memory="1GiB")
+
+
+def test_bf16_parameters_and_a_lora_model_are_predicted_to_the_byte(llama):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(copy.deepcopy(llama), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    batch = padded_batch(100)
+    fitted = gradaudit.fit(model, batch, memory="1GiB", optimizer=torch.optim.AdamW)
+    assert fitted.peak_bytes == measured_step_peak(model, batch, torch.optim.AdamW, hf_loss)
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert fitted.breakdown["optimizer_state"] == sum(2 * p.numel() * 4 + 4 for p in lora)
+    half = copy.deepcopy(llama).to(torch.bfloat16)
+    fitted = gradaudit.fit(half, batch, memory="1GiB", optimizer=torch.optim.AdamW)
+    assert fitted.peak_bytes == measured_step_peak(half, batch, torch.optim.AdamW, hf_loss)
+
+
+def test_a_torchvision_cnn_with_batch_norm_is_predicted_to_the_byte(vision_model):
+    model = vision_model("resnet18").train()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(("layer4.", "fc.")))
+    images = torch.randn(2, 3, 64, 64)
+
+    def loss(output):
+        return output.logsumexp(1).mean()
+
+    make = OPTIMIZERS["sgd-momentum"]
+    fitted = gradaudit.fit(model, images, memory="1GiB", optimizer=make, loss=loss)
+    assert fitted.peak_bytes == measured_step_peak(model, images, make, loss)
+    assert gradaudit.fit(copy.deepcopy(model).to("meta"), images.to("meta"), memory="1GiB", optimizer=make,
+                         loss=loss).peak_bytes == fitted.peak_bytes
+
+
+def test_on_meta_for_cuda_every_storage_is_counted_as_the_caching_allocator_rounds_it():
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 1)).to("meta")
+    x = torch.empty(7, 3, device="meta")
+    on_cuda = gradaudit.fit(model, x, memory="1GiB", target="cuda", optimizer="sgd")
+    on_cpu = gradaudit.fit(model, x, memory="1GiB", target="cpu", optimizer="sgd")
+    # four parameter tensors, 15, 5, 5 and 1 floats: each under 512 bytes, each one 512-byte block
+    assert on_cuda.breakdown["parameters"] == 4 * 512
+    assert on_cpu.breakdown["parameters"] == (15 + 5 + 5 + 1) * 4
+    assert all(v % 512 == 0 for v in on_cuda.breakdown.values())
+    assert on_cuda.peak_bytes > on_cpu.peak_bytes
+    assert "max_memory_allocated" in on_cuda.allocator
+
+
+def test_a_step_that_does_not_fit_gets_the_cheapest_remedy_and_it_is_true(tiny_hf_model):
+    model = tiny_hf_model("llama", num_hidden_layers=6, use_cache=False).train()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (4, 64), generator=generator)
+    batch = {"input_ids": ids, "labels": ids}
+    unremedied = gradaudit.fit(model, batch, memory="1GiB", optimizer=torch.optim.SGD)
+    memory = unremedied.peak_bytes * 85 // 100
+    fitted = gradaudit.fit(model, batch, memory=memory, optimizer=torch.optim.SGD)
+    assert not fitted.fits and fitted.remedy is not None
+    remedy = fitted.remedy
+    assert remedy.peak_bytes <= memory
+    every = fitted.alternatives[0]
+    assert every.name == "checkpoint every block" and remedy.extra_compute <= every.extra_compute
+    # gradients with the remedy installed are those without it, bit for bit; its peak is measured
+    reference = _gradients(model, batch)
+    with remedy.apply(model):
+        assert measured_step_peak(model, batch, torch.optim.SGD, hf_loss) == remedy.peak_bytes
+        remedied = _gradients(model, batch)
+    assert all(torch.equal(reference[n], remedied[n]) for n in reference)
+    assert fitted.to_dict()["remedy"]["peak_bytes"] == remedy.peak_bytes
+
+
+def _gradients(model, batch):
+    model.zero_grad(set_to_none=True)
+    model(**batch).loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_a_step_that_fits_has_no_remedy_and_none_is_searched(llama):
+    fitted = gradaudit.fit(llama, padded_batch(100), memory="1GiB")
+    assert fitted.fits and fitted.remedy is None and not fitted.remedy_searched
+
+
+@pytest.mark.parametrize("optimizer, message", [
+    ("adamx", "unknown optimizer 'adamx'"),
+    (42, "optimizer must be"),
+    ("torch.optim:LBFGS", "closure"),
+])
+def test_an_optimizer_that_cannot_be_fitted_is_refused_in_one_line(llama, optimizer, message):
+    with pytest.raises(GradauditError, match=message):
+        gradaudit.fit(llama, padded_batch(100), memory="1GiB", optimizer=optimizer)
+
+
+def test_optimizer_names_are_torch_optim_classes_in_any_case(llama):
+    by_name = gradaudit.fit(llama, padded_batch(100), memory="1GiB", optimizer="AdamW")
+    by_class = gradaudit.fit(llama, padded_batch(100), memory="1GiB", optimizer=torch.optim.AdamW)
+    assert by_name.peak_bytes == by_class.peak_bytes and by_name.optimizer == "AdamW"
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused(llama):
+    with pytest.raises(GradauditError, match="one element"):
+        gradaudit.fit(llama, padded_batch(100), memory="1GiB", loss=lambda output: output.logits)
+
+
+def test_the_cli_prints_the_fit_writes_json_and_exits_by_whether_it_fits(tmp_path):
+    from click.testing import CliRunner
+
+    from gradaudit.cli import cli
+
+    factory = tmp_path / "mlp.py"
+    factory.write_text("import torch\n"
+                       "def build():\n"
+                       "    torch.manual_seed(0)\n"
+                       "    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))\n"
+                       "    return model, torch.randn(16, 64)\n")
+    out = tmp_path / "fit.json"
+    result = CliRunner().invoke(cli, ["fit", f"{factory}:build", "--memory", "10MiB", "--optimizer", "adam",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    document = json.loads(out.read_text())
+    assert document["kind"] == "fit" and document["fits"] and document["optimizer"] == "adam"
+    assert "peak" in result.output and "optimizer state" in result.output
+    # 64*128 + 128 + 128*8 + 8 = 9352 floats of parameters alone, 37408 bytes: 10 KB cannot hold them
+    small = CliRunner().invoke(cli, ["fit", f"{factory}:build", "--memory", "10KB", "--optimizer", "sgd"])
+    assert small.exit_code == 2 and "does not fit" in small.output
+    bad = CliRunner().invoke(cli, ["fit", f"{factory}:build", "--memory", "1GiB", "--optimizer", "nope"])
+    assert bad.exit_code == 2 and "unknown optimizer 'nope'" in bad.output and "Traceback" not in bad.output
