@@ -665,7 +665,7 @@ _AUTOCAST_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16
 
 
 def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: Optional[str],
-            autocast: Optional[str], remedy: bool) -> int:
+            autocast: Optional[str], remedy: bool, largest: Optional[str] = None) -> int:
     import torch
 
     from . import loading
@@ -688,16 +688,24 @@ def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: O
                  target=options.target if where == "meta" else None,
                  autocast=getattr(torch, _AUTOCAST_DTYPES[autocast]) if autocast else None, remedy=remedy,
                  progress=options.progress)
+    found = None
+    if largest:
+        options.progress(f"searching the largest {largest} that fits")
+        found = result.largest(largest)
     options.progress.done()
     if options.json:
         import json
 
-        document = json.dumps(result.to_dict(), indent=2) + "\n"
+        document = json.dumps({**result.to_dict(), **({"largest": {largest: found}} if largest else {})},
+                              indent=2) + "\n"
         if options.json == "-":
             sys.stdout.write(document)
         else:
             _write(options.json, document, "--json")
     click.echo(fittext.render(result, quiet=options.quiet), err=to_stderr)
+    if largest:
+        click.echo(f"largest {largest} that fits as it is: {found} (measured: {found} fits, {found + 1} does not)",
+                   err=to_stderr)
     if options.json and options.json != "-" and not options.quiet:
         click.echo(f"JSON fit: {options.json}", err=to_stderr)
     return EXIT_OK if result.fits or result.remedy is not None else EXIT_ERROR
@@ -716,11 +724,14 @@ def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: O
 @click.option("--autocast", type=click.Choice(sorted(_AUTOCAST_DTYPES)), help="Run the forward and the loss "
               "under torch.autocast with this dtype (backward and the optimizer step after it closes).")
 @click.option("--no-remedy", is_flag=True, help="Do not search for a change that makes the step fit.")
+@click.option("--largest", type=click.Choice(["batch", "seq"]), help="Also find the largest batch (dimension 0 of "
+              "the inputs) or sequence length (dimension 1) whose step fits as it is, by measured steps.")
 @click.option("--json", "json_path", metavar="PATH", help="Write the fit as JSON ('-' for stdout).")
 @quiet_option
 @debug_option
 def fit_command(spec: str, memory: str, model: dict[str, Any], optimizer: str, loss_spec: Optional[str],
-                autocast: Optional[str], no_remedy: bool, json_path: Optional[str], quiet: bool, debug: bool) -> None:
+                autocast: Optional[str], no_remedy: bool, largest: Optional[str], json_path: Optional[str],
+                quiet: bool, debug: bool) -> None:
     """Predict the peak memory of one training step (forward, backward, optimizer step) of the model
     built by SPEC, by category, and whether it fits in --memory; when it does not, the cheapest
     change (gradaudit.trim, a checkpoint plan) whose measured step fits, beside checkpointing every
@@ -731,11 +742,12 @@ def fit_command(spec: str, memory: str, model: dict[str, Any], optimizer: str, l
       gradaudit fit examples/llama_probe.py:build --memory 24GiB --target cuda
       gradaudit fit mymodel.py:make --input-shape 8,3,224,224 --memory 8GiB --optimizer sgd
       gradaudit fit mymodel.py:make --device meta --target cuda --memory 80GiB --json fit.json
+      gradaudit fit examples/llama_probe.py:build --memory 80GiB --target cuda --largest batch
     """
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
     options = ScanOptions(spec=spec, **model, html=None, json=json_path, quiet=quiet, progress=progress)
     try:
-        code = run_fit(options, memory, optimizer, loss_spec, autocast, remedy=not no_remedy)
+        code = run_fit(options, memory, optimizer, loss_spec, autocast, remedy=not no_remedy, largest=largest)
     except (GradauditError, ScanFailed) as error:
         progress.done()
         _fail(str(error), debug)

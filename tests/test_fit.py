@@ -248,3 +248,23 @@ def test_the_cli_prints_the_fit_writes_json_and_exits_by_whether_it_fits(tmp_pat
     assert small.exit_code == 2 and "does not fit" in small.output
     bad = CliRunner().invoke(cli, ["fit", f"{factory}:build", "--memory", "1GiB", "--optimizer", "nope"])
     assert bad.exit_code == 2 and "unknown optimizer 'nope'" in bad.output and "Traceback" not in bad.output
+
+
+def test_the_largest_batch_and_sequence_that_fit_are_measured_answers(transformers):
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, vocab_size=100, use_cache=False)
+    torch.manual_seed(0)
+    with gradaudit.meta_device():
+        model = transformers.LlamaForCausalLM(config).train()
+    from gradaudit.fitting.largest import scaled
+
+    batch = padded_batch(100)  # 2 sequences of 16
+    fitted = gradaudit.fit(model, batch, memory="3MiB", remedy=False)
+    for dimension, axis, size in (("batch", 0, 2), ("seq", 1, 16)):
+        n = fitted.largest(dimension)
+        assert n > size
+        # checked by fits of their own: n fits, n + 1 does not
+        assert gradaudit.fit(model, scaled(batch, axis, size, n), memory="3MiB", remedy=False).fits
+        assert not gradaudit.fit(model, scaled(batch, axis, size, n + 1), memory="3MiB", remedy=False).fits
+    with pytest.raises(GradauditError, match="'batch' or 'seq'"):
+        fitted.largest("width")

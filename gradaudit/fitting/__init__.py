@@ -92,6 +92,7 @@ def fit(
     result = Fit(model=type(model).__name__, device="meta" if on_meta else target, target=target, optimizer=name,
                  memory=memory_bytes, peak_bytes=step.peak_bytes, breakdown=step.breakdown,
                  peak_phase=step.peak_phase, timeline=step.timeline, trained_parameters=run.trained, notes=notes)
+    _searchable(result, model, builder, name, loss, trainable, frozen, target, on_meta, autocast, inputs)
     if remedy and not result.fits:
         from .remedy import search
 
@@ -107,3 +108,23 @@ def fit(
         if result.remedy is not None:
             result.notes += [n for n in result.remedy.plan.notes if n not in result.notes]
     return result
+
+
+def _searchable(result: Fit, model: nn.Module, builder: Any, name: str, loss: Any, trainable: Any, frozen: Any,
+                target: str, on_meta: bool, autocast: Any, inputs: Any) -> None:
+    """Let ``result.largest`` run the same step on scaled inputs (the model held weakly)."""
+    import weakref
+
+    from .largest import remember
+
+    model_ref = weakref.ref(model)
+
+    def peak_of(scaled_inputs: Any) -> int:
+        live = model_ref()
+        if live is None:
+            raise GradauditError("the model this fit was made for is gone: fit again to search sizes")
+        run = run_step(live, scaled_inputs, builder=builder, optimizer_name=name, loss_fn=loss, trainable=trainable,
+                       frozen=frozen, target=target, on_meta=on_meta, autocast=autocast)
+        return figures(run, target).peak_bytes
+
+    remember(result, peak_of, inputs)
