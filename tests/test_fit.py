@@ -191,6 +191,24 @@ def test_a_step_that_does_not_fit_gets_the_cheapest_remedy_and_it_is_true(tiny_h
     assert fitted.to_dict()["remedy"]["peak_bytes"] == remedy.peak_bytes
 
 
+def test_a_remedy_with_trim_is_true_and_keeps_gradients_bit_identical(tiny_hf_model):
+    """GPT-2 in train mode: dropout masks that trim bit-packs, and blocks to checkpoint."""
+    model = tiny_hf_model("gpt2", n_layer=4, n_positions=128, use_cache=False).train()
+    ids = torch.randint(0, 100, (4, 128), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    unremedied = gradaudit.fit(model, batch, memory="1GiB", optimizer="sgd")
+    fitted = gradaudit.fit(model, batch, memory=unremedied.peak_bytes * 95 // 100, optimizer="sgd")
+    remedy = fitted.remedy
+    assert remedy is not None and remedy.trim and remedy.peak_bytes <= fitted.memory
+    torch.manual_seed(1)
+    reference = _gradients(model, batch)
+    with remedy.apply(model):
+        assert measured_step_peak(model, batch, torch.optim.SGD, hf_loss) == remedy.peak_bytes
+        torch.manual_seed(1)  # the same dropout masks: checkpoint replays the RNG state in its recompute
+        remedied = _gradients(model, batch)
+    assert all(torch.equal(reference[n], remedied[n]) for n in reference)
+
+
 def _gradients(model, batch):
     model.zero_grad(set_to_none=True)
     model(**batch).loss.backward()

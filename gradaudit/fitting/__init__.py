@@ -105,6 +105,7 @@ def fit(
                                                           frozen=frozen, target=target, say=say)
         result.remedy_searched = True
         result.notes += more
+        result.alternatives += _smaller_batch(result, say)
         if result.remedy is not None:
             result.notes += [n for n in result.remedy.plan.notes if n not in result.notes]
     return result
@@ -128,3 +129,19 @@ def _searchable(result: Fit, model: nn.Module, builder: Any, name: str, loss: An
         return figures(run, target).peak_bytes
 
     remember(result, peak_of, inputs)
+
+
+def _smaller_batch(result: Fit, say: Callable[[str], None]) -> list[Any]:
+    """The largest batch that fits as it is, beside the remedy (none where the inputs have no batch
+    to shrink or even one sample does not fit)."""
+    from .largest import search
+    from .remedy import Alternative
+
+    say("searching the largest batch that fits as it is")
+    try:
+        n, peak, size = search(result, "batch")
+    except GradauditError:
+        return []
+    if n == 0 or n >= size:
+        return []
+    return [Alternative(f"a batch of {n} instead of {size}", peak, None, True)]

@@ -6,7 +6,7 @@ On meta nothing is computed, so each measurement costs a forward and backward of
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -45,6 +45,11 @@ def size_of(inputs: Any, dimension: int) -> int:
 def largest(fit: Any, dimension: str) -> int:
     """The largest size along ``dimension`` ("batch" or "seq") whose step peaks within ``fit.memory``
     (0 when even 1 does not); every answer is measured: n fits and n+1 does not."""
+    return search(fit, dimension)[0]
+
+
+def search(fit: Any, dimension: str) -> tuple[int, Optional[int], int]:
+    """(the largest size that fits, its step's peak (None for 0), the inputs' own size)."""
     if dimension not in DIMENSIONS:
         raise GradauditError(f"largest() scales 'batch' or 'seq', not {dimension!r}")
     if fit._largest is None:
@@ -83,7 +88,7 @@ def largest(fit: Any, dimension: str) -> int:
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
+    return low, measured.get(low), size
 
 
 def remember(fit: Any, run_peak: Callable[[Any], int], inputs: Any) -> None:
