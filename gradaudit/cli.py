@@ -665,7 +665,8 @@ _AUTOCAST_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16
 
 
 def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: Optional[str],
-            autocast: Optional[str], remedy: bool, largest: Optional[str] = None) -> int:
+            autocast: Optional[str], remedy: bool, largest: Optional[str] = None,
+            html_path: Optional[str] = None) -> int:
     import torch
 
     from . import loading
@@ -676,6 +677,8 @@ def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: O
     to_stderr = options.json == "-"
     if options.json and options.json != "-":
         _check_writable(options.json, "--json")
+    if html_path:
+        _check_writable(html_path, "--html")
     memory = loading.parse_size(memory_text)
     loss = loading.load_object(loss_spec) if loss_spec else None
     if loss is not None and not callable(loss):
@@ -702,7 +705,13 @@ def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: O
             sys.stdout.write(document)
         else:
             _write(options.json, document, "--json")
+    if html_path:
+        from .report import fithtml
+
+        _write(html_path, fithtml.render(result, title=f"gradaudit fit: {options.spec}"), "--html")
     click.echo(fittext.render(result, quiet=options.quiet), err=to_stderr)
+    if html_path and not options.quiet:
+        click.echo(f"HTML fit: {html_path}", err=to_stderr)
     if largest:
         click.echo(f"largest {largest} that fits as it is: {found} (measured: {found} fits, {found + 1} does not)",
                    err=to_stderr)
@@ -727,11 +736,13 @@ def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: O
 @click.option("--largest", type=click.Choice(["batch", "seq"]), help="Also find the largest batch (dimension 0 of "
               "the inputs) or sequence length (dimension 1) whose step fits as it is, by measured steps.")
 @click.option("--json", "json_path", metavar="PATH", help="Write the fit as JSON ('-' for stdout).")
+@click.option("--html", "html_path", metavar="PATH", help="Write the fit as a self-contained HTML page (the "
+              "step's memory over time by category, with the memory as a line, before and after the remedy).")
 @quiet_option
 @debug_option
 def fit_command(spec: str, memory: str, model: dict[str, Any], optimizer: str, loss_spec: Optional[str],
                 autocast: Optional[str], no_remedy: bool, largest: Optional[str], json_path: Optional[str],
-                quiet: bool, debug: bool) -> None:
+                html_path: Optional[str], quiet: bool, debug: bool) -> None:
     """Predict the peak memory of one training step (forward, backward, optimizer step) of the model
     built by SPEC, by category, and whether it fits in --memory; when it does not, the cheapest
     change (gradaudit.trim, a checkpoint plan) whose measured step fits, beside checkpointing every
@@ -747,7 +758,8 @@ def fit_command(spec: str, memory: str, model: dict[str, Any], optimizer: str, l
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
     options = ScanOptions(spec=spec, **model, html=None, json=json_path, quiet=quiet, progress=progress)
     try:
-        code = run_fit(options, memory, optimizer, loss_spec, autocast, remedy=not no_remedy, largest=largest)
+        code = run_fit(options, memory, optimizer, loss_spec, autocast, remedy=not no_remedy, largest=largest,
+                       html_path=html_path)
     except (GradauditError, ScanFailed) as error:
         progress.done()
         _fail(str(error), debug)

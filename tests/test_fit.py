@@ -209,6 +209,25 @@ def test_a_remedy_with_trim_is_true_and_keeps_gradients_bit_identical(tiny_hf_mo
     assert all(torch.equal(reference[n], remedied[n]) for n in reference)
 
 
+def test_the_html_page_draws_the_step_before_and_after_the_remedy(tiny_hf_model):
+    from gradaudit.report import fithtml
+
+    model = tiny_hf_model("llama", num_hidden_layers=4, use_cache=False).train()
+    ids = torch.randint(0, 100, (4, 64), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    peak = gradaudit.fit(model, batch, memory="1GiB", optimizer="sgd", remedy=False).peak_bytes
+    fitted = gradaudit.fit(model, batch, memory=peak * 9 // 10, optimizer="sgd")
+    assert fitted.remedy is not None
+    page = fithtml.render(fitted, title="fit <of> a & b")
+    assert page.count("<svg") == 2 and 'class="memory"' in page  # before and after, the memory as a line
+    assert "fit &lt;of&gt; a &amp; b" in page  # user text is escaped
+    assert "Content-Security-Policy" in page and "<script" not in page and "http" not in page.split("</head>")[1]
+    assert "activations" in page and "with the remedy" in page
+    # every point of the timeline carries each category, and the worst point is the peak
+    assert max(sum(p[c] for c in CATEGORIES) for p in fitted.timeline) == fitted.peak_bytes
+    assert max(sum(p[c] for c in CATEGORIES) for p in fitted.remedy.timeline) == fitted.remedy.peak_bytes
+
+
 def _gradients(model, batch):
     model.zero_grad(set_to_none=True)
     model(**batch).loss.backward()
