@@ -11,8 +11,10 @@ found by reading the graph's saved attributes plainly (no saved-tensor hooks are
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import gc
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -189,3 +191,44 @@ def forward_backward(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple
     return held, peak
 
 
+
+
+def measured_step_peak(model: torch.nn.Module, inputs: Any, make_optimizer: Callable[[Any], torch.optim.Optimizer],
+                       loss_fn: Callable[[Any], torch.Tensor], autocast: Optional[torch.dtype] = None) -> int:
+    """The peak bytes alive through one steady-state training step of ``model`` on ``inputs`` on the CPU,
+    measured as a training loop runs it: a warm-up step (the optimizer's state exists afterwards),
+    then forward, loss, backward and the optimizer step under a PeakTracker, plus what is alive
+    throughout (parameters, buffers, the batch, the optimizer's state), counted by storage. It
+    shares nothing with gradaudit.fit's own following of the step (fitting/). The model trains for
+    real; its weights (and buffers) are put back afterwards."""
+    args, kwargs = split_inputs(inputs)
+    weights = copy.deepcopy(model.state_dict())
+    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+
+    def forward() -> torch.Tensor:
+        region = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+        with region:
+            output = model(*args, **kwargs)
+            loss = loss_fn(output)
+        del output
+        gc.collect()
+        return loss
+
+    loss = forward()  # warm-up: the optimizer's state exists afterwards
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    del loss
+    always = {}
+    state = [t for values in optimizer.state.values() for t in iter_tensors(values)]
+    for t in [*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs)), *state]:
+        always[storage_key(t)] = t.untyped_storage().nbytes()
+    tracker = PeakTracker(set(always))
+    with tracker:
+        loss = forward()
+        loss.backward()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    del loss
+    model.load_state_dict(weights)
+    return sum(always.values()) + tracker.peak

@@ -17,7 +17,7 @@ from torch import nn
 import gradaudit
 from gradaudit import GradauditError
 from gradaudit.fitting import CATEGORIES
-from step_tracker import measured_step_peak
+from gradaudit.measure import measured_step_peak
 
 OPTIMIZERS = {
     "sgd-momentum": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
