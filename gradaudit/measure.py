@@ -203,7 +203,11 @@ def measured_step_peak(model: torch.nn.Module, inputs: Any, make_optimizer: Call
     real; its weights (and buffers) are put back afterwards."""
     args, kwargs = split_inputs(inputs)
     weights = copy.deepcopy(model.state_dict())
-    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    # the parameters that train; where none does, the inputs that require grad (an adversarial loop)
+    inputs_optimized = [t for t in iter_tensors((args, kwargs)) if t.is_leaf and t.requires_grad]
+    optimized = [p for p in model.parameters() if p.requires_grad] or inputs_optimized
+    originals = [t.detach().clone() for t in inputs_optimized]
+    optimizer = make_optimizer(optimized)
 
     def forward() -> torch.Tensor:
         region = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
@@ -231,4 +235,8 @@ def measured_step_peak(model: torch.nn.Module, inputs: Any, make_optimizer: Call
     optimizer.zero_grad(set_to_none=True)
     del loss
     model.load_state_dict(weights)
+    with torch.no_grad():
+        for t, original in zip(inputs_optimized, originals):
+            t.copy_(original)
+            t.grad = None
     return sum(always.values()) + tracker.peak

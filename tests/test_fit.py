@@ -156,6 +156,28 @@ def test_a_torchvision_cnn_with_batch_norm_is_predicted_to_the_byte(vision_model
                          loss=loss).peak_bytes == fitted.peak_bytes
 
 
+@pytest.mark.parametrize("scenario", ["all-trainable", "input-only", "input-only-bn-eval", "norm-only", "surgical"])
+def test_every_freezing_scenario_is_predicted_to_the_byte(vision_model, scenario):
+    """The memsave study's settings (gradaudit.scenarios): with nothing trainable but the input, the
+    optimizer steps the input, as adversarial and style-transfer loops do."""
+    from gradaudit.scenarios import apply_scenario
+
+    model = vision_model("resnet18")
+    images = torch.randn(2, 3, 32, 32)
+    apply_scenario(model, scenario, images)
+
+    def loss(output):
+        return output.logsumexp(1).mean()
+
+    make = OPTIMIZERS["adam"]
+    fitted = gradaudit.fit(model, images, memory="1GiB", optimizer=make, loss=loss)
+    assert fitted.peak_bytes == measured_step_peak(model, images, make, loss)
+    if scenario.startswith("input-only"):
+        # Adam's two moments of the 2x3x32x32 float input and its step count: 2 * 24576 + 4
+        assert fitted.breakdown["optimizer_state"] == 2 * 2 * 3 * 32 * 32 * 4 + 4
+        assert any("input tensor" in note for note in fitted.notes)
+
+
 def test_on_meta_for_cuda_every_storage_is_counted_as_the_caching_allocator_rounds_it():
     model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 1)).to("meta")
     x = torch.empty(7, 3, device="meta")

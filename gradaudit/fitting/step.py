@@ -91,8 +91,13 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
         keep(PARAMETERS, list(model.parameters()))
         keep(BUFFERS, list(model.buffers()))
         keep(INPUTS, unique(list(iter_tensors((args, kwargs)))))
-        trains = [p for p in model.parameters() if p.requires_grad]
         leaves = [t for t in unique(list(iter_tensors((args, kwargs)))) if t.is_leaf and t.requires_grad]
+        # what the optimizer steps: the parameters that train; where none does and inputs require grad
+        # (adversarial examples, style transfer), those inputs
+        trains = [p for p in model.parameters() if p.requires_grad] or leaves
+        if trains and trains is leaves:
+            notes.append(f"no parameter trains: the optimizer steps the {len(leaves)} input tensor(s) that require "
+                         f"grad, as adversarial and style-transfer loops do")
         lifetimes = Lifetimes(seen, counts)
         with applied():
             forward, loss, cache = _forward(model, args, kwargs, lifetimes, loss_fn, target, autocast)
@@ -103,7 +108,7 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
                 loss.backward()
             lifetimes.close()
         gradients = {}
-        for p in [*trains, *leaves]:
+        for p in unique([*trains, *leaves]):
             if p.grad is not None:
                 gradients[id(p)] = p.grad
         grad_keys = {storage_key(g) for g in gradients.values()}
@@ -186,7 +191,7 @@ def _optimizer_step(model: nn.Module, trains: Sequence[torch.Tensor], layouts: S
     storages its step made, the sizes of its state, the step's samples). A first step makes the
     state; the second is followed."""
     stand_in = {}
-    for p in model.parameters():
+    for p in [*model.parameters(), *trains]:
         if id(p) not in stand_in:
             stand_in[id(p)] = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta",
                                                   requires_grad=p.requires_grad)
