@@ -92,6 +92,15 @@ def models(quick: bool):
     yield "llama 4L + LoRA r8", lora, decoder_batch(1000), hf_loss
 
 
+def on_meta(model):
+    """A meta copy of ``model`` with its weights tied as the original's (``.to("meta")`` makes a new
+    parameter per module; Hugging Face models tie again with ``tie_weights``)."""
+    copied = copy.deepcopy(model).to("meta")
+    if hasattr(copied, "tie_weights"):
+        copied.tie_weights()
+    return copied
+
+
 def memtracker_peak(model, inputs, make, loss_fn) -> int:
     """MemTracker's peak over the second of two real steps, plus the batch (which it does not track)."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -163,7 +172,7 @@ def main() -> None:
     exact = 0
     rows = 0
     for label, model, inputs, loss_fn in models(options.quick):
-        meta_model = copy.deepcopy(model).to("meta")
+        meta_model = on_meta(model)
         for name in names:
             make = OPTIMIZERS[name]
             measured = measured_step_peak(model, inputs, make, loss_fn)
