@@ -327,3 +327,10 @@ def test_the_largest_batch_and_sequence_that_fit_are_measured_answers(transforme
         assert not gradaudit.fit(model, scaled(batch, axis, size, n + 1), memory="3MiB", remedy=False).fits
     with pytest.raises(GradauditError, match="'batch' or 'seq'"):
         fitted.largest("width")
+
+
+def test_when_weights_state_and_gradients_alone_exceed_memory_no_remedy_is_searched_for_long(llama):
+    parameter_bytes = sum(p.numel() * 4 for p in llama.parameters())
+    fitted = gradaudit.fit(llama, padded_batch(100), memory=parameter_bytes, optimizer="sgd")
+    assert not fitted.fits and fitted.remedy is None and fitted.remedy_searched
+    assert any("neither trim nor checkpointing reduces them" in note for note in fitted.notes)

@@ -93,7 +93,13 @@ def fit(
                  memory=memory_bytes, peak_bytes=step.peak_bytes, breakdown=step.breakdown,
                  peak_phase=step.peak_phase, timeline=step.timeline, trained_parameters=run.trained, notes=notes)
     _searchable(result, model, builder, name, loss, trainable, frozen, target, on_meta, autocast, inputs)
-    if remedy and not result.fits:
+    if remedy and not result.fits and step.floor_bytes > memory_bytes:
+        result.remedy_searched = True
+        result.notes.append(
+            f"no remedy: the parameters, buffers, batch, optimizer state and gradients alone take "
+            f"{step.floor_bytes} bytes, more than the memory, and neither trim nor checkpointing reduces them "
+            f"(train fewer parameters, keep less optimizer state, or shard the model)")
+    elif remedy and not result.fits:
         from .remedy import search
 
         def measure(applied: Callable[[], Any]) -> Any:

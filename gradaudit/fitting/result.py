@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from .step import CATEGORIES, StepRun
+from .step import CATEGORIES, GRADIENTS, StepRun
 
 if TYPE_CHECKING:
     from .remedy import Remedy
@@ -36,6 +36,9 @@ class Figures:
     breakdown: dict[str, int]
     peak_phase: str
     timeline: list[dict[str, Any]]
+    # what no change to the activations removes: everything alive throughout and every gradient
+    # (all alive at once when backward ends)
+    floor_bytes: int = 0
 
 
 def figures(run: StepRun, target: str) -> Figures:
@@ -59,8 +62,10 @@ def figures(run: StepRun, target: str) -> Figures:
     for start in range(0, samples, step):
         i = max(range(start, min(start + step, samples)), key=totals.__getitem__)
         timeline.append({"sample": i + 1, "phase": phase_of[i], **at(i)})
+    floor = sum(steady.values()) + sum(allocated(life.nbytes, target) for life in run.lives
+                                       if life.category == GRADIENTS)
     return Figures(totals[worst] if samples else sum(steady.values()), at(worst) if samples else steady,
-                   phase_of[worst] if samples else "", timeline)
+                   phase_of[worst] if samples else "", timeline, floor)
 
 
 @dataclass
