@@ -180,7 +180,7 @@ def main() -> None:
             fitted = gradaudit.fit(model, inputs, memory=2**40, optimizer=make, loss=loss_fn, remedy=False)
             fit_seconds = time.perf_counter() - start
             start = time.perf_counter()
-            on_meta = gradaudit.fit(meta_model, inputs, memory=2**40, optimizer=make, loss=loss_fn, remedy=False)
+            meta_fit = gradaudit.fit(meta_model, inputs, memory=2**40, optimizer=make, loss=loss_fn, remedy=False)
             meta_seconds = time.perf_counter() - start
             try:
                 tracked = memtracker_peak(model, inputs, make, loss_fn)
@@ -194,7 +194,7 @@ def main() -> None:
             rows += 1
             exact += fitted.peak_bytes == measured
             print(f"{label:<36} {name:<13} {measured:>11} {error(fitted.peak_bytes, measured):>8} "
-                  f"{'yes' if on_meta.peak_bytes == fitted.peak_bytes else 'NO':>8} {error(tracked, measured):>10} "
+                  f"{'yes' if meta_fit.peak_bytes == fitted.peak_bytes else 'NO':>8} {error(tracked, measured):>10} "
                   f"{error(estimated, measured):>10} {fit_seconds / step:>7.1f}x {meta_seconds / step:>8.1f}x "
                   f"{noise:>5.2f}x")
     print(f"\ngradaudit exact on {exact} of {rows} (model, optimizer) pairs")
