@@ -307,6 +307,13 @@ def test_the_cli_prints_the_fit_writes_json_and_exits_by_whether_it_fits(tmp_pat
     assert small.exit_code == 2 and "does not fit" in small.output
     bad = CliRunner().invoke(cli, ["fit", f"{factory}:build", "--memory", "1GiB", "--optimizer", "nope"])
     assert bad.exit_code == 2 and "unknown optimizer 'nope'" in bad.output and "Traceback" not in bad.output
+    page = tmp_path / "fit.html"
+    searched = CliRunner().invoke(cli, ["fit", f"{factory}:build", "--memory", "400KB", "--optimizer", "sgd",
+                                        "--largest", "batch", "--html", str(page), "--json", str(out)])
+    assert searched.exit_code == 0, searched.output
+    largest = json.loads(out.read_text())["largest"]["batch"]
+    assert f"largest batch that fits as it is: {largest}" in searched.output and largest > 16
+    assert "<svg" in page.read_text()
 
 
 def test_the_largest_batch_and_sequence_that_fit_are_measured_answers(transformers):
