@@ -89,6 +89,17 @@ def _check_writable(path: str, option: str) -> None:
         raise ScanFailed(f"cannot write {option} {path}: permission denied; choose another path")
 
 
+def _write_json(path: str, document: Any) -> None:
+    """``--json PATH``: the document, indented, to the file (or stdout for '-')."""
+    import json
+
+    text = json.dumps(document, indent=2) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        _write(path, text, "--json")
+
+
 def _write(path: str, text: str, option: str) -> None:
     try:
         with open(path, "w", encoding="utf-8") as handle:
@@ -446,8 +457,13 @@ def scan(spec: str, model: dict[str, Any], html: str, no_html: bool, json_path: 
         max_reclaimable=max_reclaimable, top={0: 10, 1: 50}.get(verbose, 1_000_000), quiet=quiet, trim=trim,
         progress=progress,
     )
+    _exit_with(lambda: run_scan(options), progress, debug)
+
+
+def _exit_with(run: Callable[[], int], progress: "Progress", debug: bool) -> None:
+    """Run a command and exit with its code; an error is one or two lines (``_fail``), exit 2."""
     try:
-        code = run_scan(options)
+        code = run()
     except (GradauditError, ScanFailed) as error:
         progress.done()
         message = str(error)
@@ -543,13 +559,7 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     if len(budgets) > 1:
         return _sweep(chosen, budgets, options, out, peaks=peak)
     if options.json:
-        import json
-
-        document = json.dumps(chosen.to_dict(), indent=2) + "\n"
-        if options.json == "-":
-            sys.stdout.write(document)
-        else:
-            _write(options.json, document, "--json")
+        _write_json(options.json, chosen.to_dict())
     if html_path:
         from .report import planhtml
 
@@ -574,13 +584,7 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
     plans = first.sweep(budgets, measure_peak=peaks)
     code = EXIT_OK if all(p.fits for p in plans) else EXIT_ERROR
     if options.json:
-        import json
-
-        document = json.dumps({"plans": [p.to_dict() for p in plans]}, indent=2) + "\n"
-        if options.json == "-":
-            sys.stdout.write(document)
-        else:
-            _write(options.json, document, "--json")
+        _write_json(options.json, {"plans": [p.to_dict() for p in plans]})
     out(plantext.render_sweep(plans))
     if options.json and options.json != "-":
         out(f"JSON plans: {options.json}")
@@ -637,21 +641,9 @@ def plan_command(spec: str, budget: tuple[str, ...], model: dict[str, Any], bloc
     """
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
     options = ScanOptions(spec=spec, **model, html=None, json=json_path, quiet=quiet, progress=progress)
-    try:
-        code = run_plan(options, budget, blocks, peak=not no_peak, html_path=html_path, cost=cost,
-                        selective=not no_selective, trim=trim, bitpack=not no_bitpack, bound=bound)
-    except (GradauditError, ScanFailed) as error:
-        progress.done()
-        _fail(str(error), debug)
-    except KeyboardInterrupt:
-        progress.done()
-        click.echo("gradaudit: interrupted", err=True)
-        sys.exit(130)
-    except Exception as error:
-        progress.done()
-        _fail(f"internal error: {type(error).__name__}: {error}\n"
-              f"this is a gradaudit bug; run again with --debug and report the traceback", debug)
-    sys.exit(code)
+    _exit_with(lambda: run_plan(options, budget, blocks, peak=not no_peak, html_path=html_path, cost=cost,
+                                selective=not no_selective, trim=trim, bitpack=not no_bitpack, bound=bound),
+               progress, debug)
 
 
 FIT_EXIT_CODES_HELP = """\b
@@ -697,14 +689,7 @@ def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: O
         found = result.largest(largest)
     options.progress.done()
     if options.json:
-        import json
-
-        document = json.dumps({**result.to_dict(), **({"largest": {largest: found}} if largest else {})},
-                              indent=2) + "\n"
-        if options.json == "-":
-            sys.stdout.write(document)
-        else:
-            _write(options.json, document, "--json")
+        _write_json(options.json, {**result.to_dict(), **({"largest": {largest: found}} if largest else {})})
     if html_path:
         from .report import fithtml
 
@@ -757,21 +742,8 @@ def fit_command(spec: str, memory: str, model: dict[str, Any], optimizer: str, l
     """
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
     options = ScanOptions(spec=spec, **model, html=None, json=json_path, quiet=quiet, progress=progress)
-    try:
-        code = run_fit(options, memory, optimizer, loss_spec, autocast, remedy=not no_remedy, largest=largest,
-                       html_path=html_path)
-    except (GradauditError, ScanFailed) as error:
-        progress.done()
-        _fail(str(error), debug)
-    except KeyboardInterrupt:
-        progress.done()
-        click.echo("gradaudit: interrupted", err=True)
-        sys.exit(130)
-    except Exception as error:
-        progress.done()
-        _fail(f"internal error: {type(error).__name__}: {error}\n"
-              f"this is a gradaudit bug; run again with --debug and report the traceback", debug)
-    sys.exit(code)
+    _exit_with(lambda: run_fit(options, memory, optimizer, loss_spec, autocast, remedy=not no_remedy,
+                               largest=largest, html_path=html_path), progress, debug)
 
 
 @cli.command("rules", short_help="List the rule catalogue.")
