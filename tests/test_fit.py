@@ -341,3 +341,27 @@ def test_when_weights_state_and_gradients_alone_exceed_memory_no_remedy_is_searc
     fitted = gradaudit.fit(llama, padded_batch(100), memory=parameter_bytes, optimizer="sgd")
     assert not fitted.fits and fitted.remedy is None and fitted.remedy_searched
     assert any("neither trim nor checkpointing reduces them" in note for note in fitted.notes)
+
+
+@pytest.mark.parametrize("mode", ["own-checkpointing", "eval"])
+def test_a_model_that_checkpoints_itself_or_runs_in_eval_mode_is_predicted_to_the_byte(llama, mode):
+    model = copy.deepcopy(llama)
+    if mode == "own-checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.eval()
+    batch = padded_batch(100)
+    fitted = gradaudit.fit(model, batch, memory="1GiB", optimizer="sgd")
+    assert fitted.peak_bytes == measured_step_peak(model, batch, torch.optim.SGD, hf_loss)
+
+
+def test_a_compiled_model_is_predicted_to_the_byte():
+    torch.manual_seed(0)
+    model = torch.compile(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)), backend="aot_eager")
+    x = torch.randn(16, 32)
+
+    def loss(output):
+        return output.sum()
+
+    fitted = gradaudit.fit(model, x, memory="1GiB", optimizer="adamw", loss=loss)
+    assert fitted.peak_bytes == measured_step_peak(model, x, torch.optim.AdamW, loss)
