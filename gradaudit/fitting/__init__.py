@@ -82,8 +82,9 @@ def fit(
     target = _target(target, on_meta, ([first] if first is not None else []) + tensors)
     say = progress or (lambda step: None)
     say("running a training step (forward, backward, optimizer step)")
+    memo: dict = {}  # the optimizer's stand-in step, stepped once for every run of this fit
     run = run_step(model, inputs, builder=builder, optimizer_name=name, loss_fn=loss, trainable=trainable,
-                   frozen=frozen, target=target, on_meta=on_meta, autocast=autocast)
+                   frozen=frozen, target=target, on_meta=on_meta, autocast=autocast, memo=memo)
     step = figures(run, target)
     notes = list(run.notes)
     if run.output_cache:
@@ -92,7 +93,7 @@ def fit(
     result = Fit(model=type(model).__name__, device="meta" if on_meta else target, target=target, optimizer=name,
                  memory=memory_bytes, peak_bytes=step.peak_bytes, breakdown=step.breakdown,
                  peak_phase=step.peak_phase, timeline=step.timeline, trained_parameters=run.trained, notes=notes)
-    _searchable(result, model, builder, name, loss, trainable, frozen, target, on_meta, autocast, inputs)
+    _searchable(result, model, builder, name, loss, trainable, frozen, target, on_meta, autocast, inputs, memo)
     if remedy and not result.fits and step.floor_bytes > memory_bytes:
         result.remedy_searched = True
         result.notes.append(
@@ -105,7 +106,7 @@ def fit(
         def measure(applied: Callable[[], Any]) -> Any:
             return figures(run_step(model, inputs, builder=builder, optimizer_name=name, loss_fn=loss,
                                     trainable=trainable, frozen=frozen, target=target, on_meta=on_meta,
-                                    autocast=autocast, applied=applied), target)
+                                    autocast=autocast, applied=applied, memo=memo), target)
 
         result.remedy, result.alternatives, more = search(model, inputs, memory_bytes, measure, trainable=trainable,
                                                           frozen=frozen, target=target, say=say)
@@ -118,7 +119,7 @@ def fit(
 
 
 def _searchable(result: Fit, model: nn.Module, builder: Any, name: str, loss: Any, trainable: Any, frozen: Any,
-                target: str, on_meta: bool, autocast: Any, inputs: Any) -> None:
+                target: str, on_meta: bool, autocast: Any, inputs: Any, memo: dict) -> None:
     """Let ``result.largest`` run the same step on scaled inputs (the model held weakly)."""
     import weakref
 
@@ -131,7 +132,7 @@ def _searchable(result: Fit, model: nn.Module, builder: Any, name: str, loss: An
         if live is None:
             raise GradauditError("the model this fit was made for is gone: fit again to search sizes")
         run = run_step(live, scaled_inputs, builder=builder, optimizer_name=name, loss_fn=loss, trainable=trainable,
-                       frozen=frozen, target=target, on_meta=on_meta, autocast=autocast)
+                       frozen=frozen, target=target, on_meta=on_meta, autocast=autocast, memo=memo)
         return figures(run, target).peak_bytes
 
     remember(result, peak_of, inputs)

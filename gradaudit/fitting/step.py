@@ -18,6 +18,7 @@ and their gradients (it needs shapes, not values, and must not change the user's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -64,9 +65,11 @@ def default_loss(output: Any) -> torch.Tensor:
 
 def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str, loss_fn: Optional[Callable],
              trainable: Any, frozen: Any, target: str, on_meta: bool, autocast: Optional[torch.dtype],
-             applied: Callable[[], Any] = contextlib.nullcontext) -> StepRun:
+             applied: Callable[[], Any] = contextlib.nullcontext, memo: Optional[dict] = None) -> StepRun:
     """Run the step (``applied()`` in force around the forward and backward: a plan, trim) and
-    return its storages. The model is left as found."""
+    return its storages. The model is left as found. ``memo``: a dict kept across the runs of one fit,
+    where the optimizer's step is remembered by the gradients' layouts (a plan or trim does not
+    change them, so probing many plans steps the stand-ins once)."""
     from ..planning.conditions import as_audited
 
     args, kwargs = split_inputs(inputs)
@@ -123,8 +126,15 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
         # the gradients of inputs that require grad are the step's too, but no optimizer takes them
         layouts = [(p, gradients[id(p)]) for p in trains if id(p) in gradients]
         carried = [life for life in lifetimes.lives if life.died is None]
-        stand_ins, state_notes, optimizer_lives, state_sizes, samples = _optimizer_step(
-            model, trains, layouts, builder, optimizer_name, target, device)
+        key = tuple((id(p), tuple(g.shape), g.stride(), g.dtype) for p, g in layouts)
+        if memo is None or key not in memo:
+            found = _optimizer_step(model, trains, layouts, builder, optimizer_name, target)
+            if memo is not None:
+                memo[key] = found
+        else:
+            found = memo[key]
+        state_notes, remembered, state_sizes, samples = found
+        optimizer_lives = [dataclasses.replace(life) for life in remembered]  # offset below, per run
         notes += state_notes
         del loss, gradients, layouts
     persistent[STATE] = state_sizes
@@ -142,7 +152,6 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
     lives += optimizer_lives
     if not on_meta and device != "cpu":
         notes.append(f"on {device}, the figures count storages as PyTorch's allocator is asked for them")
-    del stand_ins
     return StepRun(persistent, lives, [(FORWARD, forward_samples), (BACKWARD, offset - forward_samples),
                                        (OPTIMIZER, samples + 1)], notes, trained=len(trains), output_cache=cache)
 
@@ -158,23 +167,33 @@ def _forward(model: nn.Module, args: tuple, kwargs: dict, lifetimes: Lifetimes, 
     """The forward and the loss, with the model's output dropped after it (garbage cycles collected);
     (samples, the loss, whether the output carried a key/value cache)."""
     region = torch.autocast(target, dtype=autocast) if autocast is not None else contextlib.nullcontext()
-    with lifetimes, region:
-        try:
-            output = model(*args, **kwargs)
-        except GradauditError:
-            raise
-        except Exception as error:
-            raise ForwardError(f"the forward raised {type(error).__name__}: {error}") from error
-        loss = (loss_fn or default_loss)(output)
+    # the collection below looks only at the objects made since the forward began (gc.freeze sets the
+    # older ones aside): a full one costs tens of milliseconds once transformers is imported, more
+    # than a small step; it misses only a garbage cycle through an object older than the forward
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    try:
+        with lifetimes, region:
+            try:
+                output = model(*args, **kwargs)
+            except GradauditError:
+                raise
+            except Exception as error:
+                raise ForwardError(f"the forward raised {type(error).__name__}: {error}") from error
+            loss = (loss_fn or default_loss)(output)
+        cache = _has_cache(output)
+        del output
+        gc.collect()
+    finally:
+        if freeze:
+            gc.unfreeze()
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise GradauditError(f"the loss must be a tensor of one element, got "
                              f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
     if loss.grad_fn is None:
         raise NothingRequiresGradError("the loss does not require grad: nothing trains. Unfreeze parameters "
                                        "(trainable=[...] / --trainable GLOB)")
-    cache = _has_cache(output)
-    del output
-    gc.collect()
     return lifetimes.samples, loss, cache
 
 
@@ -185,11 +204,10 @@ def _has_cache(output: Any) -> bool:
 
 
 def _optimizer_step(model: nn.Module, trains: Sequence[torch.Tensor], layouts: Sequence[tuple[Any, torch.Tensor]],
-                    builder: Any, name: str, target: str, device: str
-                    ) -> tuple[dict[int, torch.Tensor], list[str], list[Life], list[int], int]:
-    """The optimizer's steady-state step on meta stand-ins: (the stand-ins, notes, the lives of the
-    storages its step made, the sizes of its state, the step's samples). A first step makes the
-    state; the second is followed."""
+                    builder: Any, name: str, target: str) -> tuple[list[str], list[Life], list[int], int]:
+    """The optimizer's steady-state step on meta stand-ins: (notes, the lives of the storages its
+    step made, the sizes of its state, the step's samples). A first step makes the state; the
+    second is followed."""
     stand_in = {}
     for p in [*model.parameters(), *trains]:
         if id(p) not in stand_in:
@@ -227,4 +245,4 @@ def _optimizer_step(model: nn.Module, trains: Sequence[torch.Tensor], layouts: S
     for life in lifetimes.lives:
         life.category = STATE if life.key in new_state else TEMPORARIES
     optimizer.zero_grad(set_to_none=True)
-    return stand_in, notes, list(lifetimes.lives), state_sizes, lifetimes.samples
+    return notes, list(lifetimes.lives), state_sizes, lifetimes.samples
