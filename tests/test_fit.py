@@ -24,6 +24,8 @@ OPTIMIZERS = {
     "adam": torch.optim.Adam,
     "adamw": torch.optim.AdamW,
     "adamw-foreach": functools.partial(torch.optim.AdamW, foreach=True),
+    # torch's fused kernel (on the CPU too): its stand-in runs the kernel's meta version
+    "adamw-fused": functools.partial(torch.optim.AdamW, fused=True),
 }
 
 
@@ -271,6 +273,7 @@ def test_a_step_that_fits_has_no_remedy_and_none_is_searched(llama):
     ("adamx", "unknown optimizer 'adamx'"),
     (42, "optimizer must be"),
     ("torch.optim:LBFGS", "closure"),
+    (functools.partial(torch.optim.SGD, lr=0.1, fused=True), "no meta kernel for this fused optimizer"),
 ])
 def test_an_optimizer_that_cannot_be_fitted_is_refused_in_one_line(llama, optimizer, message):
     with pytest.raises(GradauditError, match=message):

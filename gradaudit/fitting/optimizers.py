@@ -112,9 +112,6 @@ def build(builder: Any, groups: Any, name: str) -> torch.optim.Optimizer:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise GradauditError(f"the optimizer builder {name} returned {type(optimizer).__name__}, not a "
                              f"torch.optim.Optimizer")
-    if any(group.get("fused") for group in optimizer.param_groups):
-        raise GradauditError(f"{name} with fused=True cannot run on stand-ins yet (torch's fused kernels have no "
-                             f"meta version): fit it with foreach=True, which holds the same state")
     return optimizer
 
 
@@ -123,8 +120,13 @@ def step(optimizer: torch.optim.Optimizer, name: str) -> None:
     try:
         optimizer.step()
     except Exception as error:
-        closure = "closure" in str(error)
-        raise GradauditError(
-            f"the optimizer {name} could not step on meta stand-ins: {type(error).__name__}: {error}. "
-            + ("Optimizers that need a closure (LBFGS) are not supported"
-               if closure else "An optimizer that reads parameter values (.item()) cannot be fitted on meta")) from error
+        fused = any(group.get("fused") for group in optimizer.param_groups)
+        if "closure" in str(error):
+            advice = "Optimizers that need a closure (LBFGS) are not supported"
+        elif fused:
+            advice = "torch has no meta kernel for this fused optimizer: fit it with foreach=True instead"
+        else:
+            advice = "An optimizer that reads parameter values (.item()) cannot be fitted on meta"
+        raise GradauditError(f"the optimizer {name} could not step on meta stand-ins: "
+                             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}. "
+                             f"{advice}") from error

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..errors import ForwardError, GradauditError, NothingRequiresGradError
 from ..tensors import iter_tensors, split_inputs, storage_key, strided_parts, unique
+from .. import torchapi
 from . import optimizers
 from .lifetimes import Life, Lifetimes, sweep
 
@@ -215,34 +216,36 @@ def _optimizer_step(model: nn.Module, trains: Sequence[torch.Tensor], layouts: S
                                                   requires_grad=p.requires_grad)
     grads = [(stand_in[id(p)], torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device="meta"))
              for p, g in layouts]
-    optimizer = optimizers.build(builder, optimizers.stand_in_groups(builder, trains, stand_in), name)
-    notes = optimizers.target_defaults(optimizer, target)
+    # fused=True: the stand-ins are meta tensors, which torch.optim's device check leaves out
+    with torchapi.fused_optimizers_on_meta():
+        optimizer = optimizers.build(builder, optimizers.stand_in_groups(builder, trains, stand_in), name)
+        notes = optimizers.target_defaults(optimizer, target)
 
-    def counts(where: torch.device) -> bool:
-        # the stand-ins are meta tensors; an optimizer also keeps CPU scalars (Adam's step counts, unless
-        # capturable or fused), which are the step's memory when the target is the CPU
-        return where.type == "meta" or (where.type == "cpu" and target == "cpu")
+        def counts(where: torch.device) -> bool:
+            # the stand-ins are meta tensors; an optimizer also keeps CPU scalars (Adam's step counts, unless
+            # capturable or fused), which are the step's memory when the target is the CPU
+            return where.type == "meta" or (where.type == "cpu" and target == "cpu")
 
-    for stand, grad in grads:
-        stand.grad = grad
-    with torch.no_grad():
-        optimizers.step(optimizer, name)  # the first step makes the state
-    optimizer.zero_grad(set_to_none=True)
-    for stand, grad in grads:
-        stand.grad = grad
-    state = [t for values in optimizer.state.values() for t in iter_tensors(values)]
-    keys = {storage_key(t) for t in [*stand_in.values(), *(g for _, g in grads), *state] if counts(t.device)}
-    state_sizes, counted = [], set()
-    for t in state:
-        if counts(t.device) and storage_key(t) not in counted:
-            counted.add(storage_key(t))
-            state_sizes.append(t.untyped_storage().nbytes())
-    lifetimes = Lifetimes(keys, counts)
-    with lifetimes, torch.no_grad():
-        optimizers.step(optimizer, name)
-    lifetimes.close()
-    new_state = {storage_key(t) for values in optimizer.state.values() for t in iter_tensors(values)}
-    for life in lifetimes.lives:
-        life.category = STATE if life.key in new_state else TEMPORARIES
-    optimizer.zero_grad(set_to_none=True)
+        for stand, grad in grads:
+            stand.grad = grad
+        with torch.no_grad():
+            optimizers.step(optimizer, name)  # the first step makes the state
+        optimizer.zero_grad(set_to_none=True)
+        for stand, grad in grads:
+            stand.grad = grad
+        state = [t for values in optimizer.state.values() for t in iter_tensors(values)]
+        keys = {storage_key(t) for t in [*stand_in.values(), *(g for _, g in grads), *state] if counts(t.device)}
+        state_sizes, counted = [], set()
+        for t in state:
+            if counts(t.device) and storage_key(t) not in counted:
+                counted.add(storage_key(t))
+                state_sizes.append(t.untyped_storage().nbytes())
+        lifetimes = Lifetimes(keys, counts)
+        with lifetimes, torch.no_grad():
+            optimizers.step(optimizer, name)
+        lifetimes.close()
+        new_state = {storage_key(t) for values in optimizer.state.values() for t in iter_tensors(values)}
+        for life in lifetimes.lives:
+            life.category = STATE if life.key in new_state else TEMPORARIES
+        optimizer.zero_grad(set_to_none=True)
     return notes, list(lifetimes.lives), state_sizes, lifetimes.samples
