@@ -372,3 +372,39 @@ def test_a_compiled_model_is_predicted_to_the_byte():
 
     fitted = gradaudit.fit(model, x, memory="1GiB", optimizer="adamw", loss=loss)
     assert fitted.peak_bytes == measured_step_peak(model, x, torch.optim.AdamW, loss)
+
+
+def test_the_caching_allocator_replay_follows_its_pools_segments_and_splits():
+    from gradaudit.fitting.allocator import CachingAllocator
+
+    mib = 1 << 20
+    allocator = CachingAllocator()
+    allocator.malloc(100)  # rounded to 512 B, from a new 2 MiB small-pool segment
+    assert allocator.reserved == 2 * mib
+    first = allocator.malloc(600 * 1024)
+    allocator.malloc(600 * 1024)  # 512 + 2 * 600 KiB = 1.17 MiB: the same segment
+    assert allocator.reserved == 2 * mib
+    allocator.malloc(900 * 1024)  # 2 MiB - 512 B - 1200 KiB = 847.5 KiB left: a second segment
+    assert allocator.reserved == 4 * mib
+    allocator.free(first)
+    allocator.malloc(500 * 1024)  # the freed block is cached and taken again
+    assert allocator.reserved == 4 * mib
+    five = allocator.malloc(5 * mib)  # large pool, under 10 MiB: a 20 MiB segment
+    again = allocator.malloc(5 * mib)  # split from its remainder (15 MiB)
+    assert allocator.reserved == 24 * mib
+    allocator.malloc(11 * mib)  # 10 MiB left free does not hold it: a segment of 11 MiB rounded to 2 MiB
+    assert allocator.reserved == 36 * mib
+    allocator.free(five)
+    allocator.free(again)  # merged with its free neighbours: 20 MiB free in one block
+    allocator.malloc(11 * mib)
+    assert allocator.reserved == 36 * mib
+
+
+def test_a_fit_for_cuda_estimates_what_the_allocator_reserves():
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).to("meta")
+    fitted = gradaudit.fit(model, torch.empty(32, 256, device="meta"), memory="1GiB", target="cuda",
+                           optimizer="adamw", loss=lambda output: output.sum())
+    assert fitted.reserved_bytes >= fitted.peak_bytes and fitted.reserved_bytes % (2 << 20) == 0
+    assert fitted.to_dict()["reserved_bytes"] == fitted.reserved_bytes
+    assert gradaudit.fit(model, torch.empty(32, 256, device="meta"), memory="1GiB", target="cpu",
+                         loss=lambda output: output.sum()).reserved_bytes is None

@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from .allocator import rounded
 from .step import CATEGORIES, GRADIENTS, StepRun
 
 if TYPE_CHECKING:
     from .remedy import Remedy
 
 FIT_SCHEMA_VERSION = 1
-CUDA_BLOCK = 512  # the CUDA caching allocator rounds every request up to a multiple of 512 bytes
 TIMELINE_POINTS = 400  # the timeline keeps each stretch's worst sample, at most this many
 
 
@@ -22,9 +22,7 @@ def allocated(nbytes: int, target: str) -> int:
     """What the target's allocator takes for a storage of ``nbytes``: on CUDA the request rounded
     up to 512 bytes (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize; an empty storage asks for
     nothing); on the CPU the bytes themselves."""
-    if target == "cuda":
-        return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
-    return nbytes
+    return rounded(nbytes) if target == "cuda" else nbytes
 
 
 @dataclass
@@ -39,6 +37,7 @@ class Figures:
     # what no change to the activations removes: everything alive throughout and every gradient
     # (all alive at once when backward ends)
     floor_bytes: int = 0
+    reserved_bytes: Optional[int] = None  # on CUDA, what the caching allocator would reserve (an estimate)
 
 
 def figures(run: StepRun, target: str) -> Figures:
@@ -64,8 +63,13 @@ def figures(run: StepRun, target: str) -> Figures:
         timeline.append({"sample": i + 1, "phase": phase_of[i], **at(i)})
     floor = sum(steady.values()) + sum(allocated(life.nbytes, target) for life in run.lives
                                        if life.category == GRADIENTS)
+    reserved = None
+    if target == "cuda":
+        from .allocator import reserved_estimate
+
+        reserved = reserved_estimate([n for c in CATEGORIES for n in run.persistent.get(c, ())], run.lives, samples)
     return Figures(totals[worst] if samples else sum(steady.values()), at(worst) if samples else steady,
-                   phase_of[worst] if samples else "", timeline, floor)
+                   phase_of[worst] if samples else "", timeline, floor, reserved)
 
 
 @dataclass
@@ -83,6 +87,9 @@ class Fit:
     peak_phase: str  # "forward", "backward" or "optimizer"
     timeline: list[dict[str, Any]]  # bytes by category through the step (its worst moments)
     trained_parameters: int  # parameter tensors that get a gradient and optimizer state
+    # on CUDA: what the caching allocator would reserve by the end of a second step (segments, cached
+    # free blocks), replayed from its rules (fitting/allocator.py): an estimate; None on the CPU
+    reserved_bytes: Optional[int] = None
     notes: list[str] = field(default_factory=list)
     remedy: Optional["Remedy"] = None  # the cheapest change whose step fits (None: fits as it is, or nothing does)
     remedy_searched: bool = False  # whether a remedy was looked for (only when it does not fit)
@@ -100,8 +107,9 @@ class Fit:
         if self.target == "cuda":
             return ("bytes allocated by PyTorch's CUDA caching allocator (each storage rounded up to 512 B), as "
                     "torch.cuda.max_memory_allocated reports; the allocator reserves more (whole segments, "
-                    "cached free blocks), and the CUDA context and libraries' workspaces (cuBLAS, cuDNN) are not "
-                    "counted: leave headroom, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+                    "cached free blocks: reserved_bytes estimates it by replaying its rules), and the CUDA "
+                    "context and libraries' workspaces (cuBLAS, cuDNN) are not counted: leave headroom, or set "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
         return "bytes of the storages alive, as the CPU allocator is asked for them"
 
     def largest(self, dimension: str = "batch") -> int:
@@ -123,6 +131,7 @@ class Fit:
             "fits": self.fits,
             "peak_bytes": self.peak_bytes,
             "peak_phase": self.peak_phase,
+            "reserved_bytes": self.reserved_bytes,
             "allocator": self.allocator,
             "breakdown": dict(self.breakdown),
             "trained_parameters": self.trained_parameters,

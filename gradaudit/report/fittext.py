@@ -21,6 +21,9 @@ def render(fit: Any, *, quiet: bool = False) -> str:
     lines.append(f"peak {human_bytes(fit.peak_bytes)} ({fit.peak_bytes} bytes) in the {fit.peak_phase}: {verdict}"
                  + (f", {human_bytes(fit.memory - fit.peak_bytes)} to spare" if fit.fits else
                     f" by {human_bytes(fit.peak_bytes - fit.memory)}"))
+    if fit.reserved_bytes is not None:
+        lines.append(f"the CUDA caching allocator would reserve about {human_bytes(fit.reserved_bytes)} "
+                     f"(an estimate: its rules replayed over two steps; fits compares the allocated peak)")
     if quiet:
         if fit.remedy is not None:
             lines.append(f"remedy: {fit.remedy.describe()}, peak {human_bytes(fit.remedy.peak_bytes)}, "
