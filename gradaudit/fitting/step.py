@@ -104,7 +104,7 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
                          f"grad, as adversarial and style-transfer loops do")
         lifetimes = Lifetimes(seen, counts)
         with applied():
-            forward, loss, cache = _forward(model, args, kwargs, lifetimes, loss_fn, target, autocast)
+            loss, cache = _forward(model, args, kwargs, lifetimes, loss_fn, target, autocast)
             # by identity: a storage made later may take the address (the key) of one freed since
             held = {id(life) for life in lifetimes.live.values()}
             forward_samples = lifetimes.samples
@@ -124,7 +124,7 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
                 life.category = ACTIVATIONS
             else:
                 life.category = TEMPORARIES
-        # the gradients of inputs that require grad are the step's too, but no optimizer takes them
+        # every gradient is the step's (an input's too); the optimizer takes those of what it steps
         layouts = [(p, gradients[id(p)]) for p in trains if id(p) in gradients]
         carried = [life for life in lifetimes.lives if life.died is None]
         key = tuple((id(p), tuple(g.shape), g.stride(), g.dtype) for p, g in layouts)
@@ -164,9 +164,9 @@ def _device_of(model: nn.Module, inputs: Any) -> str:
 
 
 def _forward(model: nn.Module, args: tuple, kwargs: dict, lifetimes: Lifetimes, loss_fn: Optional[Callable],
-             target: str, autocast: Optional[torch.dtype]) -> tuple[int, torch.Tensor, bool]:
-    """The forward and the loss, with the model's output dropped after it (garbage cycles collected);
-    (samples, the loss, whether the output carried a key/value cache)."""
+             target: str, autocast: Optional[torch.dtype]) -> tuple[torch.Tensor, bool]:
+    """The forward and the loss, with the model's output dropped after it (garbage cycles collected):
+    (the loss, whether the output carried a key/value cache)."""
     region = torch.autocast(target, dtype=autocast) if autocast is not None else contextlib.nullcontext()
     # the collection below looks only at the objects made since the forward began (gc.freeze sets the
     # older ones aside): a full one costs tens of milliseconds once transformers is imported, more
@@ -195,7 +195,7 @@ def _forward(model: nn.Module, args: tuple, kwargs: dict, lifetimes: Lifetimes, 
     if loss.grad_fn is None:
         raise NothingRequiresGradError("the loss does not require grad: nothing trains. Unfreeze parameters "
                                        "(trainable=[...] / --trainable GLOB)")
-    return lifetimes.samples, loss, cache
+    return loss, cache
 
 
 def _has_cache(output: Any) -> bool:
