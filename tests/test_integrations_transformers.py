@@ -100,6 +100,8 @@ def trimmed(tmp_path_factory):
 def test_trim_trains_bit_identically_to_the_run_without_the_callback(plain, trimmed):
     assert len(plain.losses) == STEPS
     assert trimmed.same_training(plain)
+    # ... and trim acted in every step: dropout masks bit-packed
+    assert trimmed.callback.trim_stats["bitpacked"] >= STEPS, trimmed.callback.trim_stats
 
 
 def test_the_audited_batch_is_the_first_batch_the_trainer_trains_on(trimmed):

@@ -144,10 +144,21 @@ class TrainingSession:
         self.report: Optional[Report] = None
         self.plan: Any = None
         self._handle: Any = None  # the trim or plan handle installed for the run
+        # trim's counts over the run (saves kept, dropped, bit-packed), taken when it is removed
+        self.trim_stats: Optional[dict[str, int]] = None
 
     @property
     def installed(self) -> bool:
         return self._handle is not None and self._handle.installed
+
+    @property
+    def trim_handle(self) -> Any:
+        """The ``TrimHandle`` in force for the run (installed directly, or by the plan), or None."""
+        from ..trimming import TrimHandle
+
+        if isinstance(self._handle, TrimHandle):
+            return self._handle
+        return getattr(self._handle, "trim_handle", None)
 
     def begin(self, model: nn.Module, inputs: Any, *, title: str, write: bool = True,
               train_mode: bool = True) -> dict[str, int]:
@@ -178,6 +189,9 @@ class TrainingSession:
     def end(self) -> None:
         """Remove what ``begin`` installed (nothing else): the model is exactly as before ``begin``."""
         if self._handle is not None:
+            trimming = self.trim_handle
+            if trimming is not None:
+                self.trim_stats = trimming.stats
             self._handle.remove()
             self._handle = None
 

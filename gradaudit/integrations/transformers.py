@@ -61,6 +61,11 @@ class GradauditCallback(TrainerCallback):
         """The ``gradaudit.Plan`` applied for the run (None without ``plan_budget``)."""
         return self.session.plan
 
+    @property
+    def trim_stats(self) -> Optional[dict[str, int]]:
+        """trim's counts over the run (saves kept, dropped, bit-packed; None without trim or before the end)."""
+        return self.session.trim_stats
+
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, train_dataloader: Any = None,
                        **kwargs: Any) -> Any:
         handler = _calling_handler(self)  # first: the frame that called us is the handler's
