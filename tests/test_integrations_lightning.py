@@ -182,3 +182,14 @@ def test_fail_on_waste_stops_before_the_first_step():
 def test_unknown_option_values_are_errors(options, message):
     with pytest.raises(gradaudit.GradauditError, match=message):
         GradauditCallback(**options)
+
+
+def test_a_plan_trains_bit_identically(plain):
+    # the head's two linear layers are the repeated blocks; the budget is the least a plan of them holds
+    probe = gradaudit.plan(Step(Classifier()).train(), tuple(plain.model.batches[0]), 1 << 30, measure_peak=False)
+    callback = GradauditCallback(report=None, plan_budget=min(held for held, _ in probe.frontier))
+    planned = Run([callback])
+    assert callback.plan.checkpointed and callback.plan.held_bytes < callback.report.saved_bytes
+    assert planned.logged()[0][1]["gradaudit/plan_held_bytes"] == callback.plan.held_bytes
+    assert planned.same_training(plain)  # recomputation restores the RNG: the dropout draws the same mask
+    assert not any("forward" in m.__dict__ for m in planned.model.modules())  # removed at on_train_end
