@@ -165,8 +165,27 @@ def test_a_plan_trains_bit_identically_to_hugging_faces_own_checkpointing(tmp_pa
 
 
 def test_fail_on_waste_stops_before_the_first_step(tmp_path):
+    callback = GradauditCallback(report=None, trim=True, fail_on_waste=True)
     with pytest.raises(gradaudit.GradauditError, match=r"fail_on_waste: .* \(6 waste findings: GA402, GA801\)"):
-        Run(tmp_path, [GradauditCallback(report=None, fail_on_waste=True)])
+        Run(tmp_path, [callback])
+    assert not callback.session.installed  # it stopped before installing trim
+
+
+def test_remove_takes_trim_off_when_training_raises(tmp_path):
+    from gradaudit.trimming import is_trimmed
+
+    class Stop(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            raise RuntimeError("stopped")
+
+    callback = GradauditCallback(report=None, trim=True)
+    with pytest.raises(RuntimeError, match="stopped"):
+        Run(tmp_path, [callback, Stop()])
+    model = callback.session.trim_handle._model_ref()
+    assert is_trimmed(model)  # the Trainer called no on_train_end
+    callback.remove()
+    assert not is_trimmed(model) and not any(m._forward_hooks for m in model.modules())
+    assert len(model._forward_pre_hooks) == 1  # Run's own recording hook (Run raised before removing it)
 
 
 def test_plan_budget_refuses_the_trainers_own_checkpointing(tmp_path):

@@ -108,6 +108,10 @@ class GradauditCallback(pl.Callback):
         """trim's counts over the run (saves kept, dropped, bit-packed; None without trim or before the end)."""
         return self.session.trim_stats
 
+    def remove(self) -> None:
+        """Take trim and the plan off the module (``on_train_end`` and ``on_exception`` do)."""
+        self._end()
+
     def _end(self) -> None:
         if self._step is not None:
             self._step.remove()

@@ -85,8 +85,13 @@ class GradauditCallback(TrainerCallback):
         return handler.on_log(args, state, control, logs)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self.session.end()
+        self.remove()
         return control
+
+    def remove(self) -> None:
+        """Take trim and the plan off the model (``on_train_end`` does; the Trainer calls no callback when
+        training raises, so call this in your ``except``/``finally`` to get the model back as it was)."""
+        self.session.end()
 
 
 def _as_forward_inputs(batch: Any, model: Any) -> Any:
