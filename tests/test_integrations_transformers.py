@@ -164,6 +164,20 @@ def test_a_plan_trains_bit_identically_to_hugging_faces_own_checkpointing(tmp_pa
     assert planned.same_training(hugging_face) and planned.same_training(plain)
 
 
+@pytest.mark.parametrize("setting", ["bf16", "checkpointing"])
+def test_the_audit_runs_the_model_as_the_trainer_will(tmp_path, trimmed, setting):
+    # bf16: accelerate puts CPU autocast on the model's forward; checkpointing: the Trainer turns Hugging
+    # Face's activation checkpointing on before on_train_begin. The audit sees both, as the steps run them
+    callback = GradauditCallback(report=None)
+    Run(tmp_path, [callback], **({"bf16": True} if setting == "bf16" else {checkpointing_argument(): True}))
+    report, plain_held = callback.report, trimmed.callback.figures["gradaudit/held_bytes"]
+    assert report.saved_bytes < plain_held
+    if setting == "bf16":
+        assert any(t.dtype == "bfloat16" for t in report.tensors)
+    else:
+        assert {str(t.managed_by) for t in report.tensors} == {"autograd", "checkpoint"}
+
+
 def test_fail_on_waste_stops_before_the_first_step(tmp_path):
     callback = GradauditCallback(report=None, trim=True, fail_on_waste=True)
     with pytest.raises(gradaudit.GradauditError, match=r"fail_on_waste: .* \(6 waste findings: GA402, GA801\)"):
