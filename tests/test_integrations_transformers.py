@@ -60,8 +60,10 @@ class Run:
             report_to=[], save_strategy="no", logging_steps=1, seed=0, use_cpu=True, disable_tqdm=True, **arguments)
         self.trainer = transformers.Trainer(model=self.model, args=args, train_dataset=dataset(),
                                             data_collator=pad_collator, callbacks=list(callbacks))
-        self.trainer.train()
-        hook.remove()
+        try:
+            self.trainer.train()
+        finally:
+            hook.remove()
         self.losses = [entry["loss"] for entry in self.trainer.state.log_history if "loss" in entry]
         self.parameters = {name: p.detach().clone() for name, p in self.model.named_parameters()}
 
@@ -71,6 +73,15 @@ class Run:
     def same_training(self, other):
         return self.losses == other.losses and all(torch.equal(p, other.parameters[name])
                                                    for name, p in self.parameters.items())
+
+
+class Registered(transformers.TrainerCallback):
+    """Notes, at on_train_begin, whether the train dataloader is registered with accelerate's gradient state."""
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        from accelerate.state import GradientState
+
+        self.registered = any(r is train_dataloader for r in GradientState().dataloader_references)
 
 
 class Reporter(transformers.TrainerCallback):
@@ -92,8 +103,10 @@ def plain(tmp_path_factory):
 def trimmed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("trimmed")
     reporter, callback = Reporter(), GradauditCallback(report=str(folder / "first-batch.html"), trim=True)
-    run = Run(folder, [reporter, callback])
+    registered = Registered()
+    run = Run(folder, [reporter, callback, registered])
     run.folder, run.reporter, run.callback = folder, reporter, callback
+    run.registered_after_callback = registered.registered
     return run
 
 
@@ -114,6 +127,12 @@ def test_the_audited_batch_is_the_first_batch_the_trainer_trains_on(trimmed):
     assert steps[0].keys() == {"input_ids", "attention_mask", "labels", "num_items_in_batch"}
     assert all(torch.equal(audit[k], steps[0][k]) for audit in audits for k in audit)
     assert (audits[0]["attention_mask"] == 0).any()  # the collator padded this batch
+
+
+def test_taking_the_batch_leaves_the_accelerators_state_alone(trimmed):
+    # accelerate's dataloader registers with the gradient state (which gradient accumulation's end-of-data
+    # sync reads) while iterated, until exhausted: the callback's draw must leave no registration behind
+    assert trimmed.registered_after_callback is False
 
 
 def test_logged_figures_are_the_audits_of_that_batch(trimmed):
@@ -198,8 +217,7 @@ def test_remove_takes_trim_off_when_training_raises(tmp_path):
     model = callback.session.trim_handle._model_ref()
     assert is_trimmed(model)  # the Trainer called no on_train_end
     callback.remove()
-    assert not is_trimmed(model) and not any(m._forward_hooks for m in model.modules())
-    assert len(model._forward_pre_hooks) == 1  # Run's own recording hook (Run raised before removing it)
+    assert not is_trimmed(model) and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
 def test_plan_budget_refuses_the_trainers_own_checkpointing(tmp_path):

@@ -34,7 +34,7 @@ def report():
 
 def flamegraph_lines(snapshot):
     """torch's reader of a snapshot's blocks (``memory``), its lines kept as text: 'stream;state;frames size'."""
-    return _memory_viz.memory(snapshot, format_flamegraph=lambda lines: lines).splitlines()
+    return _memory_viz.memory(snapshot, lambda lines: lines).splitlines()  # (positional: its name varies)
 
 
 def live_bytes(trace):

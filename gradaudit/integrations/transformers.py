@@ -72,7 +72,11 @@ class GradauditCallback(TrainerCallback):
         if model is None:
             raise GradauditError("GradauditCallback.on_train_begin got no model: add the callback to a "
                                  "transformers.Trainer (callbacks=[GradauditCallback()])")
-        batch = _as_forward_inputs(first_batch(train_dataloader), model)
+        # accelerate's DataLoaderShard registers itself with the accelerator's gradient state when iterated
+        # and unregisters only at its end: the torch DataLoader it wraps gives the same first batch (moved to
+        # the model's device here, as the shard would) and leaves that state alone
+        loader = getattr(train_dataloader, "base_dataloader", train_dataloader)
+        batch = _as_forward_inputs(first_batch(loader), model)
         self.figures = self.session.begin(model, batch, write=state.is_world_process_zero,
                                           title=f"gradaudit: {type(model).__name__} (Trainer, first batch)")
         # as Trainer.log does it: the history, then every callback's on_log (the reporting integrations)
