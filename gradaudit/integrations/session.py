@@ -248,6 +248,6 @@ def _waste_message(report: Report, path: Optional[Path]) -> str:
     where = f"; see {path}" if path is not None else ""
     return (f"fail_on_waste: the first batch's forward holds {human_bytes(report.reclaimable_with_all_fixes_bytes)} "
             f"autograd does not need ({count} waste finding{'s' if count != 1 else ''}: {', '.join(codes)}){where}; "
-            f"each finding names its fix (gradaudit explain CODE); trim=True applies the drops and bit-packing among them "
-            f"while training")
+            f"each finding names its fix (gradaudit explain CODE); trim=True applies the drops and bit-packing "
+            f"among them while training")
 
