@@ -100,8 +100,13 @@ def _write_json(path: str, document: Any) -> None:
         _write(path, text, "--json")
 
 
-def _write(path: str, text: str, option: str) -> None:
+def _write(path: str, text: Any, option: str) -> None:
+    """Write ``text`` (str; bytes are written as they are) to ``path``."""
     try:
+        if isinstance(text, bytes):
+            with open(path, "wb") as handle:
+                handle.write(text)
+            return
         with open(path, "w", encoding="utf-8") as handle:
             handle.write(text)
     except OSError as error:
@@ -125,6 +130,7 @@ class ScanOptions:
     json: Optional[str] = None
     svg: Optional[str] = None
     dot: Optional[str] = None
+    memory_viz: Optional[str] = None  # the memory_viz snapshot (a pickle)
     verify: bool = False
     eager: bool = False
     select: tuple[str, ...] = ()
@@ -186,7 +192,7 @@ def run_scan(options: ScanOptions) -> int:
         click.echo(text, err=to_stderr)
 
     for path, option in ((options.html, "--html"), (options.json, "--json"), (options.svg, "--svg"),
-                         (options.dot, "--dot")):
+                         (options.dot, "--dot"), (options.memory_viz, "--memory-viz")):
         if path:
             _check_writable(path, option)
     limit = loading.parse_size(options.max_reclaimable) if options.max_reclaimable else None
@@ -236,6 +242,13 @@ def run_scan(options: ScanOptions) -> int:
                              f"use --dot and render it elsewhere)", error) from error
         _write(options.svg, svg, "--svg")
         written.append(("SVG graph", options.svg))
+    if options.memory_viz:
+        import pickle
+
+        from .report import memory_viz
+
+        _write(options.memory_viz, pickle.dumps(memory_viz.snapshot(report)), "--memory-viz")
+        written.append(("memory_viz snapshot", options.memory_viz))
     if options.html:
         from .report import html
 
@@ -417,6 +430,9 @@ def cli() -> None:
               "summary then goes to stderr).")
 @click.option("--svg", metavar="PATH", help="Write the annotated autograd graph as SVG (needs Graphviz).")
 @click.option("--dot", metavar="PATH", help="Write the annotated autograd graph as Graphviz DOT.")
+@click.option("--memory-viz", "memory_viz", metavar="PATH", help="Write the memory autograd holds, saved in the "
+              "forward and released in backward, as a snapshot (a .pickle) for PyTorch's memory_viz page "
+              "(https://pytorch.org/memory_viz).")
 @click.option("--verify", is_flag=True, help="Prove each verdict by running backward nodes on poisoned "
               "values (real devices only).")
 @click.option("--select", multiple=True, metavar="CODES", help="Only these rule code prefixes "
@@ -432,7 +448,8 @@ def cli() -> None:
 @quiet_option
 @click.option("-v", "--verbose", count=True, help="List more findings (-v: 50, -vv: all).")
 @debug_option
-def scan(spec: str, model: dict[str, Any], html: str, no_html: bool, json_path: Optional[str], svg: Optional[str], dot: Optional[str], verify: bool,
+def scan(spec: str, model: dict[str, Any], html: str, no_html: bool, json_path: Optional[str], svg: Optional[str],
+         dot: Optional[str], memory_viz: Optional[str], verify: bool,
          select: tuple[str, ...], ignore: tuple[str, ...], fail_on_waste: bool,
          max_reclaimable: Optional[str], eager: bool, trim: bool, quiet: bool, verbose: int,
          debug: bool) -> None:
@@ -448,10 +465,11 @@ def scan(spec: str, model: dict[str, Any], html: str, no_html: bool, json_path: 
       gradaudit scan examples/resnet_surgical.py:build --device meta --target cuda
       gradaudit scan mymodel.py:make --input-shape 8,3,224,224 --trainable 'fc.*'
       gradaudit scan mymodel.py:make --inputs mymodel.py:batch --fail-on-waste --ignore GA401
+      gradaudit scan examples/resnet_surgical.py:build --memory-viz held.pickle
     """
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
     options = ScanOptions(
-        spec=spec, **model, html=None if no_html else html, json=json_path, svg=svg, dot=dot,
+        spec=spec, **model, html=None if no_html else html, json=json_path, svg=svg, dot=dot, memory_viz=memory_viz,
         verify=verify, eager=eager,
         select=_split_codes(select), ignore=_split_codes(ignore), fail_on_waste=fail_on_waste,
         max_reclaimable=max_reclaimable, top={0: 10, 1: 50}.get(verbose, 1_000_000), quiet=quiet, trim=trim,

@@ -70,3 +70,24 @@ def test_every_subpackage_is_shipped():
     shipped = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
     found = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "gradaudit").rglob("__init__.py")}
     assert found <= shipped, sorted(found - shipped)
+
+
+def test_the_test_extra_installs_every_package_a_test_may_skip_without():
+    # CI installs '.[test]' and runs every test: a test that skips for a package the extra does not
+    # install never runs there
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    import re
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    installed = {re.split(r"[<>=!~\[ ]", requirement)[0] for requirement in extras["test"]}
+    installed |= {"torch"}  # a dependency of gradaudit itself
+    skipped_without = set()
+    for test_file in (ROOT / "tests").glob("*.py"):
+        for module in re.findall(r"importorskip\(\"([\w.]+)\"", test_file.read_text(encoding="utf-8")):
+            top = module.split(".")[0]
+            if top not in sys.stdlib_module_names:
+                skipped_without.add(top)
+    assert skipped_without <= installed, sorted(skipped_without - installed)
+    # each trainer callback's extra brings what its Trainer needs to run
+    assert {"transformers", "accelerate"} <= {re.split(r"[<>=!~ ]", r)[0] for r in extras["transformers"]}
+    assert {"lightning"} <= {re.split(r"[<>=!~ ]", r)[0] for r in extras["lightning"]}

@@ -347,6 +347,22 @@ def test_loading_the_plugin_does_not_import_torch():
     assert result.returncode == 0, result.stderr
 
 
+def test_gradaudit_never_imports_the_trainer_libraries():
+    # the trainer callbacks are optional extras: importing gradaudit, its integrations package, auditing,
+    # trimming and planning must not import transformers or lightning (slow, and maybe not installed)
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, gradaudit, gradaudit.integrations, gradaudit.integrations.session; "
+            "m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()) for _ in range(2)]); "
+            "x = torch.randn(2, 4); "
+            "gradaudit.audit(m, x); gradaudit.trim(m).remove(); gradaudit.plan(m, x, 1 << 20, measure_peak=False); "
+            "loaded = sorted(n for n in sys.modules if n.split('.')[0] in ('transformers', 'lightning', "
+            "'pytorch_lightning')); assert not loaded, loaded")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
 def test_assert_no_waste_checks_for_a_cuda_target_on_meta():
     # eval-mode batch norm behind a frozen convolution, as cuDNN would run it on a GPU: its input is
     # held only for a weight gradient nobody wants (GA201), on the CudnnBatchNormBackward0 node

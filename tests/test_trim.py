@@ -594,3 +594,33 @@ def test_sparse_saves_are_kept():
     assert stats["kept"] >= 1
     assert_identical(plain, trimmed)
 
+
+
+def test_handle_forward_trims_work_that_does_not_call_the_model():
+    # Lightning runs training_step, which may call only the model's submodules: the model's own hooks never
+    # fire, and handle.forward() covers such a step instead
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.features = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.MaxPool1d(2))
+    model.head = nn.Linear(3, 2)
+    x = torch.randn(4, 6)
+
+    def step():
+        return model.head(model.features(x)).square().sum()
+
+    step().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with trim(model) as handle:
+        step().backward()  # not covered: nothing is trimmed
+        assert handle.stats["dropped"] == handle.stats["bitpacked"] == 0
+        model.zero_grad(set_to_none=True)
+        with handle.forward(x):
+            loss = step()
+        loss.backward()
+        # the max-pool's input dropped (it keeps its indices), the ReLU's result bit-packed
+        assert handle.stats["dropped"] == 1 and handle.stats["bitpacked"] == 1, handle.stats
+    assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))
+    with pytest.raises(GradauditError, match="was removed"):
+        with handle.forward(x):
+            pass

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..accounting import Accountant, counted, roll_up
-from ..records import HELD_KINDS, Finding, Report
+from ..records import HELD_KINDS, Finding, Report, SavedTensor, Storage
 from .units import human_bytes
 
 
@@ -58,6 +58,21 @@ def module_bitpacking_totals(report: Report) -> dict[str, int]:
     for storage_id, freed in freed_with_all_fixes(report).items():
         own[report.storages[storage_id].module] += freed
     return dict(roll_up(own))
+
+
+def held_in_save_order(report: Report) -> list[tuple[SavedTensor, Storage]]:
+    """Each storage autograd holds, once, with its first save, in the order autograd packed the saves (saves
+    gradaudit did not pack, such as a 0-dim tensor made from a Python number, come last). Their sizes add up
+    to ``report.saved_bytes``."""
+    saves = sorted(counted(report.tensors), key=lambda t: (t.source_index < 0, t.source_index, t.index))
+    seen: set[int] = set()
+    held = []
+    for t in saves:
+        storage = report.storages[t.storage_id]
+        if t.storage_id not in seen and storage.kind in HELD_KINDS:
+            held.append((t, storage))
+        seen.add(t.storage_id)
+    return held
 
 
 @dataclass(frozen=True)

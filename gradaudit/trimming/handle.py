@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from torch import nn
 
@@ -56,6 +57,21 @@ class TrimHandle:
         """Counts since ``trim``: saves kept, dropped, bit-packed, and bit-packed saves given their
         tensor back because a later save kept it (``unpacked_again``)."""
         return dict(self._session.stats)
+
+    @contextlib.contextmanager
+    def forward(self, *args: Any, **kwargs: Any) -> Iterator[None]:
+        """Trim what the ``with`` block saves, as a call of the model does: for code that runs the model's
+        work without calling the model itself (Lightning runs ``training_step``, which may call only the
+        model's submodules). ``args``/``kwargs``: the block's inputs (alive anyway, never dropped). A call
+        of the model inside the block is part of it."""
+        model = self._model_ref()
+        if not self.installed or model is None:
+            raise GradauditError("this trim handle was removed: trim(model) again to trim a forward")
+        self._session.begin(model, args, kwargs)
+        try:
+            yield
+        finally:
+            self._session.end()
 
     def remove(self) -> None:
         for handle in self._handles:
