@@ -676,7 +676,7 @@ _AUTOCAST_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16
 
 def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: Optional[str],
             autocast: Optional[str], remedy: bool, largest: Optional[str] = None,
-            html_path: Optional[str] = None) -> int:
+            html_path: Optional[str] = None, memory_viz_path: Optional[str] = None) -> int:
     import torch
 
     from . import loading
@@ -689,6 +689,8 @@ def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: O
         _check_writable(options.json, "--json")
     if html_path:
         _check_writable(html_path, "--html")
+    if memory_viz_path:
+        _check_writable(memory_viz_path, "--memory-viz")
     memory = loading.parse_size(memory_text)
     loss = loading.load_object(loss_spec) if loss_spec else None
     if loss is not None and not callable(loss):
@@ -712,9 +714,17 @@ def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: O
         from .report import fithtml
 
         _write(html_path, fithtml.render(result, title=f"gradaudit fit: {options.spec}"), "--html")
+    if memory_viz_path:
+        import pickle
+
+        from .report import memory_viz
+
+        _write(memory_viz_path, pickle.dumps(memory_viz.fit_snapshot(result)), "--memory-viz")
     click.echo(fittext.render(result, quiet=options.quiet), err=to_stderr)
     if html_path and not options.quiet:
         click.echo(f"HTML fit: {html_path}", err=to_stderr)
+    if memory_viz_path and not options.quiet:
+        click.echo(f"memory_viz snapshot: {memory_viz_path}", err=to_stderr)
     if largest:
         click.echo(f"largest {largest} that fits as it is: {found} (measured: {found} fits, {found + 1} does not)",
                    err=to_stderr)
@@ -741,11 +751,13 @@ def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: O
 @click.option("--json", "json_path", metavar="PATH", help="Write the fit as JSON ('-' for stdout).")
 @click.option("--html", "html_path", metavar="PATH", help="Write the fit as a self-contained HTML page (the "
               "step's memory over time by category, with the memory as a line, before and after the remedy).")
+@click.option("--memory-viz", "memory_viz_path", metavar="PATH", help="Write the step's allocations and frees as a "
+              "snapshot (a .pickle) for PyTorch's memory_viz page (https://pytorch.org/memory_viz).")
 @quiet_option
 @debug_option
 def fit_command(spec: str, memory: str, model: dict[str, Any], optimizer: str, loss_spec: Optional[str],
                 autocast: Optional[str], no_remedy: bool, largest: Optional[str], json_path: Optional[str],
-                html_path: Optional[str], quiet: bool, debug: bool) -> None:
+                html_path: Optional[str], memory_viz_path: Optional[str], quiet: bool, debug: bool) -> None:
     """Predict the peak memory of one training step (forward, backward, optimizer step) of the model
     built by SPEC, by category, and whether it fits in --memory; when it does not, the cheapest
     change (gradaudit.trim, a checkpoint plan) whose measured step fits, beside checkpointing every
@@ -761,7 +773,8 @@ def fit_command(spec: str, memory: str, model: dict[str, Any], optimizer: str, l
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
     options = ScanOptions(spec=spec, **model, html=None, json=json_path, quiet=quiet, progress=progress)
     _exit_with(lambda: run_fit(options, memory, optimizer, loss_spec, autocast, remedy=not no_remedy,
-                               largest=largest, html_path=html_path), progress, debug)
+                               largest=largest, html_path=html_path, memory_viz_path=memory_viz_path),
+               progress, debug)
 
 
 @cli.command("rules", short_help="List the rule catalogue.")

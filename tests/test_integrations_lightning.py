@@ -193,3 +193,18 @@ def test_a_plan_trains_bit_identically(plain):
     assert planned.logged()[0][1]["gradaudit/plan_held_bytes"] == callback.plan.held_bytes
     assert planned.same_training(plain)  # recomputation restores the RNG: the dropout draws the same mask
     assert not any("forward" in m.__dict__ for m in planned.model.modules())  # removed at on_train_end
+
+
+def test_fit_memory_logs_the_steps_peak_and_stops_before_training_where_nothing_fits(plain):
+    fits = GradauditCallback(report=None, fit_memory="1GiB")
+    run = Run([fits])
+    (step, logged), = run.logged()
+    peak = fits.fit.peak_bytes
+    assert logged["gradaudit/step_peak_bytes"] == peak and logged["gradaudit/step_fits"] == 1
+    assert fits.fit.optimizer == "SGD"  # the module's own optimizer (configure_optimizers)
+    assert run.same_training(plain)
+    # this small CNN peaks in backward, at its convolution's gradients, after every activation a remedy could
+    # drop is gone: a byte less and nothing fits, which the callback says before the first step
+    assert fits.fit.peak_phase == "backward"
+    with pytest.raises(gradaudit.GradauditError, match="no trim or checkpoint plan brings it within"):
+        Run([GradauditCallback(report=None, fit_memory=peak - 1)])

@@ -236,3 +236,60 @@ def test_plan_budget_refuses_the_trainers_own_checkpointing(tmp_path):
 def test_unknown_option_values_are_errors(options, message):
     with pytest.raises(gradaudit.GradauditError, match=message):
         GradauditCallback(**options)
+
+
+# -- fit_memory: the whole step fitted with the Trainer's optimizer, its remedy installed for the run --------
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    callback = GradauditCallback(report=None, fit_memory="1GiB")
+    run = Run(tmp_path_factory.mktemp("fitted"), [callback])
+    run.callback = callback
+    return run
+
+
+def test_fit_memory_logs_the_steps_predicted_peak_which_a_real_step_measures(fitted, plain):
+    from gradaudit.measure import measured_step_peak
+
+    logged = fitted.logged()[0]
+    assert logged["gradaudit/step_fits"] == 1 and "gradaudit/remedy_step_peak_bytes" not in logged
+    # the Trainer's optimizer (AdamW, two parameter groups) rebuilt on stand-ins: a real step on the first batch,
+    # measured by the independent tracker, peaks where the callback said
+    batch = fitted.forwards[0]
+    used = getattr(fitted.trainer.optimizer, "optimizer", fitted.trainer.optimizer)  # inside accelerate's wrapper
+    assert fitted.callback.fit.optimizer == type(used).__name__
+
+    def same_optimizer(parameters):
+        import inspect
+
+        accepted = inspect.signature(type(used)).parameters  # its implementation (foreach, fused) as the Trainer chose
+        return type(used)(parameters, **{k: v for k, v in used.defaults.items() if k in accepted})
+
+    # the Run's forward hook keeps a copy of every forward's inputs (960 bytes here), the fitted step's too:
+    # the measured model has the same hook
+    model, kept = build_model(), []
+    model.register_forward_pre_hook(lambda module, args, kwargs: kept.append({k: v.clone() for k, v in kwargs.items()}),
+                                    with_kwargs=True)
+    measured = measured_step_peak(model, batch, same_optimizer, lambda output: output.loss)
+    assert logged["gradaudit/step_peak_bytes"] == fitted.callback.fit.peak_bytes == measured
+    assert fitted.same_training(plain)  # a step that fits: nothing installed
+
+
+def test_fit_memory_below_the_peak_installs_the_remedy_and_training_stays_bit_identical(fitted, plain, tmp_path):
+    peak = fitted.callback.fit.peak_bytes
+    callback = GradauditCallback(report=None, fit_memory=peak * 95 // 100)
+    run = Run(tmp_path, [callback])
+    remedy = callback.fit.remedy
+    assert remedy is not None and remedy.peak_bytes <= peak * 95 // 100
+    logged = run.logged()[0]
+    assert logged["gradaudit/step_fits"] == 0 and logged["gradaudit/remedy_step_peak_bytes"] == remedy.peak_bytes
+    assert run.same_training(plain)
+    assert run.model.forward.__func__ is type(run.model).forward  # the remedy is off the model afterwards
+
+
+def test_fit_memory_that_nothing_fits_stops_before_the_first_step(tmp_path):
+    with pytest.raises(gradaudit.GradauditError, match="no trim or checkpoint plan brings it within"):
+        Run(tmp_path, [GradauditCallback(report=None, fit_memory="64KB")])
+    with pytest.raises(gradaudit.GradauditError, match="not both"):
+        GradauditCallback(fit_memory="1GiB", trim=True)

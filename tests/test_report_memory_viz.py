@@ -117,3 +117,35 @@ def test_scan_refuses_an_unwritable_snapshot_path(tmp_path, monkeypatch):
     (tmp_path / "models.py").write_text(MODELS)
     result = CliRunner().invoke(cli, ["scan", "models.py:build", "--memory-viz", "missing/held.pickle", "--no-html"])
     assert result.exit_code == 2 and "cannot write --memory-viz missing/held.pickle" in result.output
+
+
+def test_a_fits_step_exports_as_a_snapshot_whose_trace_peaks_at_the_fits_peak(tmp_path, monkeypatch):
+    import pickle
+
+    import torch
+    from click.testing import CliRunner
+
+    import gradaudit
+    from gradaudit.cli import cli
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    fitted = gradaudit.fit(model, torch.randn(16, 64), memory="1GiB", optimizer="adam", loss=lambda out: out.sum())
+    snapshot = memory_viz.fit_snapshot(fitted)
+    [trace] = snapshot["device_traces"]
+    alive = peak = 0
+    for event in trace:
+        alive += event["size"] if event["action"] == "alloc" else -event["size"] if event["action"] == "free_completed" else 0
+        peak = max(peak, alive)
+    assert peak == fitted.peak_bytes
+    assert _memory_viz.segsum(snapshot)  # torch's reader takes it
+    categories = {block["frames"][0]["filename"] for segment in snapshot["segments"] for block in segment["blocks"]}
+    assert {"parameters", "optimizer_state", "gradients", "activations"} <= categories
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mlp.py").write_text("import torch\n"
+                                     "def build():\n"
+                                     "    return torch.nn.Sequential(torch.nn.Linear(8, 8)), torch.randn(4, 8)\n")
+    result = CliRunner().invoke(cli, ["fit", "mlp.py:build", "--memory", "1MiB", "--memory-viz", "step.pickle"])
+    assert result.exit_code == 0, result.output
+    assert "memory_viz snapshot: step.pickle" in result.output
+    assert pickle.loads((tmp_path / "step.pickle").read_bytes())["device_traces"]

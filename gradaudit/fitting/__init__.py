@@ -93,7 +93,7 @@ def fit(
     result = Fit(model=type(model).__name__, device="meta" if on_meta else target, target=target, optimizer=name,
                  memory=memory_bytes, peak_bytes=step.peak_bytes, breakdown=step.breakdown,
                  peak_phase=step.peak_phase, timeline=step.timeline, trained_parameters=run.trained,
-                 reserved_bytes=step.reserved_bytes, notes=notes)
+                 reserved_bytes=step.reserved_bytes, notes=notes, _run=run)
     _searchable(result, model, builder, name, loss, trainable, frozen, target, on_meta, autocast, inputs, memo)
     if remedy and not result.fits and step.floor_bytes > memory_bytes:
         result.remedy_searched = True

@@ -24,6 +24,10 @@ def resolve(optimizer: Any) -> tuple[Callable[[Any], torch.optim.Optimizer], str
         optimizer = DEFAULT
     if isinstance(optimizer, str):
         return _named(optimizer), optimizer
+    # a trainer's wrapper (accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer) around the real one
+    inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        optimizer = inner
     if isinstance(optimizer, torch.optim.Optimizer):
         return _like(optimizer), type(optimizer).__name__
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):

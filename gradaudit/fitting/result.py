@@ -95,6 +95,7 @@ class Fit:
     remedy_searched: bool = False  # whether a remedy was looked for (only when it does not fit)
     alternatives: list[Any] = field(default_factory=list)  # what users otherwise try, measured beside the remedy
     _largest: Any = field(default=None, repr=False, compare=False)
+    _run: Any = field(default=None, repr=False, compare=False)  # the step's storages (memory_viz export)
 
     @property
     def fits(self) -> bool:

@@ -44,13 +44,16 @@ class GradauditCallback(pl.Callback):
 
     The options are those of ``gradaudit.integrations.transformers.GradauditCallback``: ``report`` (HTML
     path, JSON beside it; None writes neither), ``trim``, ``plan_budget`` (bytes or a size such as
-    ``"8GiB"``: the plan for it is applied for the run) and ``fail_on_waste`` (raise before the first step
-    when the first batch's forward holds memory autograd does not need).
+    ``"8GiB"``: the plan for it is applied for the run), ``fail_on_waste`` (raise before the first step
+    when the first batch's forward holds memory autograd does not need) and ``fit_memory`` (the whole
+    training step fitted with the trainer's first optimizer; where it does not fit, the cheapest remedy is
+    installed for the run, and where none makes it fit, an error is raised before the first step).
     """
 
     def __init__(self, report: Optional[str] = "gradaudit-report.html", trim: bool = False,
-                 plan_budget: Union[int, str, None] = None, fail_on_waste: bool = False) -> None:
-        self.options = CallbackOptions.checked(report, trim, plan_budget, fail_on_waste)
+                 plan_budget: Union[int, str, None] = None, fail_on_waste: bool = False,
+                 fit_memory: Union[int, str, None] = None) -> None:
+        self.options = CallbackOptions.checked(report, trim, plan_budget, fail_on_waste, fit_memory)
         self.session = TrainingSession(self.options)
         self.figures: dict[str, int] = {}
         self.summary: Optional[str] = None
@@ -84,6 +87,7 @@ class GradauditCallback(pl.Callback):
         with _training_step_as_forward(trainer, pl_module):
             self.figures = self.session.begin(pl_module, (batch, batch_idx), write=trainer.is_global_zero,
                                               train_mode=False,
+                                              optimizer=trainer.optimizers[0] if trainer.optimizers else None,
                                               title=f"gradaudit: {type(pl_module).__name__} (Lightning, first batch)")
         trimming = self.session.trim_handle
         if trimming is not None:
@@ -102,6 +106,11 @@ class GradauditCallback(pl.Callback):
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._end()
+
+    @property
+    def fit(self) -> Any:
+        """With ``fit_memory``: the ``gradaudit.Fit`` of the first batch's training step (None otherwise)."""
+        return self.session.fit
 
     @property
     def trim_stats(self) -> Optional[dict[str, int]]:

@@ -34,9 +34,11 @@ class CallbackOptions:
     trim: bool
     plan_budget: Optional[int]
     fail_on_waste: bool
+    fit_memory: Optional[int] = None
 
     @classmethod
-    def checked(cls, report: Any, trim: Any, plan_budget: Any, fail_on_waste: Any) -> "CallbackOptions":
+    def checked(cls, report: Any, trim: Any, plan_budget: Any, fail_on_waste: Any,
+                fit_memory: Any = None) -> "CallbackOptions":
         from ..planning.result import parse_budget
 
         if report is not None and not isinstance(report, (str, os.PathLike)):
@@ -49,16 +51,21 @@ class CallbackOptions:
             if not isinstance(value, bool):
                 raise GradauditError(f"{name} must be True or False, not {value!r}")
         budget = parse_budget(plan_budget) if plan_budget is not None else None
-        return cls(path, trim, budget, fail_on_waste)
+        memory = parse_budget(fit_memory) if fit_memory is not None else None
+        if memory is not None and (trim or budget is not None):
+            raise GradauditError("fit_memory chooses trim and the checkpoint plan itself (the cheapest change that "
+                                 "makes the step fit): give fit_memory, or trim/plan_budget, not both")
+        return cls(path, trim, budget, fail_on_waste, memory)
 
     @property
     def json_report(self) -> Optional[Path]:
         return self.report.with_suffix(".json") if self.report is not None else None
 
 
-def figures(report: Report, plan: Any = None, trimmed: bool = False) -> dict[str, int]:
+def figures(report: Report, plan: Any = None, trimmed: bool = False, fitted: Any = None) -> dict[str, int]:
     """The figures a callback logs, named with METRIC_PREFIX: what autograd holds for backward after the
-    first batch's forward, what it need not hold, and, with a plan or trim, what the model holds under them."""
+    first batch's forward, what it need not hold, and, with a plan or trim, what the model holds under them;
+    with fit_memory, the predicted peak of a whole training step (and under the remedy installed)."""
     logged = {
         "held_bytes": report.saved_bytes,
         "reclaimable_bytes": report.reclaimable_bytes,
@@ -71,6 +78,13 @@ def figures(report: Report, plan: Any = None, trimmed: bool = False) -> dict[str
     elif trimmed:
         # trim drops and bit-packs exactly what the audit counts as reclaimable with bit-packing
         logged["trimmed_held_bytes"] = report.saved_bytes - report.reclaimable_with_bitpacking_bytes
+    if fitted is not None:
+        logged["step_peak_bytes"] = fitted.peak_bytes
+        logged["step_fits"] = int(fitted.fits)
+        if fitted.remedy is not None:
+            logged["remedy_step_peak_bytes"] = fitted.remedy.peak_bytes
+            logged["remedy_checkpointed_modules"] = len(fitted.remedy.checkpointed)
+            logged["remedy_trim"] = int(fitted.remedy.trim)
     return {METRIC_PREFIX + name: value for name, value in logged.items()}
 
 
@@ -143,6 +157,7 @@ class TrainingSession:
         self.options = options
         self.report: Optional[Report] = None
         self.plan: Any = None
+        self.fit: Any = None  # with fit_memory: the gradaudit.Fit of the first batch's step
         self._handle: Any = None  # the trim or plan handle installed for the run
         # trim's counts over the run (saves kept, dropped, bit-packed), taken when it is removed
         self.trim_stats: Optional[dict[str, int]] = None
@@ -161,10 +176,12 @@ class TrainingSession:
         return getattr(self._handle, "trim_handle", None)
 
     def begin(self, model: nn.Module, inputs: Any, *, title: str, write: bool = True,
-              train_mode: bool = True) -> dict[str, int]:
+              train_mode: bool = True, optimizer: Any = None) -> dict[str, int]:
         """Audit ``model`` on ``inputs`` (in train mode where ``train_mode``, as a training step runs it; the
         modes are put back), write the reports (where ``write``: one process of several writes them),
-        raise on waste when asked, and install trim or the plan. Returns the figures to log."""
+        raise on waste when asked, and install trim or the plan; with fit_memory, fit the whole step
+        (``optimizer``: the trainer's, else AdamW) and install its remedy where it does not fit. Returns
+        the figures to log."""
         from ..auditing import audit
 
         if self.installed:
@@ -178,13 +195,17 @@ class TrainingSession:
                 raise GradauditError(_waste_message(report, self.options.report if write else None))
             if self.options.plan_budget is not None:
                 self.plan = self._plan(model, inputs)
-        if self.plan is not None:
+            if self.options.fit_memory is not None:
+                self.fit = self._fit(model, inputs, optimizer)
+        if self.fit is not None and self.fit.remedy is not None:
+            self._handle = self.fit.remedy.apply(model)
+        elif self.plan is not None:
             self._handle = self.plan.apply(model)
         elif self.options.trim:
             from ..trimming import trim
 
             self._handle = trim(model)
-        return figures(report, self.plan, self.options.trim)
+        return figures(report, self.plan, self.options.trim, self.fit)
 
     def end(self) -> None:
         """Remove what ``begin`` installed (nothing else): the model is exactly as before ``begin``."""
@@ -205,6 +226,20 @@ class TrainingSession:
         # no peak measurement: that would run extra training steps before the run's first
         return plan(model, inputs, self.options.plan_budget, trim=self.options.trim or None,
                     measure_peak=False)
+
+    def _fit(self, model: nn.Module, inputs: Any, optimizer: Any) -> Any:
+        from ..fitting import fit
+        from ..report.units import human_bytes
+
+        if checkpoints_itself(model):
+            raise GradauditError("fit_memory may install a checkpoint plan, which replaces the model's own activation "
+                                 "checkpointing, which this run turns on: turn it off or drop fit_memory")
+        fitted = fit(model, inputs, memory=self.options.fit_memory, optimizer=optimizer)
+        if not fitted.fits and fitted.remedy is None:
+            raise GradauditError(f"fit_memory: a training step on the first batch peaks at {human_bytes(fitted.peak_bytes)}, "
+                                 f"over {human_bytes(fitted.memory)}, and no trim or checkpoint plan brings it within: "
+                                 f"see gradaudit.fit for the breakdown (a smaller batch, fewer trained parameters)")
+        return fitted
 
     def _write(self, report: Report, title: str) -> None:
         from ..report import html, jsonout

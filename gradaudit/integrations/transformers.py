@@ -43,11 +43,17 @@ class GradauditCallback(TrainerCallback):
         Replaces the Trainer's own gradient checkpointing, which must be off.
     fail_on_waste: raise ``GradauditError`` before the first step when the first batch's forward holds
         memory autograd does not need (waste findings).
+    fit_memory: bytes (or a size such as ``"24GiB"``) one training step may use: the whole step on the first
+        batch is fitted with the Trainer's optimizer (``gradaudit.fit``) and its predicted peak logged; where
+        it does not fit, the cheapest remedy (trim and/or a checkpoint plan) is installed for the run, and
+        where none makes it fit, ``GradauditError`` is raised before the first step. It chooses trim and the
+        plan itself: not with ``trim`` or ``plan_budget``.
     """
 
     def __init__(self, report: Optional[str] = "gradaudit-report.html", trim: bool = False,
-                 plan_budget: Union[int, str, None] = None, fail_on_waste: bool = False) -> None:
-        self.options = CallbackOptions.checked(report, trim, plan_budget, fail_on_waste)
+                 plan_budget: Union[int, str, None] = None, fail_on_waste: bool = False,
+                 fit_memory: Union[int, str, None] = None) -> None:
+        self.options = CallbackOptions.checked(report, trim, plan_budget, fail_on_waste, fit_memory)
         self.session = TrainingSession(self.options)
         self.figures: dict[str, int] = {}
 
@@ -60,6 +66,11 @@ class GradauditCallback(TrainerCallback):
     def plan(self) -> Any:
         """The ``gradaudit.Plan`` applied for the run (None without ``plan_budget``)."""
         return self.session.plan
+
+    @property
+    def fit(self) -> Any:
+        """With ``fit_memory``: the ``gradaudit.Fit`` of the first batch's training step (None otherwise)."""
+        return self.session.fit
 
     @property
     def trim_stats(self) -> Optional[dict[str, int]]:
@@ -78,6 +89,7 @@ class GradauditCallback(TrainerCallback):
         loader = getattr(train_dataloader, "base_dataloader", train_dataloader)
         batch = _as_forward_inputs(first_batch(loader), model)
         self.figures = self.session.begin(model, batch, write=state.is_world_process_zero,
+                                          optimizer=kwargs.get("optimizer"),
                                           title=f"gradaudit: {type(model).__name__} (Trainer, first batch)")
         # as Trainer.log does it: the history, then every callback's on_log (the reporting integrations)
         logs: dict[str, Any] = dict(self.figures)

@@ -52,6 +52,44 @@ def snapshot(report: Report) -> dict[str, Any]:
     return from_events(events, device=_device_index(report.device))
 
 
+def fit_snapshot(fit: Any) -> dict[str, Any]:
+    """A fit's whole training step as a memory_viz snapshot: every storage alive throughout (parameters,
+    buffers, the batch, the optimizer's state) allocated first, then each storage the step makes, allocated
+    after the op that made it and freed before the op after which it is gone (a sample's frees before its
+    allocations), of the size the target's allocator counts (rounded up to 512 B for CUDA); storages alive
+    when the step ends (the loss) are not freed. The trace's peak is ``fit.peak_bytes``; each block's frame
+    names its category and the phase that made it."""
+    from ..fitting.result import allocated
+
+    run, target = fit._run, fit.target
+    if run is None:
+        raise ValueError("this Fit keeps no step to export (made by another version of gradaudit)")
+    events, key = [], 0
+    for category, sizes in run.persistent.items():
+        for nbytes in sizes:
+            key += 1
+            events.append(Event("alloc", key, allocated(nbytes, target), ((category, 0, "alive throughout the step"),)))
+    phases, start = [], 1
+    for phase, count in run.phases:
+        phases.append((start, start + count, phase))
+        start += count
+
+    def phase_of(sample: int) -> str:
+        return next((name for first, end, name in phases if first <= sample < end), phases[-1][2])
+
+    keys = {id(life): index for index, life in enumerate(run.lives, start=key + 1)}
+    by_sample: dict[int, list[Event]] = {}
+    for life in run.lives:
+        if life.died is not None:
+            by_sample.setdefault(2 * life.died, []).append(Event("free", keys[id(life)]))
+        frames = ((life.category, life.born, f"made in the {phase_of(life.born)}"),)
+        by_sample.setdefault(2 * life.born + 1, []).append(Event("alloc", keys[id(life)],
+                                                                 allocated(life.nbytes, target), frames))
+    for moment in sorted(by_sample):
+        events.extend(by_sample[moment])
+    return from_events(events)
+
+
 def from_events(events: Sequence[Event], device: int = 0) -> dict[str, Any]:
     """A snapshot whose ``device_traces[device]`` is ``events`` as the allocator's trace (an ``alloc``, or a
     ``free_requested`` and ``free_completed``), and whose ``segments`` are the state after them: one segment
