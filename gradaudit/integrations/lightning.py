@@ -32,14 +32,14 @@ from ..errors import GradauditError
 from ..planning.apply import Forwards
 from ..records import Report
 from ..report.units import human_bytes
-from .session import CallbackOptions, TrainingSession
+from .session import CallbackOptions, SessionResults, TrainingSession
 
 __all__ = ["GradauditCallback", "HeldSummary"]
 
 HELD_COLUMN = "Held for backward"
 
 
-class GradauditCallback(pl.Callback):
+class GradauditCallback(SessionResults, pl.Callback):
     """Audit the first training batch, report and log it, and trim and/or plan the module for the run.
 
     The options are those of ``gradaudit.integrations.transformers.GradauditCallback``: ``report`` (HTML
@@ -59,16 +59,6 @@ class GradauditCallback(pl.Callback):
         self.summary: Optional[str] = None
         self._step: Optional[_StepTrimmed] = None
         self._audited = False
-
-    @property
-    def report(self) -> Optional[Report]:
-        """The audit's ``gradaudit.Report`` of the first batch (None before ``on_train_start``)."""
-        return self.session.report
-
-    @property
-    def plan(self) -> Any:
-        """The ``gradaudit.Plan`` applied for the run (None without ``plan_budget``)."""
-        return self.session.plan
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if not pl_module.automatic_optimization:
@@ -106,16 +96,6 @@ class GradauditCallback(pl.Callback):
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._end()
-
-    @property
-    def fit(self) -> Any:
-        """With ``fit_memory``: the ``gradaudit.Fit`` of the first batch's training step (None otherwise)."""
-        return self.session.fit
-
-    @property
-    def trim_stats(self) -> Optional[dict[str, int]]:
-        """trim's counts over the run (saves kept, dropped, bit-packed; None without trim or before the end)."""
-        return self.session.trim_stats
 
     def remove(self) -> None:
         """Take trim and the plan off the module (``on_train_end`` and ``on_exception`` do)."""

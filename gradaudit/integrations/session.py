@@ -253,6 +253,32 @@ class TrainingSession:
                                      f"give GradauditCallback(report=...) a writable path") from error
 
 
+class SessionResults:
+    """What both callbacks show of their ``session`` (a TrainingSession) after the first batch."""
+
+    session: TrainingSession
+
+    @property
+    def report(self) -> Optional[Report]:
+        """The audit's ``gradaudit.Report`` of the first batch (None before it is audited)."""
+        return self.session.report
+
+    @property
+    def plan(self) -> Any:
+        """The ``gradaudit.Plan`` applied for the run (None without ``plan_budget``)."""
+        return self.session.plan
+
+    @property
+    def fit(self) -> Any:
+        """With ``fit_memory``: the ``gradaudit.Fit`` of the first batch's training step (None otherwise)."""
+        return self.session.fit
+
+    @property
+    def trim_stats(self) -> Optional[dict[str, int]]:
+        """trim's counts over the run (saves kept, dropped, bit-packed; None without trim or before the end)."""
+        return self.session.trim_stats
+
+
 def checkpoints_itself(model: nn.Module) -> bool:
     """Whether a Hugging Face model has its own activation checkpointing on (transformers 5 renamed
     ``is_gradient_checkpointing``, which now warns, to ``is_activation_checkpointing``)."""

@@ -28,12 +28,12 @@ from transformers.trainer_callback import CallbackHandler
 
 from ..errors import GradauditError
 from ..loading import to_device
-from .session import CallbackOptions, TrainingSession, first_batch
+from .session import CallbackOptions, SessionResults, TrainingSession, first_batch
 
 __all__ = ["GradauditCallback"]
 
 
-class GradauditCallback(TrainerCallback):
+class GradauditCallback(SessionResults, TrainerCallback):
     """Audit the first training batch, report and log it, and trim and/or plan the model for the run.
 
     report: the HTML report's path (the JSON report is written beside it, ``.json``); None writes neither.
@@ -56,26 +56,6 @@ class GradauditCallback(TrainerCallback):
         self.options = CallbackOptions.checked(report, trim, plan_budget, fail_on_waste, fit_memory)
         self.session = TrainingSession(self.options)
         self.figures: dict[str, int] = {}
-
-    @property
-    def report(self) -> Any:
-        """The audit's ``gradaudit.Report`` of the first batch (None before ``on_train_begin``)."""
-        return self.session.report
-
-    @property
-    def plan(self) -> Any:
-        """The ``gradaudit.Plan`` applied for the run (None without ``plan_budget``)."""
-        return self.session.plan
-
-    @property
-    def fit(self) -> Any:
-        """With ``fit_memory``: the ``gradaudit.Fit`` of the first batch's training step (None otherwise)."""
-        return self.session.fit
-
-    @property
-    def trim_stats(self) -> Optional[dict[str, int]]:
-        """trim's counts over the run (saves kept, dropped, bit-packed; None without trim or before the end)."""
-        return self.session.trim_stats
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, train_dataloader: Any = None,
                        **kwargs: Any) -> Any:
