@@ -34,11 +34,14 @@ _LAZY = {
     # will a whole training step fit, and the cheapest change that makes it
     "fit": ("gradaudit.fitting", "fit"),
     "Fit": ("gradaudit.fitting", "Fit"),
+    # per rank: FSDP2, tensor and sequence parallel models in a fake process group on this machine
+    "fake_world": ("gradaudit.ranks", "fake_world"),
+    "per_rank": ("gradaudit.ranks", "per_rank"),
 }
 
 __all__ = [
     "audit", "trim", "TrimHandle", "plan", "Plan", "PlanHandle", "BudgetError", "assert_no_waste", "declare", "declare_function", "Read", "Reads", "Bit",
-    "meta_device", "fit", "Fit", "Report", "Finding", "SavedTensor", "Disagreement", "SCHEMA_VERSION",
+    "meta_device", "fit", "Fit", "fake_world", "per_rank", "Report", "Finding", "SavedTensor", "Disagreement", "SCHEMA_VERSION",
     "GradauditError", "ForwardError", "NothingRequiresGradError", "UnknownCodeError", "NoMatchingParameterError",
     "__version__",
 ]

@@ -20,7 +20,8 @@ from .records import (
 )
 from .rules.registry import Flag, RuleContext, all_rules, selected
 from .tensors import ModelTree, dtype_name, first_meta_parameter, itemsize, storage_key, tensor_attributes
-from .torchapi import storage_id
+from . import torchapi
+from .torchapi import local_of, storage_id
 
 
 class KnownStorages:
@@ -52,10 +53,14 @@ class KnownStorages:
             for t in tensors:
                 if t.layout == strided:
                     kind[storage_key(t)] = label
+        # FSDP2's gathered parameters that are not the registered ones now (resharded after the forward)
+        self.gathered = torchapi.fsdp_unsharded_storages(model)
+        for key in self.gathered:
+            kind.setdefault(key, StorageKind.RESHARDED)
 
     def kept_on_modules(self) -> tuple[int, list[str]]:
         """Bytes of the storages the forward stored on modules, and where (module.attribute)."""
-        return (sum(t.untyped_storage().nbytes() for _, t in self.module_attributes.values()),
+        return (sum(local_of(t).untyped_storage().nbytes() for _, t in self.module_attributes.values()),
                 sorted({path for path, _ in self.module_attributes.values()}))
 
     def classify(self, key: int) -> str:
@@ -103,6 +108,8 @@ def build_report(
     kept_bytes, kept_where = alive.kept_on_modules()
     notes = (list(notes) + _unreported(accountant, scoped.scope, ctx.covered, select, ignore)
              + _notes(tensors, disagreements, kept_bytes, kept_where))
+    regathered = sum(alive.gathered[key][1] for key, sid in saves.storage_ids.items()
+                     if key in alive.gathered and storages[sid].kind == StorageKind.RESHARDED)
     device = _device_of(tree, inputs)
     if target is None:
         target = "cpu" if device == "meta" else torch.device(device).type
@@ -120,7 +127,7 @@ def build_report(
         parameters_requiring_grad=sum(1 for v in params.values() if v),
         inputs_requiring_grad=sum(1 for t in inputs if t.requires_grad),
         unexplained=blind_spots(tensors, storages), notes=notes, disagreements=disagreements,
-        module_calls=module_calls,
+        module_calls=module_calls, regathered_bytes=regathered,
     )
 
 
@@ -152,9 +159,13 @@ def _saved_tensors(recording: Recording, nodes: list[GraphNode], alive: KnownSto
     found = _Saves()
     tensors, storages, storage_ids, preset = found.tensors, found.storages, found.storage_ids, found.preset
     strided, device_names = torch.strided, {}  # device -> str(device): one per device, not per save
+    plain = (torch.Tensor, torch.nn.Parameter)
+    gathered = recording.gathered
     for k in order:
         save = recording.saves[k]
         t = save.tensor
+        if t is not None and type(t) not in plain:
+            t = local_of(t)  # a DTensor: what this rank holds is its local shard, of the local shape
         if t is not None and t.layout != strided:
             # a sparse (or other non-strided) save holds several storages: its bytes are unknown
             sid, shape, dtype = -1, tuple(t.shape), t.dtype
@@ -165,8 +176,8 @@ def _saved_tensors(recording: Recording, nodes: list[GraphNode], alive: KnownSto
             sid = storage_ids.get(key)
             if sid is None:
                 sid = storage_ids[key] = len(storages)
-                storages.append(Storage(id=sid, nbytes=storage.nbytes(),
-                                        kind=alive.classify(key), module=save.site.module))
+                storages.append(Storage(id=sid, nbytes=storage.nbytes(), kind=alive.classify(key),
+                                        module=save.site.module, gathered_over=gathered.get(key, 0)))
             shape, dtype = tuple(t.shape), t.dtype
             device = t.device
             name = device_names.get(device)
@@ -234,6 +245,7 @@ def _call_storages(tensors: list[torch.Tensor], saves: _Saves, others: dict[int,
         if t.layout != torch.strided:
             uncounted += 1
             continue
+        t = local_of(t)
         key = storage_key(t)
         sid = saves.storage_ids.get(key)
         if sid is None:

@@ -18,7 +18,7 @@ from .errors import ForwardError, GradauditError, NoMatchingParameterError, Noth
 from .measure import held_bytes_after_forward
 from .meta import TARGETS, WithoutAttentionDropout, standing_for
 from .recorder import Recorder
-from .records import Leaf, Manager, Report
+from .records import Leaf, Manager, Report, StorageKind
 from .rules.registry import check_codes
 from .tensors import ModelTree, first_meta_parameter, iter_tensors, split_inputs, unique
 from .values import to_meta
@@ -215,6 +215,10 @@ def audit(
         inputs = to_meta(inputs)
         args, kwargs = split_inputs(inputs)
         input_tensors = unique(list(iter_tensors((args, kwargs))))
+    if verify and (torchapi.distributed_rank() or (1, 0))[0] > 1:
+        raise GradauditError("verify=True runs backward nodes one by one on poisoned values, which a distributed "
+                             "model's collectives cannot (a fake world's carry no values): drop verify, or verify "
+                             "the model unparallelised")
     if verify and on_meta:
         raise GradauditError("verify=True needs real values; it cannot run on the meta device "
                              "(audit on CPU or GPU, or drop verify)")
@@ -247,6 +251,8 @@ def audit(
                 "(trainable=[...] / --trainable GLOB) or pass inputs with requires_grad=True")
         after = ModelTree(model)  # as the forward left it (a lazy module has parameters now)
         leaf_names = {id(p): Leaf("param", n) for n, p in after.parameters}
+        for n, p in torchapi.fsdp_unsharded_parameters(model):  # (FSDP2) the leaves gradients reach
+            leaf_names.setdefault(id(p), Leaf("param", n))
         for i, t in enumerate(input_tensors):
             leaf_names.setdefault(id(t), Leaf("input", str(i)))
         if progress:
@@ -274,8 +280,12 @@ def audit(
                               ignore=ignore, prove=prove, measured=measured, target=target, tree=after)
         del recording, output, outputs
     finally:
+        torchapi.fsdp_reshard(model)  # (FSDP2) the root keeps its gathered parameters after a forward
         notes = state.restore()
     report.notes.extend(notes)
+    if torchapi.distributed_rank() is not None:
+        report.world_size, report.rank = torchapi.distributed_rank()
+        report.notes.extend(_rank_notes(report))
     if emulated is not None:
         report.notes.extend(emulated.notes)
     report.notes.extend(_compiled_notes(model, report))
@@ -287,6 +297,22 @@ def audit(
             f"{report.saved_bytes - report.reclaimable_with_bitpacking_bytes} bytes (trim drops and bit-packs what "
             f"that figure counts)")
     return report
+
+
+def _rank_notes(report: Report) -> list[str]:
+    """What a rank's figures count and leave out."""
+    from .report.units import human_bytes
+
+    notes = [f"audited as rank {report.rank} of {report.world_size}: saves of DTensors count the local shard this "
+             f"rank holds; communication buffers, NCCL's own memory and the overlap of communication with "
+             f"computation are not modelled"]
+    resharded = sum(1 for s in report.storages if s.kind == StorageKind.RESHARDED)
+    if resharded:
+        notes.append(f"FSDP2 resharded {resharded} gathered parameter storage{'s' if resharded > 1 else ''} the "
+                     f"forward saved: nothing is held for them between forward and backward, and backward gathers "
+                     f"them again ({human_bytes(report.regathered_bytes)}, {report.regathered_bytes} bytes, alive "
+                     f"while their layer's backward runs)")
+    return notes
 
 
 def meta_inputs(model: nn.Module, inputs: Any) -> Any:

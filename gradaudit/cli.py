@@ -56,6 +56,7 @@ class Progress:
         self.enabled = enabled
         self.start = time.monotonic()
         self.shown = False
+        self.stream = sys.stderr  # the terminal's, also while a rank's output is being collected
 
     def __call__(self, step: str) -> None:
         if not self.enabled:
@@ -63,15 +64,15 @@ class Progress:
         elapsed = time.monotonic() - self.start
         line = f"gradaudit: {step}... ({elapsed:.1f}s)"
         width = shutil.get_terminal_size((80, 20)).columns - 1
-        sys.stderr.write("\r" + line[:width].ljust(width))
-        sys.stderr.flush()
+        self.stream.write("\r" + line[:width].ljust(width))
+        self.stream.flush()
         self.shown = True
 
     def done(self) -> None:
         if self.shown:
             width = shutil.get_terminal_size((80, 20)).columns - 1
-            sys.stderr.write("\r" + " " * width + "\r")
-            sys.stderr.flush()
+            self.stream.write("\r" + " " * width + "\r")
+            self.stream.flush()
             self.shown = False
 
 
@@ -140,7 +141,9 @@ class ScanOptions:
     top: int = 10
     quiet: bool = False
     trim: bool = False
-    progress: "Progress" = field(default_factory=lambda: Progress(enabled=False))
+    world_size: Optional[int] = None  # --world-size: every rank in a fake process group of this size
+    ranks: tuple[int, ...] = ()  # --rank: which ranks (default: every rank)
+    progress: Any = field(default_factory=lambda: Progress(enabled=False))
 
 
 def prepare(options: ScanOptions) -> tuple[Any, Any]:
@@ -395,9 +398,14 @@ _MODEL_OPTIONS = (
     click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
                  help="With --device meta: the device the figures are for; the forward takes the kernels it "
                  "would take (cuda: cuDNN batch norm) and autocast is emulated as its own."),
+    click.option("--world-size", "world_size", type=click.IntRange(min=1), metavar="N", help="The factory "
+                 "parallelises the model for N ranks (FSDP2, tensor or sequence parallel): it runs in a fake process "
+                 "group of N, once per rank, and each rank's figures are its own (DTensors by their local shards)."),
+    click.option("--rank", "ranks", type=click.IntRange(min=0), multiple=True, metavar="R", help="With --world-size: "
+                 "only rank R (repeatable) [default: every rank; ranks that come out alike are shown once]."),
 )
 _MODEL_FIELDS = ("inputs", "input_shape", "dtype", "input_requires_grad", "trainable", "freeze", "mode", "device",
-                 "target")
+                 "target", "world_size", "ranks")
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="Print one summary line.")
 debug_option = click.option("--debug", is_flag=True, help="Show full tracebacks.")
 
@@ -475,7 +483,90 @@ def scan(spec: str, model: dict[str, Any], html: str, no_html: bool, json_path: 
         max_reclaimable=max_reclaimable, top={0: 10, 1: 50}.get(verbose, 1_000_000), quiet=quiet, trim=trim,
         progress=progress,
     )
-    _exit_with(lambda: run_scan(options), progress, debug)
+    _exit_with(lambda: _per_rank(options, lambda ranked, _: run_scan(ranked)), progress, debug)
+
+
+def _ranked_path(path: Optional[str], rank: int) -> Optional[str]:
+    """``report.html`` -> ``report.rank3.html``: with --world-size each rank writes its own files."""
+    if not path or path == "-":
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{rank}{ext}"
+
+
+class _RankProgress:
+    """The command's progress line, each step prefixed with the rank it is for."""
+
+    def __init__(self, progress: Any, rank: int, size: int) -> None:
+        self.progress, self.prefix = progress, f"rank {rank} of {size}: "
+
+    def __call__(self, step: str) -> None:
+        self.progress(self.prefix + step)
+
+    def done(self) -> None:
+        pass  # the line stays until the last rank is done
+
+
+def _per_rank(options: ScanOptions, body: Callable[[ScanOptions, Callable[[Optional[str]], Optional[str]]], int]) -> int:
+    """Run a command's ``body(options, path)`` as it is, or with --world-size once per rank, each in
+    a fake process group as that rank (``path`` gives each rank's file names). A rank's output is
+    collected; ranks whose output is alike (their rank aside) are printed once, under one header."""
+    if options.world_size is None:
+        if options.ranks:
+            raise ScanFailed("--rank needs --world-size N (the number of ranks the factory parallelises for)")
+        return body(options, lambda path: path)
+    import contextlib
+    import dataclasses
+    import io
+    import json
+
+    from .ranks import check_world, fake_world, rank_list
+
+    if options.device == "cuda":
+        raise ScanFailed("--world-size runs every rank in this process, in a fake process group: use --device cpu "
+                         "or meta (with --target cuda for a GPU's figures)")
+    try:
+        size, ranks = check_world(options.world_size, list(options.ranks))
+    except GradauditError as error:
+        raise ScanFailed(f"--rank: {error}") from error
+    runs = []
+    for rank in ranks:
+        def path(value: Optional[str], rank: int = rank) -> Optional[str]:
+            return _ranked_path(value, rank)
+
+        ranked = dataclasses.replace(options, html=path(options.html), json=path(options.json), svg=path(options.svg),
+                                     dot=path(options.dot), memory_viz=path(options.memory_viz),
+                                     progress=_RankProgress(options.progress, rank, size))
+        out, err = io.StringIO(), io.StringIO()
+        try:
+            with fake_world(size, rank, device="meta" if options.device == "meta" else None), \
+                    contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = body(ranked, path)
+        except (GradauditError, ScanFailed) as error:
+            raise type(error)(f"rank {rank} of {size}: {error}") from error
+        runs.append((rank, code, out.getvalue(), err.getvalue()))
+    options.progress.done()
+
+    def alike(rank: int, text: str) -> str:
+        return text.replace(f"rank {rank} of {size}", f"rank * of {size}").replace(f".rank{rank}", ".rank*")
+
+    groups: dict[tuple, list] = {}
+    for rank, code, out, err in runs:
+        groups.setdefault((code, alike(rank, out), alike(rank, err)), []).append((rank, code, out, err))
+    if options.json == "-":  # one JSON document on stdout: each group's document under its ranks
+        document = {"tool": "gradaudit", "world_size": size,
+                    "groups": [{"ranks": [r for r, *_ in members], "document": json.loads(members[0][2])}
+                               for members in groups.values()]}
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+    for members in groups.values():
+        rank, code, out, err = members[0]
+        label = (f"rank {rank} of {size}" if len(members) == 1 else
+                 f"ranks {rank_list([r for r, *_ in members])} of {size} (alike: rank {rank} shown)")
+        if options.json != "-" and out:
+            click.echo(f"== {label} ==\n{out.rstrip()}")
+        if err:
+            click.echo(f"== {label} ==\n{err.rstrip()}" if options.json == "-" else err.rstrip(), err=True)
+    return max(code for _, code, _, _ in runs)
 
 
 def _exit_with(run: Callable[[], int], progress: "Progress", debug: bool) -> None:
@@ -659,9 +750,9 @@ def plan_command(spec: str, budget: tuple[str, ...], model: dict[str, Any], bloc
     """
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
     options = ScanOptions(spec=spec, **model, html=None, json=json_path, quiet=quiet, progress=progress)
-    _exit_with(lambda: run_plan(options, budget, blocks, peak=not no_peak, html_path=html_path, cost=cost,
-                                selective=not no_selective, trim=trim, bitpack=not no_bitpack, bound=bound),
-               progress, debug)
+    _exit_with(lambda: _per_rank(options, lambda ranked, path: run_plan(
+        ranked, budget, blocks, peak=not no_peak, html_path=path(html_path), cost=cost, selective=not no_selective,
+        trim=trim, bitpack=not no_bitpack, bound=bound)), progress, debug)
 
 
 FIT_EXIT_CODES_HELP = """\b
@@ -772,9 +863,9 @@ def fit_command(spec: str, memory: str, model: dict[str, Any], optimizer: str, l
     """
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
     options = ScanOptions(spec=spec, **model, html=None, json=json_path, quiet=quiet, progress=progress)
-    _exit_with(lambda: run_fit(options, memory, optimizer, loss_spec, autocast, remedy=not no_remedy,
-                               largest=largest, html_path=html_path, memory_viz_path=memory_viz_path),
-               progress, debug)
+    _exit_with(lambda: _per_rank(options, lambda ranked, path: run_fit(
+        ranked, memory, optimizer, loss_spec, autocast, remedy=not no_remedy, largest=largest,
+        html_path=path(html_path), memory_viz_path=path(memory_viz_path))), progress, debug)
 
 
 @cli.command("rules", short_help="List the rule catalogue.")

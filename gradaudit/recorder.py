@@ -33,7 +33,7 @@ from .records import NEEDED, AttentionCall, Leaf, Manager
 from .sites import _constructed, _user_frame, construction_site, short_path, user_source_line
 from .sites import noting_construction  # noqa: F401  (recorder.noting_construction, as before the move)
 from .tensors import flatten, iter_tensors, storage_key, tensor_attributes, unique
-from .torchapi import NO_SEQUENCE, node_scalars, raw_saved_slots
+from .torchapi import NO_SEQUENCE, node_scalars, raw_saved_slots, storage_id
 
 _COPY_SLICES_REACH = 4  # nodes announced between an in-place-on-view save and its CopySlices
 
@@ -130,6 +130,13 @@ class LiveRegion:
                 f"backward reruns from it (needed to recompute the block)")
 
 
+_ALL_GATHER = "all_gather_into_tensor"  # torch.ops._c10d_functional's, as DTensor and funcol call it
+# what passes gathered data on unchanged (DTensor's gather along a dimension other than 0 chunks and
+# concatenates the gathered buffer)
+_GATHERING = frozenset({_ALL_GATHER, "wait_tensor", "_wrap_tensor_autograd", "chunk", "split", "cat", "contiguous",
+                        "view", "view_as", "reshape", "permute", "transpose", "flatten", "unflatten"})
+
+
 class AttentionCalls(TorchFunctionMode):
     """Notes every ``F.scaled_dot_product_attention`` call: the kernel it picks (and would pick
     without dropout) and the sequence numbers of the nodes it creates, so a rule can tell the
@@ -143,19 +150,26 @@ class AttentionCalls(TorchFunctionMode):
         # per call: (weak storage reference, bytes) of query, key, value and output (see
         # AttentionCall.fused_keeps); weak, so that an address reused after a free is not mistaken
         self.tensors: list[list[tuple[StorageWeakRef, int]]] = []
+        self.gathered = {}
+        self._gather_result: Optional[tuple] = None  # (shape, dtype, group) of the last all-gather's result
 
     current: Optional[str] = None  # the outermost torch function running now (its __name__)
+    # storages holding all-gathered data: storage key -> (weak reference, ranks gathered over)
+    gathered: dict[int, tuple[StorageWeakRef, int]]
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention and func is not emulated_sdpa:
             # the name of the function running, for saves hidden inside CopySlices (their node
             # is never exposed); the mode is off inside func, so this is the outermost call
-            self.current = getattr(func, "__name__", None)
+            name = self.current = getattr(func, "__name__", None)
             try:
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
             finally:
                 self.current = None
+            if name in _GATHERING and (name == _ALL_GATHER or self.gathered or self._gather_result):
+                self._note_gathered(name, args, out)
+            return out
         if func is emulated_sdpa:  # a call the meta kernel choices run for a target device: its kernel is given
             choice, bound = args[0], sdpa_arguments(args[2:], kwargs)
         else:
@@ -188,6 +202,37 @@ class AttentionCalls(TorchFunctionMode):
                     kept.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
             self.tensors.append(list(kept.values()))
         return out
+
+    def _note_gathered(self, name: str, args: tuple, out: Any) -> None:
+        """A collective's all-gather (DTensor's redistribution to Replicate, sequence parallelism's
+        gather before a column-parallel linear) and what only rearranges its result (waiting for it,
+        chunks and their concatenation, views): their storages hold gathered data, ``group`` times
+        what one rank holds of it."""
+        if name == _ALL_GATHER:
+            group = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
+            first = next(iter_tensors(out), None)
+            # on the meta device the collective's result reaches the next op as another storage (no
+            # wait_tensor runs): that op is known by the result's shape and dtype, once
+            self._gather_result = (tuple(first.shape), first.dtype, group) if first is not None else None
+        else:
+            group = 0
+            for t in iter_tensors(args):
+                entry = self.gathered.get(storage_key(t)) if t.layout == torch.strided else None
+                if entry is not None and not entry[0].expired():
+                    group = entry[1]
+                    self._gather_result = None
+                    break
+                pending = self._gather_result
+                if pending is not None and (tuple(t.shape), t.dtype) == pending[:2]:
+                    group = pending[2]
+                    self._gather_result = None
+                    break
+        if group < 2:
+            return
+        for t in iter_tensors(out):
+            if t.layout == torch.strided:
+                storage = torchapi.local_of(t).untyped_storage()
+                self.gathered[storage_id(storage)] = (StorageWeakRef(storage), group)
 
     def call_of(self, sequence: int) -> Optional[AttentionCall]:
         # calls are recorded in sequence order and do not overlap: the last one starting at or
@@ -230,6 +275,8 @@ class Recording:
     # calls of the watched modules (Recorder.watch): [path, class, aliases of the tensors passed in,
     # class names of the other arguments that hold tensors, aliases of the tensors it returned]
     calls: list[list[Any]] = field(default_factory=list)
+    # storages holding all-gathered data (AttentionCalls.gathered): storage key -> ranks gathered over
+    gathered: dict[int, int] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -623,7 +670,8 @@ class Recorder:
                 None if fn is None else positions.get(fn) for fn, _ in live.node.next_functions
             ]
         self._collect_hidden(nodes, saves)
-        return Recording(nodes=nodes, saves=saves, outputs=outputs, pack_count=len(self._boxes),
+        gathered = {key: group for key, (ref, group) in self.attention.gathered.items() if not ref.expired()}
+        return Recording(nodes=nodes, saves=saves, outputs=outputs, pack_count=len(self._boxes), gathered=gathered,
                          node_sites=self.node_sites, attention_tensors=self.attention.tensors,
                          regions=list(self.regions), attributes_before=self.attributes_before,
                          calls=self.calls)

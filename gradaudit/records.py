@@ -36,6 +36,9 @@ class StorageKind(Name):
     # an activation the audited forward stored as a module attribute (``self.cache = h``): the
     # module keeps it, after backward too, so it is not memory autograd holds (nor frees)
     MODULE = "module"
+    # an FSDP2 unsharded parameter (``fully_shard``): gathered for the forward and resharded after
+    # it (its storage resized to nothing), gathered again in backward; nothing held in between
+    RESHARDED = "resharded"
 
 
 class Manager(Name):
@@ -78,7 +81,8 @@ class Bound(Name):
 
 STORAGE_KINDS = tuple(StorageKind)
 HELD_KINDS = (StorageKind.ACTIVATION, StorageKind.OUTPUT)  # kinds whose bytes autograd holds
-FREE_KINDS = (StorageKind.PARAMETER, StorageKind.BUFFER, StorageKind.INPUT, StorageKind.MODULE)  # alive anyway
+FREE_KINDS = (StorageKind.PARAMETER, StorageKind.BUFFER, StorageKind.INPUT, StorageKind.MODULE,
+              StorageKind.RESHARDED)  # alive anyway, or (resharded) not alive between forward and backward
 MANAGERS = tuple(Manager)
 NEEDED, NOT_NEEDED, SIGN_ONLY, UNKNOWN = Verdict.NEEDED, Verdict.NOT_NEEDED, Verdict.SIGN_ONLY, Verdict.UNKNOWN
 VERDICTS = tuple(Verdict)
@@ -223,9 +227,15 @@ class Storage:
     kind: StorageKind
     module: str  # module of the first save that referenced it (attribution for per-module totals)
     tensors: list[int] = field(default_factory=list)  # SavedTensor.index values referencing it
+    # all-gathered data (a collective's result, or a rearrangement of it): the number of ranks it
+    # was gathered over, each holding 1/gathered_over of it; 0 when not gathered
+    gathered_over: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        document = dataclasses.asdict(self)
+        if not self.gathered_over:  # (only in distributed audits)
+            del document["gathered_over"]
+        return document
 
 
 @dataclass(frozen=True)
@@ -380,6 +390,12 @@ class Report:
     # the device type the audit stands for: the device it ran on, or for an audit on the meta
     # device the one whose kernel choices it emulated (audit(target=...), "cpu" by default)
     target: str = "cpu"
+    # audited as one rank of a distributed run (a fake world, or a real one): its size and this rank
+    world_size: int = 1
+    rank: int = 0
+    # FSDP2 gathered parameters the forward saved: resharded after it (nothing held), gathered again
+    # for backward; their bytes once gathered, each storage once
+    regathered_bytes: int = 0
 
     @property
     def held_tensors(self) -> list[SavedTensor]:
@@ -437,6 +453,9 @@ class Report:
             "unexplained": list(self.unexplained),
             "notes": list(self.notes),
             "disagreements": [d.to_dict() for d in self.disagreements],
+            # present only for an audit of one rank of a distributed run
+            **({"world": {"size": self.world_size, "rank": self.rank, "regathered_bytes": self.regathered_bytes}}
+               if self.world_size > 1 else {}),
         }
 
     def __repr__(self) -> str:  # keep the repr short: reports can hold thousands of tensors

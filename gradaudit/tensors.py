@@ -13,7 +13,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from .torchapi import module_slots, sparse_coo_parts, storage_key
+from .torchapi import local_of, module_slots, sparse_coo_parts, storage_key
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 __all__ = ["split_inputs", "iter_tensors", "flatten", "holds_tensors", "unique", "storage_key", "storage_span", "strided_parts",
            "dtype_name", "itemsize", "tensor_attributes", "ModelTree"]
@@ -131,7 +133,9 @@ def storage_span(shape: Sequence[int], stride: Sequence[int]) -> int:
 
 def strided_parts(t: torch.Tensor) -> list[torch.Tensor]:
     """The strided tensors holding a tensor's memory: itself, or a sparse tensor's index and
-    value tensors."""
+    value tensors; for a DTensor, its local shard's."""
+    if type(t) not in _PLAIN:
+        t = local_of(t)
     if t.layout == torch.strided:
         return [t]
     if t.layout == torch.sparse_coo:

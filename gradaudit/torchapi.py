@@ -61,8 +61,9 @@ def require(feature: str, who: str) -> None:
 
 # -- storages ---------------------------------------------------------------------------------------
 def storage_key(tensor: torch.Tensor) -> int:
-    """Identity of a strided tensor's storage (the StorageImpl address), valid while it lives."""
-    return storage_id(tensor.untyped_storage())
+    """Identity of a strided tensor's storage (the StorageImpl address), valid while it lives.
+    A DTensor's is its local shard's (``local_of``)."""
+    return storage_id(local_of(tensor).untyped_storage())
 
 
 def storage_id(storage: Any) -> int:
@@ -78,6 +79,174 @@ def sparse_coo_parts(t: torch.Tensor) -> list[torch.Tensor]:
 def version_counter(tensor: torch.Tensor) -> int:
     """The tensor's version counter (bumped by every in-place write; views share their base's)."""
     return tensor._version
+
+
+# -- distributed tensors and ranks -----------------------------------------------------------------
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _dtensor_class() -> Any:
+    """torch.distributed.tensor.DTensor once something imported it (no tensor is a DTensor before:
+    importing it here would cost every audit a second), else None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def is_dtensor(tensor: Any) -> bool:
+    if type(tensor) in _PLAIN:
+        return False
+    cls = _dtensor_class()
+    return cls is not None and isinstance(tensor, cls)
+
+
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``tensor``: a DTensor's local shard (its wrapper owns no memory:
+    its storage is a stand-in of the global size), any other tensor itself."""
+    return tensor._local_tensor if is_dtensor(tensor) else tensor
+
+
+def distributed_rank() -> Optional[tuple[int, int]]:
+    """(world size, rank) of this process's default process group, None without one."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.get_world_size(), dist.get_rank()
+
+
+def fake_process_group(world_size: int, rank: int) -> None:
+    """``init_process_group`` with PyTorch's fake backend (collectives do nothing; every shape is
+    as a real run's), for this process as ``rank`` of ``world_size``."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def clear_dtensor_caches() -> None:
+    """Forget what DTensor cached about meshes (sharding propagation, redistribution plans): a cache
+    filled in one process group (a DeviceMesh compares equal across groups) would send the next
+    group's collectives to the previous one's subgroups. Each cache is cleared where this torch has it."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    if tensor is None:
+        return
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
+    if native is not None:
+        native()
+    propagator = getattr(getattr(tensor.DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    for cache in (getattr(propagator, "propagate_op_sharding", None),
+                  getattr(type(propagator), "_propagate_tensor_meta_cached", None) if propagator is not None else None):
+        if cache is not None and hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    for name in ("clear_redistribute_planner_cache",):
+        if callable(getattr(redistribute, name, None)):
+            getattr(redistribute, name)()
+    for name in ("_gen_transform_infos", "_gen_transform_infos_non_cached"):
+        cache = getattr(redistribute, name, None)
+        if cache is not None and hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    utils = sys.modules.get("torch.distributed.tensor._collective_utils")
+    topology = getattr(getattr(utils, "MeshTopoInfo", None), "build_from_mesh", None)
+    if topology is not None and hasattr(topology, "cache_clear"):
+        topology.cache_clear()
+
+
+def fsdp_states(model: torch.nn.Module) -> list[Any]:
+    """The FSDP2 states (``fully_shard``) of ``model``'s modules, outermost first."""
+    found = []
+    for module in model.modules():
+        get = getattr(module, "_get_fsdp_state", None)
+        if get is not None:
+            found.append(get())
+    return found
+
+
+def fsdp_unsharded_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(parameter name, unsharded parameter) of every FSDP2 parameter of ``model`` gathered at least
+    once: the leaf a forward's gradients flow to (FSDP2 reduce-scatters it into the sharded one)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    found = []
+    for state in fsdp_states(model):
+        group = getattr(state, "_fsdp_param_group", None)
+        for param in getattr(group, "fsdp_params", ()):
+            unsharded = getattr(param, "_unsharded_param", None)
+            if isinstance(unsharded, torch.Tensor):
+                sharded = getattr(param, "sharded_param", None)
+                found.append((names.get(id(sharded), getattr(param, "_param_fqn", "") or ""), unsharded))
+    return found
+
+
+def fsdp_unsharded_storages(model: torch.nn.Module) -> dict[int, tuple[str, int]]:
+    """Storage key -> (parameter name, bytes when gathered) of every FSDP2 unsharded parameter of
+    ``model`` (the storages FSDP2 gathers into before a forward or backward and, resharding, resizes
+    to nothing after it). Read after the forward: a parameter never gathered has none."""
+    found: dict[int, tuple[str, int]] = {}
+    for name, t in fsdp_unsharded_parameters(model):
+        t = local_of(t)
+        found.setdefault(storage_key(t), (name, t.numel() * t.element_size()))
+    return found
+
+
+def fsdp_reshard(model: torch.nn.Module) -> None:
+    """Reshard every FSDP2 module of ``model`` (``FSDPModule.reshard``): a forward without its
+    backward leaves the root's gathered parameters registered (the root does not reshard after the
+    forward); an audit puts the model back as it found it, sharded."""
+    for module in model.modules():
+        if getattr(module, "_get_fsdp_state", None) is not None and callable(getattr(module, "reshard", None)):
+            module.reshard()
+
+
+@contextlib.contextmanager
+def fsdp_storage_events(resized: Callable[[Any], None]) -> Iterator[None]:
+    """Call ``resized(storage)`` after FSDP2 gives a gathered parameter's storage its bytes (before an
+    all-gather) and after it takes them back (resharding): it resizes storages in place, which no
+    dispatch mode sees and no weak reference's callback reports. Nothing where FSDP2 is not loaded."""
+    module = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_param")
+    if module is None:
+        yield
+        return
+    cls = module.FSDPParam
+    alloc, free = cls.alloc_all_gather_outputs, cls.free_unsharded_param
+
+    def storages(param: Any) -> list[Any]:
+        tensors = [*param.all_gather_outputs, *getattr(param, "_unsharded_inner_tensors", ())]
+        return list({storage_id(s): s for s in (t.untyped_storage() for t in tensors)}.values())
+
+    def alloc_all_gather_outputs(self: Any) -> None:
+        alloc(self)
+        for storage in storages(self):
+            resized(storage)
+
+    def free_unsharded_param(self: Any) -> None:
+        held = storages(self)
+        free(self)
+        for storage in held:
+            resized(storage)
+
+    cls.alloc_all_gather_outputs, cls.free_unsharded_param = alloc_all_gather_outputs, free_unsharded_param
+    try:
+        yield
+    finally:
+        cls.alloc_all_gather_outputs, cls.free_unsharded_param = alloc, free
+
+
+@contextlib.contextmanager
+def fsdp_on_meta() -> Iterator[None]:
+    """Let FSDP2 (``fully_shard``) run with parameters on the meta device: it refuses them at its
+    lazy initialisation and takes its device (for the gathered parameters) from the mesh, so the
+    check is skipped, the device is meta, and the meta device borrows the CPU's no-op streams."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fully_shard
+    group = _fsdp_param_group.FSDPParamGroup
+    saved = (group._validate_no_meta_params, _fully_shard._get_device_from_mesh, getattr(torch, "meta", None))
+    group._validate_no_meta_params = lambda self: None
+    _fully_shard._get_device_from_mesh = lambda mesh: torch.device("meta")
+    torch.meta = torch.cpu  # device_mesh._get_device_handle("meta"): getattr(torch, "meta")
+    try:
+        yield
+    finally:
+        group._validate_no_meta_params, _fully_shard._get_device_from_mesh = saved[:2]
+        if saved[2] is None:
+            del torch.meta
+        else:
+            torch.meta = saved[2]
 
 
 # -- modules ----------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 
 from ..measure import op_leaves
 from ..tensors import strided_parts
-from ..torchapi import TorchDispatchMode, storage_id
+from ..torchapi import TorchDispatchMode, fsdp_storage_events, storage_id
 
 
 @dataclass
@@ -53,6 +53,29 @@ class Lifetimes(TorchDispatchMode):
                 for part in strided_parts(t):
                     self._note(part.untyped_storage())
         return out
+
+    def __enter__(self) -> "Lifetimes":
+        # FSDP2 gives its gathered parameters' storages their bytes and takes them back in place
+        self._resizes = fsdp_storage_events(self._resized)
+        self._resizes.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._resizes.__exit__(*exc)
+
+    def _resized(self, storage: Any) -> None:
+        """A storage resized in place: emptied, it is freed now; filled, it is made now."""
+        key = storage_id(storage)
+        if storage.nbytes() == 0:
+            self._freed(key, None)
+        elif key in self.live and self.live[key].nbytes != storage.nbytes():
+            self._freed(key, None)
+            self._note(storage)
+        else:
+            self._note(storage)
 
     def _note(self, storage: Any) -> None:
         key = storage_id(storage)

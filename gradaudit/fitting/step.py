@@ -127,7 +127,7 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
         # every gradient is the step's (an input's too); the optimizer takes those of what it steps
         layouts = [(p, gradients[id(p)]) for p in trains if id(p) in gradients]
         carried = [life for life in lifetimes.lives if life.died is None]
-        key = tuple((id(p), tuple(g.shape), g.stride(), g.dtype) for p, g in layouts)
+        key = tuple((id(p), tuple(torchapi.local_of(g).shape), torchapi.local_of(g).stride(), g.dtype) for p, g in layouts)
         if memo is None or key not in memo:
             found = _optimizer_step(model, trains, layouts, builder, optimizer_name, target)
             if memo is not None:
@@ -210,11 +210,14 @@ def _optimizer_step(model: nn.Module, trains: Sequence[torch.Tensor], layouts: S
     step made, the sizes of its state, the step's samples). A first step makes the state; the
     second is followed."""
     stand_in = {}
+    local_of = torchapi.local_of  # a DTensor (FSDP2, tensor parallel): this rank's shard is what it steps
     for p in [*model.parameters(), *trains]:
         if id(p) not in stand_in:
-            stand_in[id(p)] = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta",
+            shard = local_of(p)
+            stand_in[id(p)] = torch.empty_strided(shard.shape, shard.stride(), dtype=p.dtype, device="meta",
                                                   requires_grad=p.requires_grad)
-    grads = [(stand_in[id(p)], torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device="meta"))
+    grads = [(stand_in[id(p)], torch.empty_strided(local_of(g).shape, local_of(g).stride(), dtype=g.dtype,
+                                                   device="meta"))
              for p, g in layouts]
     # fused=True: the stand-ins are meta tensors, which torch.optim's device check leaves out
     with torchapi.fused_optimizers_on_meta():

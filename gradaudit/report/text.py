@@ -44,8 +44,9 @@ def render(report: Report, *, color: bool = False, top: int = 10, width: int = 1
     checked = "verified by the empirical check" if report.verified else "static rules"
     # on meta, the device whose kernels (and autocast) the figures follow
     device = f"{report.device} as {report.target}" if report.device == "meta" else report.device
+    rank = f", rank {report.rank} of {report.world_size}" if report.world_size > 1 else ""
     lines.append(paint(f"gradaudit: {report.model}", "bold")
-                 + f" (torch {report.torch_version}, {device}, {mode} mode, {checked})")
+                 + f" (torch {report.torch_version}, {device}{rank}, {mode} mode, {checked})")
     lines.append("")
 
     summary = report.summary()

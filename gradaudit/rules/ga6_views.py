@@ -55,3 +55,81 @@ def saved_view_keeps_large_base(ctx: RuleContext):
         yield Flag(ctx.nodes[t.node_id], refs, f"{t.module or 'model'} saves a {shape_text(t)} view "
                                                 f"({covered} bytes) that keeps a {storage.nbytes}-byte "
                                                 f"storage alive", bytes=storage.nbytes - covered)
+
+
+@rule("GA602", "gathered-input-saved-where-shard-would-do",
+      fix="Keep this rank's shard and gather it again in backward: checkpoint the block (gradaudit plan)",
+      fix_code="""
+        # the block's input is this rank's sequence shard; checkpointed, the block keeps only that
+        # and backward gathers again as it recomputes (gradaudit plan weighs which blocks)
+        from torch.utils.checkpoint import checkpoint
+        h = checkpoint(block, h, use_reentrant=False)
+      """)
+def gathered_input_saved_where_shard_would_do(ctx: RuleContext):
+    """A tensor all-gathered across ranks is kept for backward although each rank holds a shard of it.
+
+    What it flags:
+        A held activation whose storage holds all-gathered data (the result of an all-gather, or
+        the chunks-and-concatenation DTensor makes of it) saved for backward: under sequence
+        parallelism, the input of a column-parallel linear is gathered from every rank's sequence
+        shard, and the linear keeps the gathered input for its weight's gradient. One finding per
+        module whose saves hold such storages.
+    Why it costs memory:
+        The gathered tensor is the group's size times what this rank holds of it. Its shard alone,
+        gathered again in backward, is enough: the gather gives the same values both times.
+    Example:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       SequenceParallel, parallelize_module)
+
+        class Block(nn.Module):
+            def __init__(self, d=64):
+                super().__init__()
+                self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+            def forward(self, x):
+                return x + self.down(torch.relu(self.up(self.norm(x))))
+
+        with gradaudit.fake_world(4):   # rank 0 of 4, in this one process
+            mesh = init_device_mesh("cpu", (4,))
+            block = parallelize_module(Block(), mesh, {
+                "norm": SequenceParallel(),
+                "up": ColwiseParallel(input_layouts=Shard(1)),       # gathers the sequence
+                "down": RowwiseParallel(output_layouts=Shard(1))})   # scatters it again
+            x = torch.randn(8, 16, 64)   # this rank's shard of a 64-token sequence
+            report = gradaudit.audit(block, x)
+    Fix:
+        Keep the shard and gather again in backward. In plain PyTorch, checkpoint the block
+        (``torch.utils.checkpoint``; ``gradaudit plan`` chooses which blocks for a budget): it keeps
+        the sharded input it is given and gathers again while recomputing. Megatron-Bridge added
+        a gather-only recompute for exactly this save (NVIDIA-NeMo/Megatron-Bridge#4581).
+    Fix safety:
+        Gradients are bit-identical: the gather in backward returns the same values. It costs a
+        second all-gather per block in backward (and, checkpointing, the block's recomputation).
+    Known limits:
+        The bytes count the gathered storage minus one shard of it (the shard a rank would keep
+        instead, if nothing else holds it). A gather the recorder cannot see (inside another torch
+        function, or a collective other than ``_c10d_functional.all_gather_into_tensor``) is not
+        flagged.
+    """
+    by_module: dict[str, list] = {}
+    seen: set[int] = set()
+    for t in ctx.held():
+        if t.storage_id < 0 or t.storage_kind != StorageKind.ACTIVATION or t.index in ctx.covered:
+            continue
+        storage = ctx.storages[t.storage_id]
+        if storage.gathered_over < 2 or storage.nbytes == 0:
+            continue
+        by_module.setdefault(t.module, []).append(t)
+        seen.add(t.storage_id)
+    for module, saves in by_module.items():
+        storages = {t.storage_id: ctx.storages[t.storage_id] for t in saves}
+        gathered = sum(s.nbytes for s in storages.values())
+        shards = sum(s.nbytes // s.gathered_over for s in storages.values())
+        groups = sorted({s.gathered_over for s in storages.values()})
+        over = " or ".join(str(g) for g in groups)
+        yield Flag(ctx.nodes[saves[0].node_id], saves,
+                   f"{module or 'model'} keeps {gathered} bytes all-gathered over {over} ranks for backward; this "
+                   f"rank's shard is {shards} bytes ({gathered} / {over}): keeping it and gathering again in "
+                   f"backward frees {gathered - shards}", bytes=gathered - shards)
