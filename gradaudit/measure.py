@@ -7,6 +7,30 @@ references to the outputs dropped, the storages still alive are held by the auto
 One thing no op produces: a Python number passed where an op takes a tensor (``0.5 * x``) becomes a
 0-dim "wrapped number" tensor before dispatch, and autograd may save it (8 bytes each). Those are
 found by reading the graph's saved attributes plainly (no saved-tensor hooks are installed here).
+
+Parallelised models (one rank's view, in a real process group or a fake one):
+
+- DTensor (tensor/sequence parallelism, FSDP2's sharded parameters): a dispatch mode sees the
+  DTensor-level op; the ops on local shards that DTensor runs inside it happen with the mode popped.
+  An output DTensor is therefore unwrapped to its local shard, whose storage is what this rank
+  holds (the wrapper's own storage is a stand-in of the global size and owns no memory). Parameters,
+  buffers and inputs that are DTensors are excluded by their local shards' storages.
+- Storages that change size after they were made: FSDP2 gathers each module's parameters into
+  buffers it allocates with ``empty`` (an op, seen here) the first time and with
+  ``untyped_storage().resize_(n)`` later (not an op), and frees them after the module's forward
+  (``resize_(0)``) when it reshards. Every figure reads a storage's bytes as they are when it is
+  measured, never as they were when first seen: a gathered parameter saved for backward and freed
+  after the forward holds 0 bytes; the peak follows the buffers shrinking and growing back.
+- FSDP2's root module does not reshard after the forward by default (``reshard_after_forward=None``:
+  True for the others, False for the root), and a module can be told not to: then its gathered
+  parameters stay allocated, and FSDP2 registers them on the module in place of the sharded ones.
+  They are parameters, alive anyway: the parameters and buffers registered after the forward are
+  excluded too, beside those registered before it (what gradaudit counts for such a save: nothing
+  held, it is a registered parameter's storage). So a gathered buffer, after the forward, is either
+  empty (resharded) or a registered parameter's storage (kept): neither adds to the held figures,
+  whether or not the tracker saw it. It does see it, in torch 2.14 on every iteration, also where
+  ``resize_`` regrew it outside any op (a second step on the same model): FSDP2 views each buffer
+  (``aten.view``) as it copies the gathered shards out, an op whose output is that storage.
 """
 
 from __future__ import annotations
@@ -14,38 +38,80 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import torchapi
-from .tensors import iter_tensors, split_inputs, storage_key, strided_parts, unique
-from .torchapi import TorchDispatchMode, storage_id, tree_flatten
+from .tensors import iter_tensors, split_inputs, strided_parts, unique
+from .torchapi import TorchDispatchMode, tree_flatten
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+# A live storage from the address a StorageWeakRef keeps (its ``cdata``), or None once it was freed:
+# the way torch.multiprocessing's own storage cache reads a weak reference back. The StorageWeakRef
+# must be kept while its address is used: it keeps the StorageImpl (not its memory) from being
+# reused for another storage.
+_from_weak = torch.UntypedStorage._new_with_weak_ptr
+
+
+def local_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain strided tensors holding what this process holds of ``t``: itself, a sparse tensor's
+    index and value tensors, or, for a wrapper tensor subclass (a DTensor, whose inner tensor is its
+    local shard; the AsyncCollectiveTensor a functional collective returns), its inner tensors'
+    parts: a wrapper's own storage is a stand-in of its shape and owns no memory."""
+    if type(t) not in _PLAIN and is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        inner = [getattr(t, name) for name in names]
+        return [part for x in inner if isinstance(x, torch.Tensor) for part in local_parts(x)]
+    return strided_parts(t)
+
+
+def storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
+    """The storages (by address, as StorageWeakRef's ``cdata``) holding ``tensors`` on this process."""
+    return {part.untyped_storage()._cdata for t in tensors for part in local_parts(t)}
+
+
+def current_nbytes(cdata: int) -> Optional[int]:
+    """The bytes of the storage at ``cdata`` now, None once it was freed (a StorageWeakRef to it
+    must be held)."""
+    storage = _from_weak(cdata)
+    return None if storage is None else storage.nbytes()
+
+
+def alive_anyway(model: torch.nn.Module, inputs: Any = ()) -> set[int]:
+    """The storages of the model's parameters and buffers and of the inputs' tensors."""
+    return storage_keys([*model.parameters(), *model.buffers(), *iter_tensors(inputs)])
 
 
 class StorageTracker(TorchDispatchMode):
-    """Weak-references every storage produced by an op while active."""
+    """Weak-references every storage produced by an op while active (a DTensor's by its local shard)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.storages: dict[int, StorageWeakRef] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         storages = self.storages
         for t in op_leaves(out):
             if isinstance(t, torch.Tensor):
-                for part in strided_parts(t):
+                for part in local_parts(t):
                     storage = part.untyped_storage()
-                    key = storage_id(storage)  # a StorageWeakRef's cdata: made only for a new storage
+                    key = storage._cdata  # a StorageWeakRef's cdata: made only for a new storage
                     if key not in storages:
-                        storages[key] = (StorageWeakRef(storage), storage.nbytes())
+                        storages[key] = StorageWeakRef(storage)
         return out
 
     def live_bytes(self, exclude: set[int]) -> int:
-        return sum(nbytes for cdata, (ref, nbytes) in self.storages.items()
-                   if not ref.expired() and cdata not in exclude)
+        """The bytes, as they are now, of the storages seen that are still alive, but ``exclude``."""
+        total = 0
+        for cdata in self.storages:
+            if cdata not in exclude:
+                total += current_nbytes(cdata) or 0
+        return total
 
 
 def op_leaves(out: Any) -> Any:
@@ -64,8 +130,11 @@ _NESTED = (tuple, list, dict)
 def held_bytes_after_forward(model: torch.nn.Module, inputs: Any, *, young_only: bool = False) -> int:
     """Bytes the autograd graph keeps alive after ``model(inputs)``, measured without gradaudit.
 
-    Parameters, buffers and the inputs are excluded (alive anyway). The outputs themselves are
-    dropped first, so an output storage counts only if a backward node saved it.
+    Parameters, buffers (those registered before the forward and those registered after it: FSDP2's
+    gathered parameters where a module does not reshard) and the inputs are excluded (alive anyway).
+    The outputs themselves are dropped first, so an output storage counts only if a backward node
+    saved it. Each storage counts with its bytes after the forward (0 for a gathered parameter
+    FSDP2 freed); a DTensor counts by its local shard.
 
     The outputs may sit in reference cycles, so a garbage collection runs after they are dropped.
     ``young_only``: it looks only at the objects made since the forward began (``gc.freeze()``
@@ -75,8 +144,7 @@ def held_bytes_after_forward(model: torch.nn.Module, inputs: Any, *, young_only:
     forward made unreachable). Unused while the process has frozen objects of its own.
     """
     args, kwargs = split_inputs(inputs)
-    exclude = {storage_key(t)  # a StorageWeakRef's cdata, without making one
-               for t in [*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs))]}
+    exclude = alive_anyway(model, (args, kwargs))
     tracker = StorageTracker()
     freeze = young_only and gc.get_freeze_count() == 0
     if freeze:
@@ -84,21 +152,35 @@ def held_bytes_after_forward(model: torch.nn.Module, inputs: Any, *, young_only:
     try:
         with tracker:
             output = model(*args, **kwargs)
+        wait_collectives(output)
         roots = [t.grad_fn for t in iter_tensors(output) if t.grad_fn is not None]
         del output
         gc.collect()
     finally:
         if freeze:
             gc.unfreeze()
+    exclude |= alive_anyway(model)
     held = tracker.live_bytes(exclude)
     seen = set(tracker.storages) | exclude
     for t in _saved_scalars(roots):
-        ref = StorageWeakRef(t.untyped_storage())
-        if ref.cdata not in seen:
-            seen.add(ref.cdata)
-            held += t.untyped_storage().nbytes()
+        for part in local_parts(t):
+            storage = part.untyped_storage()
+            if storage._cdata not in seen:
+                seen.add(storage._cdata)
+                held += storage.nbytes()
     del roots
     return held
+
+
+def wait_collectives(output: Any) -> None:
+    """Wait for the collectives whose results the output holds unwaited (a functional collective's
+    AsyncCollectiveTensor: a rowwise-parallel layer's output). Until waited, the process group's
+    registry of work in flight keeps such a result alive: a dropped output would stay alive with
+    no autograd node holding it. Using the output (the loss from it) waits; so does this."""
+    for t in iter_tensors(output):
+        trigger = getattr(type(t), "trigger_wait", None)
+        if trigger is not None:
+            trigger(t)
 
 
 def _saved_scalars(roots: list[Any]) -> Any:
@@ -122,6 +204,10 @@ def _saved_scalars(roots: list[Any]) -> Any:
 class PeakTracker(StorageTracker):
     """StorageTracker that also follows the bytes alive after every op, and their maximum.
 
+    After every op it reads the bytes of every storage it follows as they are then: a storage
+    freed leaves, one resized outside any op (FSDP2's gathered parameters, freed by ``resize_(0)``
+    after a module's forward and grown back before its backward) counts at its new size.
+
     ``exclude``: storages alive anyway (parameters, buffers, the caller's inputs), not counted
     when a view of them (a detach when autograd unpacks a saved parameter) passes by.
     """
@@ -129,54 +215,74 @@ class PeakTracker(StorageTracker):
     def __init__(self, exclude: set[int] = frozenset()) -> None:
         super().__init__()
         self.exclude = exclude
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.live: dict[int, StorageWeakRef] = {}
         self.current = 0
         self.peak = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        for cdata in [c for c, (ref, _) in self.live.items() if ref.expired()]:
-            self.current -= self.live.pop(cdata)[1]
-        for cdata, (ref, nbytes) in self.storages.items():
-            if cdata not in self.live and cdata not in self.exclude and not ref.expired():
-                self.live[cdata] = (ref, nbytes)
-                self.current += nbytes
-        self.storages = {}  # the live table takes over; keep the per-op scan short
-        self.peak = max(self.peak, self.current)
+        self.peak = max(self.peak, self._read())
         return out
 
-    def settle(self) -> int:
-        for cdata in [c for c, (ref, _) in self.live.items() if ref.expired()]:
-            self.current -= self.live.pop(cdata)[1]
-        return self.current
+    def _read(self) -> int:
+        """Take the storages the last ops made into the live table and sum its bytes as they are now."""
+        live, total, freed = self.live, 0, []
+        for cdata, ref in self.storages.items():
+            if cdata not in self.exclude and cdata not in live:
+                live[cdata] = ref
+        self.storages = {}  # the live table takes over; keep the per-op scan short
+        for cdata in live:
+            nbytes = current_nbytes(cdata)
+            if nbytes is None:
+                freed.append(cdata)
+            else:
+                total += nbytes
+        for cdata in freed:
+            del live[cdata]
+        self.current = total
+        return total
+
+    def settle(self, exclude: Iterable[int] = ()) -> int:
+        """The bytes alive now, but those of the storages ``exclude`` names."""
+        current = self._read()
+        return current - sum(current_nbytes(cdata) or 0 for cdata in set(exclude) if cdata in self.live)
 
 
 def forward_backward(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int, int]:
     """(bytes held after the forward, peak bytes through forward and backward), outputs excluded
-    from the held figure. CPU: a PeakTracker; CUDA: the caching allocator's counters."""
+    from the held figure. CPU: a PeakTracker; CUDA: the caching allocator's counters.
+
+    Held as ``held_bytes_after_forward`` counts it (parameters registered after the forward
+    excluded: FSDP2's root keeps its gathered parameters); the peak counts every storage the step
+    makes, FSDP2's gathered parameters while they are allocated among them. Every output tensor that
+    requires grad is backpropagated with a gradient of ones (a ModelOutput's loss and logits alike)."""
     device = next((t.device for t in [*model.parameters(), *iter_tensors((args, kwargs))]), torch.device("cpu"))
     cuda = device.type == "cuda"
     tracker = None
+    before = alive_anyway(model, (args, kwargs))
     if cuda:
         torch.cuda.synchronize(device)
         gc.collect()
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     else:
-        tracker = PeakTracker({storage_key(t) for t in
-                               [*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs))]})
+        tracker = PeakTracker(before)
         tracker.__enter__()
     try:
         output = model(*args, **kwargs)
+        wait_collectives(output)
         outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
         del output
         gc.collect()
-        output_bytes = sum(t.untyped_storage().nbytes() for t in
-                           {storage_key(t): t for t in outputs}.values())
+        # not held: the outputs' storages and those registered in the forward (FSDP2's kept gathered parameters)
+        registered = [*model.parameters(), *model.buffers()]
         if cuda:
-            held = torch.cuda.memory_allocated(device) - base - output_bytes
+            parts = {part.untyped_storage()._cdata: part for t in [*outputs, *registered] for part in local_parts(t)}
+            held = torch.cuda.memory_allocated(device) - base - sum(
+                part.untyped_storage().nbytes() for key, part in parts.items() if key not in before)
         else:
-            held = tracker.settle() - output_bytes
+            held = tracker.settle(storage_keys(outputs) | storage_keys(registered))
+        del registered
         if outputs:
             torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
         del outputs
@@ -189,8 +295,6 @@ def forward_backward(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple
     else:
         peak = tracker.peak
     return held, peak
-
-
 
 
 def measured_step_peak(model: torch.nn.Module, inputs: Any, make_optimizer: Callable[[Any], torch.optim.Optimizer],
@@ -226,7 +330,8 @@ def measured_step_peak(model: torch.nn.Module, inputs: Any, make_optimizer: Call
     always = {}
     state = [t for values in optimizer.state.values() for t in iter_tensors(values)]
     for t in [*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs)), *state]:
-        always[storage_key(t)] = t.untyped_storage().nbytes()
+        for part in local_parts(t):
+            always[part.untyped_storage()._cdata] = part.untyped_storage().nbytes()
     tracker = PeakTracker(set(always))
     with tracker:
         loss = forward()

@@ -101,8 +101,29 @@ def is_dtensor(tensor: Any) -> bool:
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """What this rank holds of ``tensor``: a DTensor's local shard (its wrapper owns no memory:
-    its storage is a stand-in of the global size), any other tensor itself."""
-    return tensor._local_tensor if is_dtensor(tensor) else tensor
+    its storage is a stand-in of the global size), through any wrapper subclass of one inner tensor
+    (``__tensor_flatten__``: the AsyncCollectiveTensor a collective returns unwaited); any other
+    tensor itself (a wrapper of several inner tensors too)."""
+    for _ in range(4):  # wrappers of wrappers: an unwaited collective's result inside a DTensor
+        if type(tensor) in _PLAIN:
+            return tensor
+        if is_dtensor(tensor):
+            tensor = tensor._local_tensor
+            continue
+        flatten = getattr(tensor, "__tensor_flatten__", None)
+        if flatten is None:
+            return tensor
+        try:
+            names, _ = flatten()
+        except Exception:  # a subclass whose flattening needs a tracing context: leave it whole
+            return tensor
+        if len(names) != 1:
+            return tensor
+        inner = getattr(tensor, names[0], None)
+        if not isinstance(inner, torch.Tensor):
+            return tensor
+        tensor = inner
+    return tensor
 
 
 def distributed_rank() -> Optional[tuple[int, int]]:

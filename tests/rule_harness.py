@@ -8,6 +8,8 @@ message, beside the code that causes it (as pylint's functional tests keep messa
 
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 import os
 import re
@@ -67,6 +69,9 @@ def actual(fixture, report) -> Counter:
 
 
 def audit_fixture(fixture, **overrides):
-    model, inputs, options = fixture.build()
-    options = {**options, **overrides}
-    return gradaudit.audit(model, inputs, **options)
+    """A fixture with ``world = n`` is built and audited as rank 0 of a fake world of n."""
+    world = gradaudit.fake_world(fixture.world) if getattr(fixture, "world", 0) else contextlib.nullcontext()
+    with world:
+        model, inputs, options = fixture.build()
+        options = {**options, **overrides}
+        return gradaudit.audit(model, inputs, **options)

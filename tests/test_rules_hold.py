@@ -11,7 +11,12 @@ from tests.fixtures.rule_models import FIXTURES
 from tests.rule_harness import actual, audit_fixture, expected
 
 
-@pytest.mark.parametrize("fixture", FIXTURES, ids=lambda f: f.__name__)
+# the proof runs backward nodes one by one, which a parallelised model's collectives cannot (audit
+# refuses verify in a world): GA602's claim is checked against real gloo runs (tests/test_ranks_gloo.py)
+PROVABLE = [f for f in FIXTURES if not getattr(f, "world", 0)]
+
+
+@pytest.mark.parametrize("fixture", PROVABLE, ids=lambda f: f.__name__)
 def test_rule_claims_hold_under_the_proof(fixture):
     report = audit_fixture(fixture, verify=True)
     assert not report.disagreements, report.disagreements

@@ -216,13 +216,26 @@ def _optimizer_step(model: nn.Module, trains: Sequence[torch.Tensor], layouts: S
             shard = local_of(p)
             stand_in[id(p)] = torch.empty_strided(shard.shape, shard.stride(), dtype=p.dtype, device="meta",
                                                   requires_grad=p.requires_grad)
-    grads = [(stand_in[id(p)], torch.empty_strided(local_of(g).shape, local_of(g).stride(), dtype=g.dtype,
-                                                   device="meta"))
-             for p, g in layouts]
+    # a DTensor gradient may be placed otherwise than its parameter (an embedding sharded by rows gets a
+    # replicated gradient): the optimizer's ops redistribute it to the parameter's placement and step
+    # that, so the stand-in takes the parameter's local layout (the redistribution itself: not followed)
+    grads, placed = [], 0
+    for p, g in layouts:
+        stand, shard = stand_in[id(p)], local_of(g)
+        if shard.shape != stand.shape:
+            placed += 1
+            grads.append((stand, torch.empty_strided(stand.shape, stand.stride(), dtype=g.dtype, device="meta")))
+        else:
+            grads.append((stand, torch.empty_strided(shard.shape, shard.stride(), dtype=g.dtype, device="meta")))
     # fused=True: the stand-ins are meta tensors, which torch.optim's device check leaves out
     with torchapi.fused_optimizers_on_meta():
         optimizer = optimizers.build(builder, optimizers.stand_in_groups(builder, trains, stand_in), name)
         notes = optimizers.target_defaults(optimizer, target)
+        if placed:
+            whose = "parameters' gradients are" if placed > 1 else "parameter's gradient is"
+            notes.append(f"{placed} {whose} placed otherwise than the parameter (DTensor: e.g. replicated for a "
+                         f"sharded embedding); the optimizer steps it redistributed to the parameter's shard, and "
+                         f"that redistribution's temporary copy is not counted")
 
         def counts(where: torch.device) -> bool:
             # the stand-ins are meta tensors; an optimizer also keeps CPU scalars (Adam's step counts, unless

@@ -1,0 +1,175 @@
+"""Small parallelised models, each built as its training code would build it on one rank.
+
+Every builder is ``builder(rank, world_size) -> (model, inputs)``: it runs inside an initialised
+process group (a real gloo one, tests/gloo_world.py, or PyTorch's fake one in this process), builds
+its DeviceMesh on the "cpu" device type, builds the model on the CPU and parallelises it. The model
+and the inputs are deterministic: the same on every rank and in every process (the weights from
+``torch.manual_seed(0)`` set here, the inputs from a generator of their own).
+
+The llama_* builders use transformers' LlamaForCausalLM from a config (2 layers, hidden 64, 4 heads,
+2 key/value heads, vocabulary 128, ``use_cache=False``), given input_ids, a padded attention mask
+(the second row padded at its end) and labels: its output is a ModelOutput whose ``loss`` trains.
+Tensor parallelism follows torchtitan's ``apply_tp`` for Llama, with Hugging Face's module names.
+HF's attention reshapes the projections with ``view(*input_shape, -1, head_dim)``, so it runs on a
+rank's local heads (plain local tensors: the colwise projections return their local shard).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+SEQ = 16
+BATCH = 2
+VOCAB = 128
+
+
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, use_cache=False,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def _llama_inputs() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    attention_mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    attention_mask[1, -4:] = 0  # the second row padded at its end
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def _tensor_parallel(model: nn.Module, tp_mesh, sequence: bool) -> None:
+    """torchtitan's plan for Llama's blocks (q/k/v/gate/up colwise, o/down rowwise); with
+    ``sequence``, also its sequence parallelism: the residual stream sharded on the sequence
+    (Shard(1)) between the blocks, the norms SequenceParallel, each attention and MLP gathering its
+    input (PrepareModuleInput Shard(1) -> Replicate) and reduce-scattering its output."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    if sequence:
+        # The embedding's output stays a DTensor (use_local_output=False): LlamaModel reads the
+        # sequence length from it for the positions and the mask, and a DTensor's shape is global.
+        parallelize_module(model, tp_mesh, {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                  use_local_output=False),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        })
+    for layer in model.model.layers:
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
+        if sequence:
+            plan.update({
+                "input_layernorm": SequenceParallel(),
+                # the decoder layer calls its attention with keyword arguments
+                "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+                "post_attention_layernorm": SequenceParallel(),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            })
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def _fully_shard(model: nn.Module, layers, mesh=None) -> None:
+    """FSDP2 as training code applies it: each block, then the root (defaults: the blocks reshard
+    after the forward, the root does not)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def llama_fsdp2(rank: int, world_size: int):
+    model = _llama()
+    _fully_shard(model, model.model.layers, _mesh((world_size,), ("dp",)))
+    return model, _llama_inputs()
+
+
+def llama_tp(rank: int, world_size: int):
+    model = _llama()
+    _tensor_parallel(model, _mesh((world_size,), ("tp",)), sequence=False)
+    return model, _llama_inputs()
+
+
+def llama_tp_sp(rank: int, world_size: int):
+    model = _llama()
+    _tensor_parallel(model, _mesh((world_size,), ("tp",)), sequence=True)
+    return model, _llama_inputs()
+
+
+def llama_fsdp2_tp(rank: int, world_size: int):
+    """A 2-D mesh (dp, tp) = (world // 2, 2): tensor parallelism on tp, then FSDP2 on dp."""
+    mesh = _mesh((world_size // 2, 2), ("dp", "tp"))
+    model = _llama()
+    _tensor_parallel(model, mesh["tp"], sequence=False)
+    _fully_shard(model, model.model.layers, mesh["dp"])
+    return model, _llama_inputs()
+
+
+class Summed(nn.Module):
+    """A classifier whose output is summed into the scalar that trains."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).sum()
+
+
+def resnet_fsdp2(rank: int, world_size: int):
+    from torchvision.models import resnet18
+
+    torch.manual_seed(0)
+    net = resnet18(num_classes=10)
+    model = Summed(net)
+    _fully_shard(model, [net.layer1, net.layer2, net.layer3, net.layer4], _mesh((world_size,), ("dp",)))
+    inputs = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    return model, inputs
+
+
+# -- hand-checked: a stack of Linear layers --------------------------------------------------------
+
+D = 64
+
+
+def linear_fsdp2(rank: int, world_size: int):
+    """Linear(64, 64), ReLU, Linear(64, 64), ReLU, Linear(64, 8) on x of (2, 16, 64): the two hidden
+    Linears fully_shard'ed, then the root (the Sequential, which so owns the head Linear: by default
+    it keeps its gathered parameters after the forward, registered in place of the sharded ones)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, D), nn.ReLU(), nn.Linear(D, 8))
+    _fully_shard(model, [model[0], model[2]], _mesh((world_size,), ("dp",)))
+    return model, torch.randn(BATCH, SEQ, D, generator=torch.Generator().manual_seed(1))
+
+
+def linear_tp(rank: int, world_size: int):
+    """Linear(64, 256) colwise, ReLU, Linear(256, 64) rowwise on x of (2, 16, 64)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 4 * D), nn.ReLU(), nn.Linear(4 * D, D))
+    parallelize_module(model, _mesh((world_size,), ("tp",)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model, torch.randn(BATCH, SEQ, D, generator=torch.Generator().manual_seed(1))
