@@ -42,11 +42,10 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import torchapi
 from .tensors import iter_tensors, split_inputs, strided_parts, unique
-from .torchapi import TorchDispatchMode, tree_flatten
+from .torchapi import TorchDispatchMode, is_traceable_wrapper_subclass, storage_id, tree_flatten
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -71,7 +70,7 @@ def local_parts(t: torch.Tensor) -> list[torch.Tensor]:
 
 def storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
     """The storages (by address, as StorageWeakRef's ``cdata``) holding ``tensors`` on this process."""
-    return {part.untyped_storage()._cdata for t in tensors for part in local_parts(t)}
+    return {storage_id(part.untyped_storage()) for t in tensors for part in local_parts(t)}
 
 
 def current_nbytes(cdata: int) -> Optional[int]:
@@ -100,7 +99,7 @@ class StorageTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 for part in local_parts(t):
                     storage = part.untyped_storage()
-                    key = storage._cdata  # a StorageWeakRef's cdata: made only for a new storage
+                    key = storage_id(storage)  # a StorageWeakRef's cdata: made only for a new storage
                     if key not in storages:
                         storages[key] = StorageWeakRef(storage)
         return out
@@ -165,8 +164,8 @@ def held_bytes_after_forward(model: torch.nn.Module, inputs: Any, *, young_only:
     for t in _saved_scalars(roots):
         for part in local_parts(t):
             storage = part.untyped_storage()
-            if storage._cdata not in seen:
-                seen.add(storage._cdata)
+            if storage_id(storage) not in seen:
+                seen.add(storage_id(storage))
                 held += storage.nbytes()
     del roots
     return held
@@ -277,7 +276,7 @@ def forward_backward(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple
         # not held: the outputs' storages and those registered in the forward (FSDP2's kept gathered parameters)
         registered = [*model.parameters(), *model.buffers()]
         if cuda:
-            parts = {part.untyped_storage()._cdata: part for t in [*outputs, *registered] for part in local_parts(t)}
+            parts = {storage_id(part.untyped_storage()): part for t in [*outputs, *registered] for part in local_parts(t)}
             held = torch.cuda.memory_allocated(device) - base - sum(
                 part.untyped_storage().nbytes() for key, part in parts.items() if key not in before)
         else:
@@ -331,7 +330,7 @@ def measured_step_peak(model: torch.nn.Module, inputs: Any, make_optimizer: Call
     state = [t for values in optimizer.state.values() for t in iter_tensors(values)]
     for t in [*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs)), *state]:
         for part in local_parts(t):
-            always[part.untyped_storage()._cdata] = part.untyped_storage().nbytes()
+            always[storage_id(part.untyped_storage())] = part.untyped_storage().nbytes()
     tracker = PeakTracker(set(always))
     with tracker:
         loss = forward()

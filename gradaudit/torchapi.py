@@ -21,6 +21,7 @@ import torch
 import torch.utils.checkpoint  # noqa: F401  (its internals are recognised below)
 import torch.utils.hooks  # noqa: F401  (RemovableHandle's id counter: add_forward_hooks)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (the storage trackers' base)
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass  # noqa: F401  (measure's wrappers)
 from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401
 
 from .errors import GradauditError

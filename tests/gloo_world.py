@@ -227,27 +227,9 @@ def fake_rank(rank: int, world_size: int) -> Iterator[None]:
 
 
 def _clear_dtensor_caches() -> None:
-    import torch
+    from gradaudit.torchapi import clear_dtensor_caches  # (the caches, not a measurement: shared)
 
-    tensor = sys.modules.get("torch.distributed.tensor")
-    if tensor is None:
-        return
-    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ dispatch path's
-    if native is not None:
-        native()
-    propagator = tensor.DTensor._op_dispatcher.sharding_propagator
-    for cache in (propagator.propagate_op_sharding, getattr(type(propagator), "_propagate_tensor_meta_cached", None)):
-        if hasattr(cache, "cache_clear"):
-            cache.cache_clear()
-    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
-    if hasattr(redistribute, "clear_redistribute_planner_cache"):
-        redistribute.clear_redistribute_planner_cache()
-    if hasattr(getattr(redistribute, "_gen_transform_infos", None), "cache_clear"):
-        redistribute._gen_transform_infos.cache_clear()
-    utils = sys.modules.get("torch.distributed.tensor._collective_utils")
-    topology = getattr(getattr(utils, "MeshTopoInfo", None), "build_from_mesh", None)
-    if hasattr(topology, "cache_clear"):
-        topology.cache_clear()
+    clear_dtensor_caches()
 
 
 def _worker(builders: str, out: str, timeout: float) -> None:

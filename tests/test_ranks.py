@@ -276,3 +276,19 @@ def test_a_cuda_mesh_on_meta():
     assert (cuda.saved_bytes, cuda.regathered_bytes) == (cpu.saved_bytes, cpu.regathered_bytes)
     # tensor parallel 2 halves the MLP's hidden width: one block of hidden 128 per layer, unparallelised
     assert cuda.saved_bytes == gradaudit.audit(Stack(hidden=2 * D), batch()).saved_bytes
+
+
+@pytest.mark.parametrize("build", [fsdp2, sequence_parallel], ids=["fsdp2", "tp+sp"])
+def test_plan_per_rank_holds_what_it_says(build):
+    from gradaudit.measure import held_bytes_after_forward
+
+    def planned(model, x):
+        plan = gradaudit.plan(model, x, 200_000)  # below what a rank holds unplanned: blocks recompute
+        with plan.apply(model):
+            measured = held_bytes_after_forward(model, x)  # the independent tracker, the plan in force
+        return plan, measured
+
+    torch.manual_seed(0)
+    plan, measured = per_rank(build, 2, planned, ranks=[1])[1]
+    assert plan.checkpointed and plan.held_bytes <= 200_000
+    assert plan.held_bytes == measured
