@@ -1,4 +1,4 @@
-"""What each rank holds when a 70B Llama trains on 8 GPUs with FSDP2 and tensor parallelism.
+"""What does each rank hold when a 70B Llama trains on 8 GPUs with FSDP2 and tensor parallelism?
 
 The factory is the training script's model setup, unchanged in kind: it asks torch.distributed for
 the world, builds a 2-D DeviceMesh (data parallel x tensor parallel), applies tensor parallelism to

@@ -31,7 +31,8 @@ def scan_json(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
-@pytest.mark.parametrize("name", ["resnet_surgical", "llama_probe", "bert_checkpointing", "custom_function"])
+@pytest.mark.parametrize("name", ["resnet_surgical", "llama_probe", "bert_checkpointing", "custom_function",
+                                  "parallel_llama"])
 def test_each_example_says_what_question_it_answers(name):
     doc = load(name).__doc__
     assert doc and "?" in doc.split("\n\n")[0]
@@ -137,3 +138,26 @@ def test_custom_function_waste_is_found_with_verify():
     static = scan_json(f"{spec}:build")
     assert static["findings"] == [] and static["summary"]["unknown_tensors"] > 0
     assert scan_json(f"{spec}:build_fixed", "--verify")["summary"]["waste_findings"] == 0
+
+
+def test_parallel_llama_per_rank_on_cpu_and_meta():
+    # the factory as the README runs it (world 8, meta) needs 80 layers of 8192: here the same code at
+    # 2 layers of 256, tensor parallel 2 and FSDP2 over the other 2 ranks of a world of 4
+    build = load("parallel_llama").build
+
+    def small():
+        return build(layers=2, hidden=256, sequence=64, tensor_parallel=2)
+
+    def small_on_meta():
+        with gradaudit.meta_device():
+            return small()
+
+    def audit(model, inputs):
+        return gradaudit.audit(model, inputs)
+
+    cpu = gradaudit.per_rank(small, 4, audit, same=lambda r: (r.saved_bytes, r.regathered_bytes))
+    assert cpu.groups == [[0, 1, 2, 3]]  # every rank holds alike: even shards, the same batch
+    meta = gradaudit.per_rank(small_on_meta, 4, audit, ranks=[3], device="meta")[3]
+    assert (meta.device, meta.saved_bytes, meta.regathered_bytes) == ("meta", cpu[0].saved_bytes,
+                                                                      cpu[0].regathered_bytes)
+    assert cpu[0].regathered_bytes > 0 and cpu[0].world_size == 4
