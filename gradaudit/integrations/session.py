@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import GradauditError
+from ..planning.conditions import checkpoints_itself
 from ..records import Report
 
 # every figure a callback logs is named with this prefix (W&B, TensorBoard, state.log_history)
@@ -277,15 +278,6 @@ class SessionResults:
     def trim_stats(self) -> Optional[dict[str, int]]:
         """trim's counts over the run (saves kept, dropped, bit-packed; None without trim or before the end)."""
         return self.session.trim_stats
-
-
-def checkpoints_itself(model: nn.Module) -> bool:
-    """Whether a Hugging Face model has its own activation checkpointing on (transformers 5 renamed
-    ``is_gradient_checkpointing``, which now warns, to ``is_activation_checkpointing``)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(model), name):
-            return bool(getattr(model, name))
-    return False
 
 
 @contextlib.contextmanager

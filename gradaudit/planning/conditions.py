@@ -72,6 +72,15 @@ def cache_off(model: nn.Module) -> Iterator[bool]:
         config.use_cache = True
 
 
+def checkpoints_itself(model: nn.Module) -> bool:
+    """Whether a Hugging Face model has its own activation checkpointing on (transformers 5 renamed
+    ``is_gradient_checkpointing``, which now warns, to ``is_activation_checkpointing``)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
 def checkpointed_now(report: Any) -> list[str]:
     """The modules the audited forward checkpointed itself (torch.utils.checkpoint regions)."""
     regions = {n.module or "the model" for n in report.nodes

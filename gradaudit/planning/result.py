@@ -15,6 +15,7 @@ from ..errors import GradauditError
 from ..records import Bound, Cost
 from ..sizes import parse_size
 from .apply import FULL_POLICY, SELECTIVE_POLICY, PlanHandle
+from .conditions import checkpoints_itself
 from .solve import Point
 
 if TYPE_CHECKING:
@@ -186,7 +187,7 @@ class Plan:
         for a plan made with trim, install ``gradaudit.trim`` (with the plan's bitpack) unless it is
         installed already; returns a handle: ``remove()`` or ``with plan.apply(model): ...`` restores
         it (removing trim only where apply installed it)."""
-        if self.replaces and getattr(model, "is_gradient_checkpointing", False):
+        if self.replaces and checkpoints_itself(model):
             raise GradauditError("this plan replaces the model's own checkpointing, which is still on: turn it off "
                                  "first (model.gradient_checkpointing_disable())")
         return PlanHandle(model, self.checkpointed, self.policies, trim=self.bitpack if self.trimmed else None)
