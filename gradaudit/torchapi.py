@@ -171,14 +171,17 @@ def clear_dtensor_caches() -> None:
         topology.cache_clear()
 
 
+def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model``'s modules that FSDP2 (``fully_shard``) manages, outermost first; none, without a walk,
+    where FSDP2 was never imported (every audit asks)."""
+    if "torch.distributed.fsdp._fully_shard" not in sys.modules:
+        return []
+    return [m for m in model.modules() if getattr(m, "_get_fsdp_state", None) is not None]
+
+
 def fsdp_states(model: torch.nn.Module) -> list[Any]:
-    """The FSDP2 states (``fully_shard``) of ``model``'s modules, outermost first."""
-    found = []
-    for module in model.modules():
-        get = getattr(module, "_get_fsdp_state", None)
-        if get is not None:
-            found.append(get())
-    return found
+    """The FSDP2 states of ``model``'s modules, outermost first."""
+    return [module._get_fsdp_state() for module in fsdp_modules(model)]
 
 
 def fsdp_unsharded_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -211,8 +214,8 @@ def fsdp_reshard(model: torch.nn.Module) -> None:
     """Reshard every FSDP2 module of ``model`` (``FSDPModule.reshard``): a forward without its
     backward leaves the root's gathered parameters registered (the root does not reshard after the
     forward); an audit puts the model back as it found it, sharded."""
-    for module in model.modules():
-        if getattr(module, "_get_fsdp_state", None) is not None and callable(getattr(module, "reshard", None)):
+    for module in fsdp_modules(model):
+        if callable(getattr(module, "reshard", None)):
             module.reshard()
 
 
