@@ -37,11 +37,13 @@ _LAZY = {
     # per rank: FSDP2, tensor and sequence parallel models in a fake process group on this machine
     "fake_world": ("gradaudit.ranks", "fake_world"),
     "per_rank": ("gradaudit.ranks", "per_rank"),
+    # which GPU, torch release and cuDNN target="cuda" stands for
+    "assume_gpu": ("gradaudit.cuda_choices", "assume_gpu"),
 }
 
 __all__ = [
     "audit", "trim", "TrimHandle", "plan", "Plan", "PlanHandle", "BudgetError", "assert_no_waste", "declare", "declare_function", "Read", "Reads", "Bit",
-    "meta_device", "fit", "Fit", "fake_world", "per_rank", "Report", "Finding", "SavedTensor", "Disagreement", "SCHEMA_VERSION",
+    "meta_device", "fit", "Fit", "fake_world", "per_rank", "assume_gpu", "Report", "Finding", "SavedTensor", "Disagreement", "SCHEMA_VERSION",
     "GradauditError", "ForwardError", "NothingRequiresGradError", "UnknownCodeError", "NoMatchingParameterError",
     "__version__",
 ]

@@ -200,11 +200,11 @@ def _saved_tensors(recording: Recording, nodes: list[GraphNode], alive: KnownSto
         )
         if save.verdict is not None:
             preset[saved.index] = (save.verdict, save.reason)
-        elif save.function is not None and (inner := hidden_by(save.function)) is not None:
-            # hidden inside CopySlices by an in-place op on a view: the op knowledge of the node that
-            # op creates says what its backward reads. trim cannot reach such saves (no node lists
+        elif save.function is not None and (inner := hidden_by(save.function)):
+            # hidden inside CopySlices by an in-place op on a view: the op knowledge of the nodes that
+            # op may create says what their backward reads. trim cannot reach such saves (no node lists
             # them), so they get the verdict but are neither dropped nor bit-packed in any figure
-            preset.update(_hidden_verdict(saved, save.function, *inner))
+            preset.update(_hidden_verdict(saved, save.function, inner))
         if sid >= 0:
             storages[sid].tensors.append(saved.index)
         nodes[save.node_pos].saved.append(saved.index)
@@ -309,19 +309,21 @@ def _notes(tensors: list[SavedTensor], disagreements: Sequence[Any], kept_bytes:
     return notes
 
 
-def _hidden_verdict(saved: SavedTensor, function: str, inner: Declaration,
-                    attrs: Sequence[str]) -> dict[int, tuple[str, str]]:
+def _hidden_verdict(saved: SavedTensor, function: str,
+                    inner: Sequence[tuple[Declaration, Sequence[str]]]) -> dict[int, tuple[str, str]]:
     """The verdict on a save that an in-place ``function`` on a view hid inside CopySlices, from
-    the declaration of the node it hides there. Which of ``attrs`` it is (``mul_`` saves self or
-    other, by which factor needs a gradient) is not known, so all of them must give one verdict;
-    nor is which of the node's inputs want a gradient, so every edge counts as wanting one (which
-    can only make a read needed) and "not needed" is never given. No verdict: an empty dict."""
-    outcomes = [inner.outcome(attr, [True] * max(1, len(inner.edges)), saved.module_class, saved.dtype)
-                for attr in attrs]
+    the declarations of the nodes it may hide there. Which node it is (``x[mask] = v`` makes
+    IndexPutBackward0 or, on torch 2.15, MaskedFillBackward0) and which of its attributes (``mul_``
+    saves self or other, by which factor needs a gradient) is not known, so all of them must give
+    one verdict; nor is which of the node's inputs want a gradient, so every edge counts as wanting
+    one (which can only make a read needed) and "not needed" is never given. No verdict: an empty
+    dict."""
+    outcomes = [node.outcome(attr, [True] * max(1, len(node.edges)), saved.module_class, saved.dtype)
+                for node, attrs in inner for attr in attrs]
     verdicts = {o.verdict if o is not None else None for o in outcomes}
     if len(verdicts) != 1 or None in verdicts or NOT_NEEDED in verdicts:
         return {}
-    named = " or ".join(f"{inner.name}.{attr}" for attr in attrs)
+    named = " or ".join(f"{node.name}.{attr}" for node, attrs in inner for attr in attrs)
     reasons = "; ".join(dict.fromkeys(o.reason for o in outcomes))
     return {saved.index: (outcomes[0].verdict, f"in-place {function} on a view, hidden inside CopySlices as "
                                                f"{named}: {reasons} (trim cannot reach it)")}

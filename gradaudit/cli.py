@@ -127,6 +127,10 @@ class ScanOptions:
     mode: Optional[bool] = None  # True train, False eval, None as the factory left it
     device: str = "auto"
     target: str = "cpu"  # the device type a scan on meta stands for
+    # with target cuda: the GPU, the torch release it runs and its cuDNN (None: the defaults)
+    target_gpu: Optional[str] = None
+    target_torch: Optional[str] = None
+    target_cudnn: Optional[str] = None
     html: Optional[str] = "gradaudit-report.html"
     json: Optional[str] = None
     svg: Optional[str] = None
@@ -398,6 +402,12 @@ _MODEL_OPTIONS = (
     click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
                  help="With --device meta: the device the figures are for; the forward takes the kernels it "
                  "would take (cuda: cuDNN batch norm) and autocast is emulated as its own."),
+    click.option("--target-gpu", "target_gpu", metavar="NAME", help="With --target cuda: the GPU the figures are "
+                 "for, by name (H100, A100, L4, B200, ...) or compute capability (sm90) [default: H100]."),
+    click.option("--target-torch", "target_torch", metavar="X.Y", help="With --target cuda: the torch release that "
+                 "GPU runs (2.11 to 2.15), whose kernel choices apply [default: the installed one]."),
+    click.option("--target-cudnn", "target_cudnn", metavar="X.Y", help="With --target cuda: the cuDNN that torch "
+                 "loads there [default: the installed torch's, or the one --target-torch's CUDA wheel bundles]."),
     click.option("--world-size", "world_size", type=click.IntRange(min=1), metavar="N", help="The factory "
                  "parallelises the model for N ranks (FSDP2, tensor or sequence parallel): it runs in a fake process "
                  "group of N, once per rank, and each rank's figures are its own (DTensors by their local shards)."),
@@ -405,7 +415,7 @@ _MODEL_OPTIONS = (
                  "only rank R (repeatable) [default: every rank; ranks that come out alike are shown once]."),
 )
 _MODEL_FIELDS = ("inputs", "input_shape", "dtype", "input_requires_grad", "trainable", "freeze", "mode", "device",
-                 "target", "world_size", "ranks")
+                 "target", "target_gpu", "target_torch", "target_cudnn", "world_size", "ranks")
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="Print one summary line.")
 debug_option = click.option("--debug", is_flag=True, help="Show full tracebacks.")
 
@@ -507,10 +517,41 @@ class _RankProgress:
         pass  # the line stays until the last rank is done
 
 
+def _assumed_gpu(options: ScanOptions) -> Any:
+    """The --target-gpu/--target-torch/--target-cudnn context (``cuda_choices.assume_gpu``), each
+    value checked with its option named; a null context when none is given."""
+    import contextlib
+
+    from . import cuda_choices
+
+    given = {"--target-gpu": options.target_gpu, "--target-torch": options.target_torch,
+             "--target-cudnn": options.target_cudnn}
+    named = [option for option, value in given.items() if value is not None]
+    if not named:
+        return contextlib.nullcontext()
+    if options.target != "cuda":
+        raise ScanFailed(f"{named[0]} says which GPU --target cuda stands for: add --target cuda (and --device meta)")
+    parsers = {"--target-gpu": cuda_choices.parse_gpu, "--target-torch": cuda_choices.parse_release,
+               "--target-cudnn": cuda_choices.parse_cudnn}
+    for option in named:
+        try:
+            parsers[option](given[option])
+        except GradauditError as error:
+            raise ScanFailed(f"{option}: {error}") from error
+    return cuda_choices.assume_gpu(options.target_gpu, torch=options.target_torch, cudnn=options.target_cudnn)
+
+
 def _per_rank(options: ScanOptions, body: Callable[[ScanOptions, Callable[[Optional[str]], Optional[str]]], int]) -> int:
     """Run a command's ``body(options, path)`` as it is, or with --world-size once per rank, each in
     a fake process group as that rank (``path`` gives each rank's file names). A rank's output is
-    collected; ranks whose output is alike (their rank aside) are printed once, under one header."""
+    collected; ranks whose output is alike (their rank aside) are printed once, under one header.
+    With --target-gpu/--target-torch/--target-cudnn, every run stands for that GPU."""
+    with _assumed_gpu(options):
+        return _per_rank_runs(options, body)
+
+
+def _per_rank_runs(options: ScanOptions,
+                   body: Callable[[ScanOptions, Callable[[Optional[str]], Optional[str]]], int]) -> int:
     if options.world_size is None:
         if options.ranks:
             raise ScanFailed("--rank needs --world-size N (the number of ranks the factory parallelises for)")

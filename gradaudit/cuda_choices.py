@@ -16,19 +16,45 @@ pytorch/pytorch (not necessarily the 2.14.1 tag); every check named here also ap
 function name and its warning text, in the installed torch 2.14.1+cu130 ``libtorch_cuda.so``. The
 exact thresholds of cuDNN's preference (cuDNN > 9.15, sm90/sm10x) and of its head-dimension limit
 come from that revision only.
+
+The rules differ between releases, and the GPU that runs the step may run another torch than the
+machine that audits it: ``Gpu.torch`` says whose rules apply (``assume_gpu`` sets it). What differs
+from 2.11 to 2.15, and where each was read:
+
+- cuDNN attention refuses a dropout that is not a multiple of 1/16 (``check_cudnn_dropout``) from
+  2.12: the check's name and its warning ("cuDNN dropout probability resolution is limited to 1/16")
+  are in the ``libtorch_cuda.so`` of the PyPI wheels of 2.12.0, 2.13.0, 2.14.1 and 2.15.0, not in
+  2.11.0's; on an H100 with 2.11.0+cu130, BERT-family encoders and GPT-2 in bf16 with dropout 0.1 ran
+  cuDNN attention (shared/notes/gpu-facts.md).
+- The memory-efficient kernel takes grouped key/value heads (``enable_gqa``) from 2.14 (pytorch PR
+  #191085; its messages "`shared_storage_dqdkdv` does not support grouped query attention" and
+  "invalid GQA group size" are in the 2.14.1 and 2.15.0 binaries, not in 2.11.0, 2.12.0 or 2.13.0);
+  on the 2.11 H100, fp32 decoders with grouped heads and no mask ran the math kernel.
+- 2.15 passes cuDNN over on sm90 below cuDNN 9.26 for non-causal attention whose key/value length is
+  64 modulo 128 (its warning: "cuDNN SDPA before version 9.26 can produce non-finite query gradients
+  on SM90 for non-causal attention when the key/value sequence length is 64 modulo 128", in 2.15.0 only).
+- The cuDNN each release's default CUDA wheel pins (``nvidia-cudnn-cu13`` in its METADATA): 2.11 9.19,
+  2.12 and 2.13 9.20, 2.14 9.24, 2.15 9.26; all are CUDA 13 builds (2.15: 13.2).
+
+Not emulated (the same bytes either way): on the 2.11 H100 a Linear on a 3-D input made
+``AddmmBackward0`` where the meta device of the installed release makes ``MmBackward0``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 
 from . import torchapi
+from .errors import GradauditError
 
 _HALF = (torch.float16, torch.bfloat16)
 # torch's default priority order (ATen's Context); a GPU that prefers cuDNN replaces it once, at its
@@ -36,6 +62,34 @@ _HALF = (torch.float16, torch.bfloat16)
 STOCK_PRIORITY = ("flash", "efficient", "math", "cudnn", "overrideable")
 CUDNN_FIRST = ("cudnn", "flash", "efficient", "math", "overrideable")
 FUSED = ("flash", "efficient", "cudnn")
+
+
+# The torch releases whose dispatch rules this module knows, and what each one's default CUDA wheel
+# on PyPI bundles: the cuDNN it pins (nvidia-cudnn-cu13 in the wheel's METADATA) and its CUDA build
+RELEASES = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
+BUNDLED_CUDNN = {(2, 11): 91900, (2, 12): 92000, (2, 13): 92000, (2, 14): 92400, (2, 15): 92600}
+BUNDLED_CUDA = {(2, 11): (13, 0), (2, 12): (13, 0), (2, 13): (13, 0), (2, 14): (13, 0), (2, 15): (13, 2)}
+# GPU names people use -> compute capability (NVIDIA's CUDA GPU list)
+GPUS = {"A100": (8, 0), "A10": (8, 6), "A10G": (8, 6), "RTX3090": (8, 6), "L4": (8, 9), "L40": (8, 9),
+        "L40S": (8, 9), "RTX4090": (8, 9), "H100": (9, 0), "H200": (9, 0), "GH200": (9, 0), "B200": (10, 0),
+        "GB200": (10, 0), "RTX5090": (12, 0)}
+
+
+def _version_pair(text: str) -> tuple[int, int]:
+    parts = [int(p) for p in re.findall(r"\d+", text.split("+")[0])[:2]]
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+def installed_release() -> tuple[int, int]:
+    """The installed torch's (major, minor)."""
+    return _version_pair(torch.__version__)
+
+
+def _release_of(release: tuple[int, int]) -> tuple[int, int]:
+    """The known release whose rules stand for ``release`` (a newer one: the newest known)."""
+    if release in RELEASES or release < RELEASES[0]:
+        return release if release in RELEASES else RELEASES[0]
+    return max(r for r in RELEASES if r <= release)
 
 
 @dataclass(frozen=True)
@@ -49,6 +103,8 @@ class Gpu:
     # kCuDNNFrontendSupportsD256: frontend >= 1.24); not known for the installed wheel, assumed not
     cudnn_head_dim_256: bool = False
     cuda: tuple[int, int] = (13, 0)  # the CUDA version torch was built for (its cuDNN preference differs below 13)
+    # the torch release running on that GPU, whose dispatch rules apply (default: the installed one's)
+    torch: tuple[int, int] = field(default_factory=lambda: _release_of(installed_release()))
 
     @property
     def sm(self) -> str:
@@ -56,19 +112,96 @@ class Gpu:
 
     def describe(self) -> str:
         version = f"{self.cudnn // 10000}.{self.cudnn // 100 % 100}"
-        return f"an {self.name} ({self.sm}) with cuDNN {version}"
+        article = "an" if self.name[:1].upper() in "AEFHILMNORSX" else "a"
+        return f"{article} {self.name} ({self.sm}) with cuDNN {version} under torch {self.torch[0]}.{self.torch[1]}"
 
 
 def _cuda_build() -> tuple[int, int]:
-    text = torch.version.cuda or "13.0"
-    parts = [int(p) for p in text.split(".")[:2] if p.isdigit()]
-    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+    return _version_pair(torch.version.cuda or "13.0")
+
+
+def default_gpu() -> Gpu:
+    """An H100 (sm90) with the cuDNN the installed torch loads (9.24 for torch 2.14.1+cu130 wheels;
+    where the installed torch has none, the cuDNN its release's default CUDA wheel bundles), CUDA as the
+    installed torch was built for, under the installed release's rules."""
+    release = _release_of(installed_release())
+    return Gpu("H100", (9, 0), torchapi.cudnn_version() or BUNDLED_CUDNN[release],
+               cuda=_cuda_build() if torch.version.cuda else BUNDLED_CUDA[release], torch=release)
+
+
+_ASSUMED: contextvars.ContextVar[Optional[Gpu]] = contextvars.ContextVar("gradaudit_assumed_gpu", default=None)
 
 
 def assumed_gpu() -> Gpu:
-    """An H100 (sm90) with the cuDNN the installed torch loads (9.24 for torch 2.14.1+cu130 wheels;
-    assumed 9.24 where the installed torch has none), CUDA as the installed torch was built for."""
-    return Gpu("H100", (9, 0), torchapi.cudnn_version() or 92400, cuda=_cuda_build())
+    """The GPU ``target="cuda"`` stands for: the one ``assume_gpu`` set, else ``default_gpu()``."""
+    gpu = _ASSUMED.get()
+    return gpu if gpu is not None else default_gpu()
+
+
+def parse_release(text: Any) -> tuple[int, int]:
+    """``"2.11"``, ``"2.11.0"`` or ``"2.11.0+cu130"`` -> (2, 11); a release outside 2.11-2.15 is refused."""
+    found = re.fullmatch(r"\s*(\d+)\.(\d+)(\.\d+)?(\+\S+)?\s*", str(text))
+    if found is None:
+        raise GradauditError(f"torch release {text!r}: write it as 2.11 or 2.11.0")
+    release = (int(found.group(1)), int(found.group(2)))
+    if release not in RELEASES:
+        known = f"{RELEASES[0][0]}.{RELEASES[0][1]} to {RELEASES[-1][0]}.{RELEASES[-1][1]}"
+        raise GradauditError(f"torch {release[0]}.{release[1]}: gradaudit knows the kernel choices of torch {known}")
+    return release
+
+
+def parse_cudnn(text: Any) -> int:
+    """``"9.19"``, ``"9.19.0"`` or torch's number (``91900``) -> 91900; cuDNN 9 only (torch 2.11 on needs it)."""
+    value = str(text).strip()
+    if value.isdigit() and len(value) == 5:
+        number = int(value)
+    else:
+        found = re.fullmatch(r"(\d+)\.(\d+)(?:\.(\d+))?", value)
+        if found is None:
+            raise GradauditError(f"cuDNN version {text!r}: write it as 9.19 or 9.19.0 (or torch's 91900)")
+        number = int(found.group(1)) * 10000 + int(found.group(2)) * 100 + int(found.group(3) or 0)
+    if not 90000 <= number < 100000:
+        raise GradauditError(f"cuDNN version {text!r}: torch 2.11 to 2.15 load cuDNN 9 (9.0 to 9.99)")
+    return number
+
+
+def parse_gpu(text: Any) -> tuple[str, tuple[int, int]]:
+    """A GPU name (``"H100"``, ``"A100"``; see GPUS) or a compute capability (``"sm90"``, ``"9.0"``)
+    -> (name, capability)."""
+    value = str(text).strip()
+    key = value.upper().replace(" ", "").replace("-", "").replace("NVIDIA", "")
+    if key in GPUS:
+        return key, GPUS[key]
+    found = re.fullmatch(r"(?:SM_?)?(\d{1,2})\.?(\d)", key)
+    if found is not None:
+        capability = (int(found.group(1)), int(found.group(2)))
+        return f"sm{capability[0]}{capability[1]} GPU", capability
+    raise GradauditError(f"GPU {text!r}: name one of {', '.join(GPUS)} or give its compute capability (sm90, 9.0)")
+
+
+def target_gpu(gpu: Any = None, torch_release: Any = None, cudnn: Any = None) -> Gpu:
+    """The Gpu for a GPU name or capability, the torch release running there and its cuDNN; each left
+    out is the default's (an H100; the installed release; the cuDNN of the installed torch where the
+    release is the installed one, else the one the release's default CUDA wheel bundles)."""
+    base = default_gpu()
+    name, capability = parse_gpu(gpu) if gpu is not None else (base.name, base.capability)
+    release = parse_release(torch_release) if torch_release is not None else base.torch
+    same = release == base.torch
+    number = parse_cudnn(cudnn) if cudnn is not None else (base.cudnn if same else BUNDLED_CUDNN[release])
+    return replace(base, name=name, capability=capability, cudnn=number, torch=release,
+                   cuda=base.cuda if same else BUNDLED_CUDA[release])
+
+
+@contextlib.contextmanager
+def assume_gpu(gpu: Any = None, *, torch: Any = None, cudnn: Any = None) -> Iterator[Gpu]:
+    """Within the block, ``target="cuda"`` stands for this GPU under this torch release and cuDNN
+    (``target_gpu``), in audits, plans and fits alike; yields the Gpu."""
+    chosen = gpu if isinstance(gpu, Gpu) and torch is None and cudnn is None else target_gpu(gpu, torch, cudnn)
+    token = _ASSUMED.set(chosen)
+    try:
+        yield chosen
+    finally:
+        _ASSUMED.reset(token)
 
 
 @dataclass(frozen=True)
@@ -228,14 +361,25 @@ def efficient_rejects(c: SdpaCall, gpu: Gpu, enabled: dict[str, bool]) -> Option
             return f"a query, key or value storage offset not a multiple of {alignment} elements"
         return None
 
+    def grouped_heads() -> Optional[str]:  # check_batch_size_and_num_heads_dense<supports_gqa>
+        if gpu.torch >= (2, 14) or not c.enable_gqa:
+            return _batch_and_heads(c)
+        if len({t.size(-3) for t in c.qkv}) > 1:
+            return f"grouped key/value heads (enable_gqa): it takes them from torch 2.14, this is {_release(gpu)}"
+        return _batch_and_heads(c)
+
     dtypes = (torch.float16, torch.float32) + ((torch.bfloat16,) if gpu.capability[0] >= 8 else ())
     return _first(
         lambda: (None if enabled["efficient"]
                  else "disabled (torch.backends.cuda.enable_mem_efficient_sdp / sdpa_kernel)"),
         lambda: None if _within(gpu, (5, 0), (12, 1)) else f"{gpu.sm} (needs sm50 to sm121)",
         lambda: _four_dims(c), head_dims, storage_offsets,
-        lambda: _nonzero_lengths(c), lambda: _unit_stride(c, False), lambda: _batch_and_heads(c),
+        lambda: _nonzero_lengths(c), lambda: _unit_stride(c, False), grouped_heads,
         lambda: _dtype(c, dtypes))
+
+
+def _release(gpu: Gpu) -> str:
+    return f"torch {gpu.torch[0]}.{gpu.torch[1]}"
 
 
 def _cudnn_mask(c: SdpaCall) -> Optional[str]:  # sdp_utils_cpp.h check_attn_mask_shape
@@ -297,6 +441,17 @@ def cudnn_rejects(c: SdpaCall, gpu: Gpu, enabled: dict[str, bool]) -> Optional[s
             return "deterministic algorithms are on (torch.use_deterministic_algorithms)"
         return None
 
+    def dropout() -> Optional[str]:  # check_cudnn_dropout, from torch 2.12
+        if gpu.torch < (2, 12) or c.dropout_p * 16 == math.floor(c.dropout_p * 16):
+            return None
+        return f"dropout {c.dropout_p:g} is not a multiple of 1/16"
+
+    def sm90_key_length() -> Optional[str]:  # torch 2.15: non-finite query gradients before cuDNN 9.26
+        if (gpu.torch >= (2, 15) and gpu.capability == (9, 0) and gpu.cudnn < 92600 and not c.is_causal
+                and c.key.size(-2) % 128 == 64):
+            return f"a key/value length of 64 modulo 128 without is_causal on sm90 below cuDNN 9.26 ({_release(gpu)})"
+        return None
+
     return _first(
         lambda: None if gpu.cudnn >= 90000 else "cuDNN older than 9.0",
         lambda: ("cuDNN 9.11 to 9.13 takes no dropout" if c.dropout_p > 0 and 91100 < gpu.cudnn < 91400 else None),
@@ -305,10 +460,9 @@ def cudnn_rejects(c: SdpaCall, gpu: Gpu, enabled: dict[str, bool]) -> Optional[s
         lambda: _dtype(c, _HALF if gpu.capability[0] >= 8 else (torch.float16,)),
         lambda: _cudnn_mask(c),
         lambda: None if _within(gpu, (8, 0), (12, 1)) else f"{gpu.sm} (cuDNN attention needs sm80 to sm121)",
-        lambda: (None if c.dropout_p * 16 == math.floor(c.dropout_p * 16)
-                 else f"dropout {c.dropout_p:g} is not a multiple of 1/16"),
+        dropout,
         lambda: _nonzero_lengths(c), lambda: _unit_stride(c, True), lambda: _batch_and_heads(c),
-        lambda: _cudnn_shapes(c, gpu), lambda: _cudnn_backward_head_dims(c, gpu))
+        lambda: _cudnn_shapes(c, gpu), lambda: _cudnn_backward_head_dims(c, gpu), sm90_key_length)
 
 
 REJECTS = {"flash": flash_rejects, "efficient": efficient_rejects, "cudnn": cudnn_rejects}

@@ -152,7 +152,7 @@ def held_bytes_after_forward(model: torch.nn.Module, inputs: Any, *, young_only:
         with tracker:
             output = model(*args, **kwargs)
         wait_collectives(output)
-        roots = [t.grad_fn for t in iter_tensors(output) if t.grad_fn is not None]
+        roots = graph_roots(output)
         del output
         gc.collect()
     finally:
@@ -169,6 +169,20 @@ def held_bytes_after_forward(model: torch.nn.Module, inputs: Any, *, young_only:
                 held += storage.nbytes()
     del roots
     return held
+
+
+def graph_roots(output: Any) -> list[Any]:
+    """The autograd nodes that keep ``output``'s graph alive once ``output`` is dropped. A custom
+    Function's node is reached from Python through its ctx object, which torch 2.11 holds weakly
+    (once the output is gone its graph is freed and ``next_functions`` raises): such an output is
+    summed, and the sum's node, a C++ node held strongly and saving nothing of its input, stands for
+    it. Call it outside any tracking (the sum is a new 0-dim tensor)."""
+    roots = []
+    for t in iter_tensors(output):
+        if t.grad_fn is None:
+            continue
+        roots.append(t.sum().grad_fn if torchapi.is_custom_function(t.grad_fn) else t.grad_fn)
+    return roots
 
 
 def wait_collectives(output: Any) -> None:

@@ -261,9 +261,9 @@ class CudaKernelChoices(CpuKernelChoices):
         notes = list(self._notes)
         if self.attention_kernels:
             taken = ", ".join(f"{kernel} x{count}" for kernel, count in sorted(self.attention_kernels.items()))
-            notes.insert(0, f"target cuda: scaled_dot_product_attention took the kernels torch {torch.__version__} "
-                            f"would choose on {self.gpu.describe()} ({taken}); another GPU generation or cuDNN "
-                            f"version may choose differently (README, Known limits)")
+            notes.insert(0, f"target cuda: scaled_dot_product_attention took the kernels torch would choose on "
+                            f"{self.gpu.describe()} ({taken}); another GPU generation, torch release or cuDNN "
+                            f"may choose differently (gradaudit.assume_gpu; --target-gpu, --target-torch, --target-cudnn)")
         return notes
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:

@@ -4,6 +4,7 @@ hooks (the recorder's sites, trim's module boundaries).
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, Optional, Sequence
 
 from torch import nn
@@ -14,8 +15,9 @@ from . import torchapi
 class ModuleTracker:
     """Keeps a stack of the module paths whose forward is running, via per-module forward hooks.
 
-    ``on_boundary``: called as every submodule's forward starts and ends, before the stack changes
-    (``trim`` decides the nodes created since the last boundary there).
+    ``on_boundary``: called as every submodule's forward starts (with its arguments) and ends (with
+    its output), before the stack changes (``trim`` decides the nodes created since the last
+    boundary there; without torch's node-creation hook it finds them from these tensors).
     ``on_enter``: called with the (path, class) of every submodule whose forward starts, before it
     is pushed (the recorder notes which modules run inside a checkpoint).
     """
@@ -27,6 +29,10 @@ class ModuleTracker:
         self.on_boundary = on_boundary
         self.on_enter = on_enter
         self._handles: list[Any] = []
+        # (sequence number of the next autograd node, the module running from then on) at every
+        # change of the running module, when a list is set: which module made a node, where torch
+        # has no node-creation hook to tell (torch 2.11 to 2.13; the recorder sets it there)
+        self.timeline: Optional[list[tuple[int, tuple[str, str]]]] = None
         # ``list(model.named_modules())`` when the caller has it (taken again on entry otherwise)
         self._named_modules = modules
 
@@ -45,28 +51,39 @@ class ModuleTracker:
         if enter is not None:
             def pre(module: nn.Module, args: Any) -> None:
                 if boundary is not None:
-                    boundary()
+                    boundary(args)
                 enter(entry)
                 stack.append(entry)
+                if self.timeline is not None and not torchapi.compiling():
+                    self.timeline.append((torchapi.sequence_number(), entry))
         elif boundary is None:
             def pre(module: nn.Module, args: Any) -> None:
                 stack.append(entry)
         else:
             def pre(module: nn.Module, args: Any) -> None:
-                boundary()
+                boundary(args)
                 stack.append(entry)
 
         return pre
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.on_boundary is not None:
-            self.on_boundary()
+            self.on_boundary(output)
         if len(self.stack) > 1:
             self.stack.pop()
+            if self.timeline is not None and not torchapi.compiling():
+                self.timeline.append((torchapi.sequence_number(), self.stack[-1]))
 
     def reset(self) -> None:
         """Back to the root module alone (a forward that raised may leave entries behind)."""
         del self.stack[1:]
+
+    def running_at(self, sequence: int) -> tuple[str, str]:
+        """(path, class) of the module that was running when the node numbered ``sequence`` was made,
+        from ``timeline`` (the root where the timeline has nothing before it)."""
+        timeline = self.timeline or []
+        k = bisect.bisect_right(timeline, sequence, key=lambda change: change[0])
+        return timeline[k - 1][1] if k else self.stack[0]
 
     def __exit__(self, *exc: Any) -> None:
         remove = torchapi.remove_forward_hooks

@@ -315,6 +315,7 @@ class Recorder:
         # the last non-reentrant region whose inputs were saved: (id of the saving frame, what had
         # happened by its last input, region); its next input follows with nothing in between
         self._saving: Optional[tuple[int, tuple[int, int, int], LiveRegion]] = None
+        self._placeholders: set[int] = set()  # packs of checkpoint placeholders (torch 2.11 to 2.13), not saves
         self._entered = 0  # submodule forwards started so far
         self._module_paths: Optional[dict[int, tuple[str, str]]] = None  # id(module) -> (path, class)
         # the frame that calls the forward (audit()'s): lines at or outside it explain nothing
@@ -366,7 +367,10 @@ class Recorder:
             self.pack_sites.append(self._site())
         frame = torchapi.caller_frame(1)  # whoever autograd's pack call came from
         if torchapi.saving_checkpoint_inputs(frame):
-            self._note_checkpoint_input(box.index, frame)
+            if torchapi.checkpoint_placeholder(frame, tensor):
+                self._placeholders.add(box.index)  # held by the checkpoint, 0 bytes, no input: not a save
+            else:
+                self._note_checkpoint_input(box.index, frame)
         return box
 
     def _note_checkpoint_input(self, index: int, frame: Any) -> None:
@@ -424,6 +428,14 @@ class Recorder:
     def _unpack(box: Packed) -> torch.Tensor:
         return box.tensor
 
+    def _site_by_sequence(self, seq: int, created_here: bool) -> Optional[NodeSite]:
+        """Without the node-creation hook: the module that ran when the node was made (no source
+        line but the module's construction; a save's pack, where there is one, says more)."""
+        if self.tracker.timeline is None or not created_here or seq == NO_SEQUENCE:
+            return None
+        path, cls = self.tracker.running_at(seq)
+        return NodeSite(path, cls, self._built.get(path))
+
     def _on_node(self, node: Any) -> None:
         seq = torchapi.node_sequence_number(node)
         if seq != NO_SEQUENCE:
@@ -449,6 +461,8 @@ class Recorder:
         if torchapi.has("node creation hook"):
             torchapi.push_node_creation_hook(torchapi.called_from_autograd(self._on_node), "the recorder")
             self._node_hook_installed = True
+        else:
+            self.tracker.timeline = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(torchapi.called_from_autograd(self._pack),
                                                               torchapi.called_from_autograd(self._unpack))
         self.start_sequence = torchapi.sequence_number()
@@ -500,7 +514,7 @@ class Recorder:
         alive (their boxes are), so they are held: report them on the CopySlices node announced
         next after they were packed, as ``hidden[i]``, with verdict unknown.
         """
-        found = {s.index for s in saves if s.index >= 0}
+        found = {s.index for s in saves if s.index >= 0} | self._placeholders
         self._collect_checkpoint_inputs(nodes, saves, found)
         if len(found) == len(self._boxes):  # every pack is a save the walk found: nothing hidden
             return
@@ -613,7 +627,8 @@ class Recorder:
             seq = torchapi.node_sequence_number(node)
             created_here = seq == NO_SEQUENCE or self.start_sequence <= seq < self.end_sequence
             site = self.node_sites.get(seq)
-            live = LiveNode(node=node, name=type(node).__name__, site=site or unknown_site)
+            live = LiveNode(node=node, name=type(node).__name__, site=site or self._site_by_sequence(seq, created_here)
+                            or unknown_site)
             nodes.append(live)
             if live.name == "AccumulateGrad":
                 variable = getattr(node, "variable", None)

@@ -537,6 +537,15 @@ def compiled_original(module: Any) -> Optional[torch.nn.Module]:
     return None
 
 
+_IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+
+def compiling() -> bool:
+    """Whether TorchDynamo is tracing the code that calls this (it folds the answer into the graph:
+    a hook can skip what dynamo cannot trace without breaking the graph)."""
+    return _IS_COMPILING()
+
+
 def force_eager(who: str) -> Any:
     """A context in which torch.compile'd modules and functions run eagerly."""
     require("compiler stance", who)
@@ -580,6 +589,14 @@ def saving_checkpoint_inputs(frame: Any) -> bool:
     if code is _FUNCTION_APPLY_CODE and frame.f_back is not None:  # torch 2.13: _NoopSaveInputs.apply
         code = frame.f_back.f_code
     return code in _INPUT_SAVER_CODES
+
+
+def checkpoint_placeholder(frame: Any, tensor: torch.Tensor) -> bool:
+    """Whether a checkpoint-input pack (``saving_checkpoint_inputs``) is the empty tensor torch 2.11
+    to 2.13 save first (``_NoopSaveInputs.apply(dummy, kwargs, *args)``, ``dummy`` a 0-element leaf
+    that requires grad so that the saver becomes a node): no input of the region, 0 bytes."""
+    return (frame.f_code is _FUNCTION_APPLY_CODE and tensor.numel() == 0 and tensor.is_leaf
+            and tensor.requires_grad)
 
 
 _GENERATOR_CODES = _codes_of(_CHECKPOINT, "_checkpoint_without_reentrant_generator",

@@ -352,10 +352,7 @@ def test_debug_shows_the_traceback(runner):
 
 
 def test_trim_reports_held_and_peak_before_and_after(runner):
-    from gradaudit import torchapi
 
-    if not torchapi.has("node creation hook"):
-        pytest.skip("gradaudit.trim needs torch >= 2.14 (the node creation hook)")
     result = scan(runner, "models.py:build", "--no-html", "--trim")
     assert result.exit_code == 0, result.stderr
     assert "held for backward" in result.stdout and "peak, forward+backward" in result.stdout

@@ -88,6 +88,7 @@ CASES = {
     "CeluBackward1": (lambda x: F.celu(x * 1, alpha=0.5, inplace=True), [_float(4, 8)], (0,)),
     "IndexPutBackward0[accumulate=False]": (lambda x, v: x.index_put((torch.tensor([0, 2]),), v),
                                             [_float(4, 3), _float(2, 3)], (0, 1)),
+    "IndexFillBackward0": (lambda x: x.index_fill(0, torch.tensor([0, 2]), 0.0), [_float(4, 3)], (0,)),
     "MulBackward0": (torch.mul, [_float(4, 8), _float(4, 8)], (0, 1)),
     "AddmmBackward0": (torch.addmm, [_float(3, 5), _float(3, 4), _float(4, 5)], (0, 1, 2)),
     "MmBackward0": (torch.mm, [_float(3, 4), _float(4, 5)], (0, 1)),
@@ -274,6 +275,18 @@ def test_every_declared_node_type_has_a_generated_case():
             assert label in CASES or label in CUDNN_CASES, label
 
 
+def _older_library_node(node_name, report):
+    """Whether a library declaration's node is missing because the installed release of the library
+    makes another one: torchvision 0.26 (beside torch 2.11) runs roi_align as a C++ Function
+    (``CppFunction``, exposing no saves), 0.29 through torch.library.register_autograd. The
+    declaration then applies to nothing, and the audit claims nothing of that node's saves."""
+    if not any(v.library for v in declarations() if v.name == node_name):
+        return False
+    assert "CppFunction" in {n.name for n in report.nodes}, node_name
+    assert report.tensors and all(t.verdict == UNKNOWN for t in report.tensors if t.storage_kind == "activation")
+    return True
+
+
 @pytest.mark.parametrize("case_name", list(CASES))
 def test_static_verdicts_equal_the_proven_ones(case_name):
     node_name = _node_name(case_name)
@@ -281,6 +294,8 @@ def test_static_verdicts_equal_the_proven_ones(case_name):
     for chosen, model, inputs in _patterns(CASES[case_name]):
         static = gradaudit.audit(model, inputs)
         proven = gradaudit.audit(model, inputs, verify=True)
+        if node_name not in {n.name for n in static.nodes} and _older_library_node(node_name, static):
+            return
         assert node_name in {n.name for n in static.nodes}, (case_name, chosen)
         assert not proven.disagreements, (case_name, chosen, proven.disagreements)
         for s, p in zip(static.tensors, proven.tensors):
@@ -444,7 +459,6 @@ def test_a_declared_custom_function_gets_static_verdicts(declared_scale):
     assert not proven.disagreements
 
 
-@pytest.mark.skipif(not torchapi.has("node creation hook"), reason="gradaudit.trim needs torch >= 2.14")
 def test_trim_follows_a_user_declaration(declared_scale):
     layer = ScaleLayer().requires_grad_(False)
     x = torch.randn(8, 16, requires_grad=True)
@@ -493,13 +507,15 @@ def test_a_libraries_function_declared_by_name_says_only_needed():
 
 def test_an_in_place_op_on_a_view_gets_the_verdict_of_the_node_it_hides():
     """In-place ReLU on a view (torchvision swin_v2's position MLP: Linear on a 4-D input, then
-    ReLU(inplace=True)) hides its ReluBackward0 inside CopySlices, which exposes no saves. The
+    ReLU(inplace=True), whose Linear output is a view up to torch 2.14; here Unflatten's view on
+    every release) hides its ReluBackward0 inside CopySlices, which exposes no saves. The
     audit knows it by the function that packed it, and says what backward reads; trim cannot
     reach it, so it is in no reclaimable figure."""
     from gradaudit.measure import held_bytes_after_forward
 
-    model = nn.Sequential(nn.Linear(2, 16), nn.ReLU(inplace=True), nn.Linear(16, 4))
-    x = torch.randn(3, 5, 5, 2)  # 4-D: the Linear's output is a view, the in-place ReLU writes through it
+    model = nn.Sequential(nn.Linear(2, 16), nn.Unflatten(-1, (4, 4)), nn.ReLU(inplace=True), nn.Flatten(-2),
+                          nn.Linear(16, 4))
+    x = torch.randn(3, 5, 5, 2)
     report = gradaudit.audit(model, x)
     (hidden,) = [t for t in report.tensors if t.attr.startswith("hidden")]
     assert (hidden.node, hidden.module_class, hidden.verdict) == ("CopySlices", "ReLU", SIGN_ONLY)

@@ -286,10 +286,18 @@ def test_torchvision_roi_align_boxes_have_a_verdict(torchvision):
     boxes = [torch.tensor([[1.0, 1.0, 9.0, 9.0], [2.0, 4.0, 30.0, 31.0]]), torch.tensor([[0.0, 0.0, 31.0, 31.0]])]
     inputs = (torch.randn(2, 3, 32, 32), boxes)
     report = check_accuracy(model, inputs)
+    boxes_held = [((2, 5), 40), ((1, 5), 20)]  # (boxes, 5) float32 per level: 2*5*4 = 40 and 1*5*4 = 20 bytes
+    if "CppFunction" in {n.name for n in report.nodes}:
+        # torchvision 0.26 (beside torch 2.11) runs roi_align as a C++ Function exposing no saves: the
+        # boxes are held and counted, with no verdict (the declaration is of 0.29's node)
+        saved = [t for t in report.held_tensors if t.shape in ((2, 5), (1, 5))]
+        assert [(t.shape, report.storages[t.storage_id].nbytes, t.verdict) for t in saved] == [
+            (shape, nbytes, "unknown") for shape, nbytes in boxes_held]
+        assert not gradaudit.audit(model, inputs, verify=True).disagreements
+        return
     saved = [t for t in report.held_tensors if t.node == "GeneratedBackwardFor_torchvision_roi_align_defaultBackward"]
-    # (boxes, 5) float32 per level: 2*5*4 = 40 and 1*5*4 = 20 bytes
     assert [(t.shape, report.storages[t.storage_id].nbytes, t.verdict) for t in saved] == [
-        ((2, 5), 40, "needed"), ((1, 5), 20, "needed")]
+        (shape, nbytes, "needed") for shape, nbytes in boxes_held]
     assert report.summary()["unknown_tensors"] == 0
     proven = gradaudit.audit(model, inputs, verify=True)
     assert not proven.disagreements and all(t.proven for t in proven.held_tensors if t.node == saved[0].node)

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 import gradaudit
-from gradaudit import torchapi
 from gradaudit.errors import ForwardError
 from gradaudit.measure import StorageTracker, held_bytes_after_forward
 from gradaudit.recorder import Packed
@@ -182,7 +181,6 @@ def test_a_dropped_branch_is_not_held():
     assert not [t for t in report.tensors if t.attr.startswith("hidden")]
 
 
-@pytest.mark.skipif(not torchapi.has("node creation hook"), reason="gradaudit.trim needs torch >= 2.14")
 @pytest.mark.parametrize("bitpack", [True, False])
 def test_a_trimmed_forward_dropped_without_backward_is_freed(bitpack):
     torch.manual_seed(0)

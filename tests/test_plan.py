@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 import gradaudit
-from gradaudit import torchapi
 from gradaudit.errors import GradauditError
 from gradaudit.measure import held_bytes_after_forward
 from gradaudit.planning import PLAN_SCHEMA_VERSION, BudgetError, plan, repeated_blocks, timing
@@ -1172,8 +1171,6 @@ class ConvStack(nn.Module):
         return self.head(x.flatten(1))
 
 
-needs_trim = pytest.mark.skipif(not torchapi.has("node creation hook"),
-                                reason=f"gradaudit.trim needs torch >= 2.14 (this is {torch.__version__})")
 
 
 def conv_stack():
@@ -1212,7 +1209,6 @@ def assert_trimmed_plan_exact_and_identical(model: nn.Module, inputs, fraction: 
     return chosen
 
 
-@needs_trim
 def test_plan_on_top_of_trim_counts_what_trim_leaves():
     model, x = conv_stack()
     # per block (2x4x8x8 float32 activations, 2048 B; int64 pool indices, 4096 B): the conv saves its
@@ -1246,7 +1242,6 @@ def test_plan_on_top_of_trim_counts_what_trim_leaves():
     assert_trimmed_plan_exact_and_identical(model, x, 0.75)
 
 
-@needs_trim
 def test_plan_on_top_of_trim_without_bitpacking():
     model, x = conv_stack()
     # bitpack=False: r_i is kept whole (2048 B instead of 64): 2048 + 4096 = 6144 B per block
@@ -1261,7 +1256,6 @@ def test_plan_on_top_of_trim_without_bitpacking():
     assert report.saved_bytes - report.reclaimable_bytes == least.held_bytes
 
 
-@needs_trim
 @pytest.mark.parametrize("scenario", ["norm-only", "input-only"])
 def test_plan_on_top_of_trim_on_resnet(vision_model, scenario):
     from gradaudit.scenarios import apply_scenario
@@ -1271,7 +1265,6 @@ def test_plan_on_top_of_trim_on_resnet(vision_model, scenario):
     assert_trimmed_plan_exact_and_identical(model, x, 0.8)
 
 
-@needs_trim
 def test_plan_on_top_of_trim_on_resnet_with_a_trainable_tail(vision_model):
     model = vision_model("resnet18").train()
     x = torch.randn(2, 3, 64, 64)
@@ -1279,7 +1272,6 @@ def test_plan_on_top_of_trim_on_resnet_with_a_trainable_tail(vision_model):
     assert_trimmed_plan_exact_and_identical(model, x, 0.5, trainable=trainable)
 
 
-@needs_trim
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
 def test_plan_on_top_of_trim_on_hugging_face_models(tiny_hf_model, family):
     # train mode: trim bit-packs the dropout masks (and BERT's ReLU results) outside the checkpointed
@@ -1290,7 +1282,6 @@ def test_plan_on_top_of_trim_on_hugging_face_models(tiny_hf_model, family):
     assert_trimmed_plan_exact_and_identical(model, inputs, 0.5)
 
 
-@needs_trim
 def test_plan_on_top_of_trim_with_nothing_to_trim_equals_the_plain_plan(tiny_hf_model):
     model = tiny_hf_model("llama", num_hidden_layers=4, use_cache=False).train()
     inputs = {"input_ids": torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))}
@@ -1308,7 +1299,6 @@ def test_plan_on_top_of_trim_with_nothing_to_trim_equals_the_plain_plan(tiny_hf_
     assert_step_held_and_identical(model, inputs, trimmed)  # the tracker too, and the gradients
 
 
-@needs_trim
 def test_plan_on_top_of_trim_on_meta_equals_cpu(torchvision):
     from gradaudit.scenarios import apply_scenario
 
@@ -1333,7 +1323,6 @@ def test_plan_on_top_of_trim_on_meta_equals_cpu(torchvision):
     assert report.saved_bytes - report.reclaimable_with_bitpacking_bytes == on_meta.held_bytes
 
 
-@needs_trim
 def test_a_model_that_checkpoints_itself_reports_what_it_holds_with_trim():
     from torch.utils.checkpoint import checkpoint
 
@@ -1358,7 +1347,6 @@ def test_a_model_that_checkpoints_itself_reports_what_it_holds_with_trim():
         assert held_bytes_after_forward(model, x) == chosen.current_held_bytes
 
 
-@needs_trim
 def test_a_trimmed_model_is_planned_with_its_trim():
     from gradaudit.trimming import is_trimmed, trim
 
@@ -1404,7 +1392,6 @@ def build():
 '''
 
 
-@needs_trim
 def test_cli_plans_on_top_of_trim(tmp_path, monkeypatch):
     from click.testing import CliRunner
 

@@ -275,8 +275,6 @@ def test_dropout_keeps_a_bool_mask_on_cuda():
 def test_native_dropout_is_declared_and_trim_keeps_its_mask():
     """NativeDropoutBackward0 (what CUDA's dropout builds; CPU runs the op too): its mask is read, so
     the audit calls it needed and trim keeps it; the gradients stay bit-identical."""
-    if not torchapi.has("node creation hook"):
-        pytest.skip("gradaudit.trim needs torch >= 2.14 (the node creation hook)")
 
     class FusedDropout(nn.Module):
         def __init__(self):
@@ -306,14 +304,15 @@ def test_native_dropout_is_declared_and_trim_keeps_its_mask():
 
 # -- attention: CUDA's choice among flash, memory-efficient, cuDNN and math ----------------------
 
-H100, A100 = Gpu("H100", (9, 0), 92400), Gpu("A100", (8, 0), 92400)
+# the rules of torch 2.14 whatever torch is installed (tests/test_target_releases.py: what other releases change)
+H100, A100 = Gpu("H100", (9, 0), 92400, torch=(2, 14)), Gpu("A100", (8, 0), 92400, torch=(2, 14))
 B, H, L, D = 2, 4, 24, 64
 
 
 @pytest.fixture(autouse=True)
 def _an_h100_with_cudnn_9_24(monkeypatch):
     """The audits below stand for the GPU the defaults assume with torch 2.14.1+cu130 (its cuDNN
-    9.24), whatever cuDNN the installed torch has, and torch's cuDNN preference left on."""
+    9.24, its rules), whatever torch and cuDNN are installed, and torch's cuDNN preference left on."""
     monkeypatch.setattr(cuda_choices, "assumed_gpu", lambda: H100)
     monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
 
@@ -321,7 +320,9 @@ def _an_h100_with_cudnn_9_24(monkeypatch):
 def test_the_assumed_gpu_is_an_h100_with_the_installed_cudnn(monkeypatch):
     monkeypatch.undo()
     gpu = cuda_choices.assumed_gpu()
-    assert (gpu.name, gpu.capability, gpu.cudnn) == ("H100", (9, 0), torch.backends.cudnn.version() or 92400)
+    assert (gpu.name, gpu.capability, gpu.torch) == ("H100", (9, 0), cuda_choices.installed_release())
+    # a CPU-only build has no cuDNN: the one its release's default CUDA wheel bundles
+    assert gpu.cudnn == (torch.backends.cudnn.version() or cuda_choices.BUNDLED_CUDNN[gpu.torch])
 
 
 def _qkv(d=D, dtype=torch.bfloat16, heads=H, kv_heads=H, keys=L):
@@ -690,8 +691,6 @@ def test_resnets_in_the_five_scenarios_give_the_cpu_figures_as_cudnn_nodes(arch)
 def test_trim_acts_on_cudnn_batch_norm_nodes_as_the_audit_says():
     # trim decides from the same op knowledge: on meta under the CUDA emulation (cuDNN batch norm),
     # a trimmed forward holds exactly what the audit's figures leave: saved - reclaimable with bit-packing
-    if not torchapi.has("node creation hook"):
-        pytest.skip("gradaudit.trim needs torch >= 2.14 (the node creation hook)")
     torchvision = pytest.importorskip("torchvision")
     from gradaudit.measure import held_bytes_after_forward
     from gradaudit.meta import standing_for

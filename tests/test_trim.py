@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import gradaudit
@@ -15,8 +16,6 @@ from gradaudit.knowledge import Bit
 from gradaudit import torchapi
 from gradaudit.trimming import compare, trim
 
-pytestmark = pytest.mark.skipif(not torchapi.has("node creation hook"),
-                                reason=f"gradaudit.trim needs torch >= 2.14 (this is {torch.__version__})")
 
 from gradaudit.scenarios import SCENARIOS, apply_scenario
 
@@ -304,6 +303,75 @@ def test_transformers_bert_frees_exactly_what_the_audit_reclaims():
     measured = compare(model, inputs)
     assert report.reclaimable_with_bitpacking_bytes > 0
     assert measured["held_before"] - measured["held_after"] == report.reclaimable_with_bitpacking_bytes
+
+
+# ----------------------------------------------------------------------------------------------
+# without the node-creation hook (torch 2.11 to 2.13): nodes found by walking the graph
+
+
+def _without_node_hook(monkeypatch):
+    monkeypatch.setitem(torchapi.FEATURES, "node creation hook", False)
+
+
+@pytest.mark.parametrize("scenario", ["input-only-bn-eval", "surgical"])
+def test_without_the_node_hook_resnet_holds_and_peaks_as_with_it(monkeypatch, torchvision, scenario):
+    """Where torch has no node-creation hook, trim finds each module's nodes by walking back from the
+    tensors at its boundaries and attributes them by the module that packed their saves: the same
+    decisions at the same boundaries, so the same held and peak bytes (the independent tracker's)
+    and bit-identical gradients."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    x = torch.randn(2, 3, 64, 64)
+    apply_scenario(model, scenario, x)
+    with_hook = compare(model, x)
+    _without_node_hook(monkeypatch)
+    assert compare(model, x) == with_hook
+    assert with_hook["held_after"] < with_hook["held_before"]
+    plain, trimmed, stats = plain_and_trimmed(model, (x,))
+    assert_identical(plain, trimmed)
+    assert stats["dropped"] > 0 and stats["bitpacked"] > 0
+
+
+def test_without_the_node_hook_bert_frees_exactly_what_the_audit_reclaims(monkeypatch):
+    """ReLU results and dropout masks found by the walk: every one the audit calls reclaimable."""
+    model = _bert("relu").train()
+    model.requires_grad_(False)
+    for module in model.modules():
+        if isinstance(module, nn.LayerNorm):
+            module.requires_grad_(True)
+    inputs = {"input_ids": torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)),
+              "attention_mask": torch.tensor([[1] * 16, [1] * 10 + [0] * 6])}
+    report = gradaudit.audit(model, inputs)
+    with_hook = compare(model, inputs)
+    _without_node_hook(monkeypatch)
+    without = compare(model, inputs)
+    assert without == with_hook
+    assert without["held_before"] - without["held_after"] == report.reclaimable_with_bitpacking_bytes > 0
+    plain, trimmed, _ = plain_and_trimmed(model, inputs)
+    assert_identical(plain, trimmed)
+
+
+def test_without_the_node_hook_a_node_no_boundary_reaches_is_decided_at_the_end(monkeypatch):
+    """A node whose output reaches neither its own module's output nor the next module's input is
+    found from the model's output: its unneeded save is still dropped once the forward ends."""
+    class Side(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3).requires_grad_(False)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            pooled = F.max_pool2d(x * 2, 2)  # made in the root, used only after the conv
+            h = self.conv(x).mean((2, 3))
+            return self.head(h) + pooled.mean()
+
+    _without_node_hook(monkeypatch)
+    model, x = Side(), torch.randn(2, 3, 8, 8, requires_grad=True)
+    report = gradaudit.audit(model, x)
+    measured = compare(model, x)
+    assert measured["held_before"] - measured["held_after"] == report.reclaimable_with_bitpacking_bytes > 0
+    plain, trimmed, _ = plain_and_trimmed(model, (x,))
+    assert_identical(plain, trimmed)
 
 
 # ----------------------------------------------------------------------------------------------

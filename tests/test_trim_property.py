@@ -11,11 +11,9 @@ from torch import nn
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from gradaudit import torchapi  # noqa: E402
 from gradaudit.trimming import trim  # noqa: E402
 from test_trim import assert_identical, gradients  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torchapi.has("node creation hook"), reason="gradaudit.trim needs torch >= 2.14")
 
 # layers whose saves the op knowledge decides (conv, BN, pooling, ReLU family) and some it keeps
 LAYERS = ("conv", "conv_nobias", "bn", "relu", "relu_", "leaky", "threshold", "maxpool", "avgpool",

@@ -15,7 +15,8 @@ import torch
 
 from ..measure import op_leaves
 from ..tensors import strided_parts
-from ..torchapi import TorchDispatchMode, fsdp_storage_events, storage_id
+from ..torchapi import TorchDispatchMode, fsdp_storage_events, overload_packet, storage_id
+from .workspaces import GemmCount, is_gemm, uses_cublaslt
 
 
 @dataclass
@@ -44,10 +45,15 @@ class Lifetimes(TorchDispatchMode):
         self.live: dict[int, Life] = {}
         self.lives: list[Life] = []
         self._references: dict[int, Any] = {}
+        self.gemms = GemmCount()  # the matrix products run (on CUDA they hold cuBLAS's workspaces)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         self.samples += 1
+        packet = overload_packet(func)
+        if is_gemm(packet):
+            self.gemms.cublas += 1
+            self.gemms.cublaslt += uses_cublaslt(packet, args)
         for t in op_leaves(out):
             if isinstance(t, torch.Tensor):
                 for part in strided_parts(t):

@@ -31,11 +31,13 @@ from ..tensors import iter_tensors, split_inputs, storage_key, strided_parts, un
 from .. import torchapi
 from . import optimizers
 from .lifetimes import Life, Lifetimes, sweep
+from .workspaces import GemmCount, workspaces
 
 PARAMETERS, BUFFERS, INPUTS, STATE = "parameters", "buffers", "inputs", "optimizer_state"
 GRADIENTS, ACTIVATIONS, TEMPORARIES = "gradients", "activations", "temporaries"
+WORKSPACES = "workspaces"  # on CUDA: cuBLAS's and cuBLASLt's, cached from the first step on (workspaces.py)
 # the order of a breakdown and of the timeline's rows: what is always there first
-CATEGORIES = (PARAMETERS, BUFFERS, INPUTS, STATE, GRADIENTS, ACTIVATIONS, TEMPORARIES)
+CATEGORIES = (PARAMETERS, BUFFERS, INPUTS, STATE, WORKSPACES, GRADIENTS, ACTIVATIONS, TEMPORARIES)
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 
 
@@ -108,9 +110,13 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
             # by identity: a storage made later may take the address (the key) of one freed since
             held = {id(life) for life in lifetimes.live.values()}
             forward_samples = lifetimes.samples
+            forward_gemms = dataclasses.replace(lifetimes.gemms)
             with lifetimes:
                 loss.backward()
             lifetimes.close()
+        if target == "cuda":
+            persistent[WORKSPACES], note = _workspaces(forward_gemms, lifetimes.gemms.minus(forward_gemms))
+            notes += [note] if note else []
         gradients = {}
         for p in unique([*trains, *leaves]):
             if p.grad is not None:
@@ -155,6 +161,12 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
         notes.append(f"on {device}, the figures count storages as PyTorch's allocator is asked for them")
     return StepRun(persistent, lives, [(FORWARD, forward_samples), (BACKWARD, offset - forward_samples),
                                        (OPTIMIZER, samples + 1)], notes, trained=len(trains), output_cache=cache)
+
+
+def _workspaces(forward: GemmCount, backward: GemmCount) -> tuple[list[int], Optional[str]]:
+    from ..cuda_choices import assumed_gpu
+
+    return workspaces(forward, backward, assumed_gpu().capability)
 
 
 def _device_of(model: nn.Module, inputs: Any) -> str:

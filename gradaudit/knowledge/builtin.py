@@ -292,10 +292,19 @@ declare("ThresholdBackward1", edges=("self",), in_place={"_threshold": "self", "
 # -- indexed assignment: x[mask] = v runs index_put_ (never accumulating), whose self gradient
 # (grad.index_put(indices, 0)) and values gradient (grad.index(indices)) both read the indices; on a
 # view (wav2vec2's time masking in training) it hides inside CopySlices. Accumulating index_put_
-# reads them for the values gradient only: not declared.
+# reads them for the values gradient only: not declared. torch 2.15 runs a scalar assignment through
+# a bool mask as masked_fill_ and through an integer index as index_fill_ (seen on 2.15.0: x[mask] = 0
+# makes MaskedFillBackward0, x[idx] = 0 IndexFillBackward0; a tensor value still index_put_), whose
+# self gradients (grad.masked_fill(mask, 0), grad.index_fill(dim, index, 0)) read the mask / index.
 declare("IndexPutBackward0", edges=("self", "values"), when={"accumulate": False},
         source="derivatives.yaml index_put_ (accumulate=False)", in_place={"__setitem__": "indices"},
         saves={"indices": Read(why="the indices say which elements were overwritten")})
+declare("MaskedFillBackward0", edges=("self",), in_place={"__setitem__": "mask"},
+        source="derivatives.yaml masked_fill.Scalar: self: grad.masked_fill(mask, 0)",
+        saves={"mask": Read(why="the mask says which elements were overwritten")})
+declare("IndexFillBackward0", edges=("self",), in_place={"__setitem__": "index"},
+        source="derivatives.yaml index_fill.int_Scalar: self: grad.index_fill(dim, index, 0)",
+        saves={"index": Read(why="the index says which elements were overwritten")})
 
 # Ops whose every save is read by the gradient formula of an input that needs a gradient:
 # PyTorch's codegen saves each tensor only when such a formula needs it (single-output derivative
@@ -312,7 +321,7 @@ declare(
     "MseLossBackward0", "LinalgVectorNormBackward0", "ReciprocalBackward0", "NegBackward0",
     "AbsBackward0", "ClampBackward1", "ClampMinBackward0", "ClampMaxBackward0", "WhereBackward0",
     "MaxBackward0", "MinBackward0", "MaxBackward1", "MinBackward1",
-    "UpsampleNearest2DBackward0", "MaskedFillBackward0", "ErfBackward0",
+    "UpsampleNearest2DBackward0", "ErfBackward0",
     "ProdBackward0", "ProdBackward1", "CumsumBackward0", "VarMeanBackward0", "StdMeanBackward0",
     "SliceBackward0", "SelectBackward0", "ViewBackward0", "UnsafeViewBackward0",
     "SoftmaxBackwardDataBackward0", "TopkBackward0", "SortBackward0",

@@ -11,7 +11,9 @@ which gradients (a ``Read``). Everything else derives from it:
 - the proof's hint (``witness_edges``): one gradient to compute alone to show a read cheaply;
 - which save holds a layer's weight (``weight_slot``);
 - the verdict on a save hidden inside CopySlices by an in-place op on a view (``in_place``: the
-  functions that create the node there, ``hidden_by``).
+  functions that may create the node there, ``hidden_by``; one function may make one of several
+  node types, by release or by its arguments: ``x[mask] = 0`` is IndexPutBackward0 on torch 2.14,
+  MaskedFillBackward0 on 2.15).
 
 Variants: an op whose reads depend on a non-tensor saved value (batch norm's ``training``)
 declares one variant per value (``when={"training": False}``); a node whose values match no
@@ -203,15 +205,16 @@ def declare(*names: str, edges: Sequence[str], saves: Optional[Mapping[str, Read
     non-tensor saved values this variant applies to; ``weight``: the saved attribute holding a
     layer's weight; ``in_place``: function name -> the saved attribute (or the attributes, when
     which one is saved depends on the inputs that need a gradient), for the functions whose
-    in-place call on a view hides this node inside CopySlices; such a save gets the verdict only
-    when every named attribute gives the same one. The function must make this node (this
-    variant, whatever its scalars) every time it hides one: a hidden save has no scalars to
+    in-place call on a view may hide this node inside CopySlices; a function that makes one of
+    several node types (by release or by its arguments) is named by each of them, and a hidden
+    save gets a verdict only when every node and attribute named for its function gives the same
+    one. A node type names a function for one variant only: a hidden save has no scalars to
     choose a variant by. ``library``: the package whose custom autograd.Function makes the node,
     declared by name without importing it; another package's Function of the same class name
     makes a node of the same name, so such a declaration may say only "needed" (what can cost a
     finding, never a gradient). Raises ValueError on a second declaration of a name with the same
     ``when``, a Read naming an edge not in ``edges``, an in-place function naming an undeclared
-    save or already named by a declaration, ``in_place`` given for several names, or a library's
+    save or already named by a variant of the same node, ``in_place`` given for several names, or a library's
     declaration with a read that can leave a save unneeded or bit-packable.
     """
     saves = dict(saves or {})
@@ -227,9 +230,9 @@ def declare(*names: str, edges: Sequence[str], saves: Optional[Mapping[str, Read
         for attr in attrs:
             if attr not in saves:
                 raise DeclarationError(f"{names[0]}: in-place {function} saves {attr!r}, which is not a declared save")
-        known = hidden_by(function)
-        if known is not None:  # a hidden save has no scalars: one variant of one node per function
-            raise DeclarationError(f"{names[0]}: in-place {function} already hides {known[0].name}")
+        if any(variant.name == names[0] for variant, _ in hidden_by(function)):
+            # a hidden save has no scalars: one variant of a node per function
+            raise DeclarationError(f"{names[0]}: in-place {function} already hides a variant of {names[0]}")
     for attr, read in [*saves.items(), *([("<default>", default)] if default else [])]:
         for edge in (*read.by, *([read.witness] if read.witness else [])):
             if edge not in edges:
@@ -269,16 +272,14 @@ def declaration(name: str, scalars: Mapping[str, Any] = {}) -> Optional[Declarat
     return None
 
 
-def hidden_by(function: Optional[str]) -> Optional[tuple[Declaration, tuple[str, ...]]]:
-    """The declaration (and the saved attributes it may be) of the node an in-place call of
-    ``function`` on a view creates inside CopySlices; None when no declaration names the function."""
+def hidden_by(function: Optional[str]) -> tuple[tuple[Declaration, tuple[str, ...]], ...]:
+    """The declarations (each with the saved attributes it may be) of the nodes an in-place call of
+    ``function`` on a view may create inside CopySlices, in declaration order; empty when no
+    declaration names the function."""
     if not function:
-        return None
-    for variants in _DECLARED.values():
-        for variant in variants:
-            if function in variant.in_place:
-                return variant, variant.in_place[function]
-    return None
+        return ()
+    return tuple((variant, variant.in_place[function]) for variants in _DECLARED.values()
+                 for variant in variants if function in variant.in_place)
 
 
 def declarations() -> list[Declaration]:

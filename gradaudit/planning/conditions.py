@@ -138,5 +138,4 @@ def trim_options(model: nn.Module, trim: Optional[bool], bitpack: Optional[bool]
             raise GradauditError(f"gradaudit.trim is installed on this model with bitpack={installed.bitpack}: plan "
                                  f"with bitpack={installed.bitpack}, or remove the trim handle first")
         return installed, installed.bitpack
-    torchapi.require("node creation hook", "gradaudit.plan(trim=True)")  # now, not after the audit
     return None, True if bitpack is None else bitpack

@@ -16,7 +16,7 @@ from .units import human_bytes, path_ranges
 
 # one colour per category, in the order they are stacked (what is there all along at the bottom)
 COLOURS = {"parameters": "#8a96a3", "buffers": "#b4bcc6", "inputs": "#c9a66b", "optimizer_state": "#7d5ba6",
-           "gradients": "#c0392b", "activations": "#2a5db0", "temporaries": "#56a6c9"}
+           "workspaces": "#6b6b6b", "gradients": "#c0392b", "activations": "#2a5db0", "temporaries": "#56a6c9"}
 
 
 def timeline_chart(timeline: Sequence[dict[str, Any]], memory: int, categories: Sequence[str], top_bytes: int,

@@ -9,7 +9,7 @@ from typing import Any
 from .units import human_bytes, path_ranges
 
 _LABELS = {"parameters": "parameters", "buffers": "buffers", "inputs": "inputs (the batch)",
-           "optimizer_state": "optimizer state", "gradients": "gradients",
+           "optimizer_state": "optimizer state", "workspaces": "cuBLAS workspaces", "gradients": "gradients",
            "activations": "activations held for backward", "temporaries": "temporaries"}
 
 

@@ -8,7 +8,6 @@ from typing import Any, Iterator, Optional
 
 from torch import nn
 
-from .. import torchapi
 from ..auditing import ModelState
 from ..errors import GradauditError
 from ..measure import forward_backward
@@ -41,7 +40,7 @@ class TrimHandle:
             lambda module, args, kwargs: session.begin(module, args, kwargs), with_kwargs=True, prepend=True))
         session.modules.__enter__()
         self._handles.append(model.register_forward_hook(
-            lambda *unused: session.end(), always_call=True))
+            lambda module, args, output: session.end(output), always_call=True))
 
     @property
     def installed(self) -> bool:
@@ -114,7 +113,6 @@ def trim(model: nn.Module, *, bitpack: bool = True) -> TrimHandle:
         raise GradauditError(f"trim() needs a torch.nn.Module, got {type(model).__name__}")
     if model in _TRIMMED:
         raise GradauditError(f"{type(model).__name__} is already trimmed; remove the first handle first")
-    torchapi.require("node creation hook", "gradaudit.trim")
     handle = TrimHandle(model, bitpack)
     _TRIMMED[model] = handle
     return handle

@@ -23,11 +23,12 @@ class Box:
     """What autograd stores instead of a saved tensor while a model is trimmed."""
 
     __slots__ = ("session", "state", "payload", "shape", "dtype", "device", "version", "stride",
-                 "offset", "scale", "zero_stride", "outer_unpack", "__weakref__")
+                 "offset", "scale", "zero_stride", "outer_unpack", "module", "__weakref__")
 
     def __init__(self, session: Optional["Session"], payload: Any, tensor: torch.Tensor,
-                 outer_unpack: Optional[Callable[[Any], Any]]) -> None:
+                 outer_unpack: Optional[Callable[[Any], Any]], module: tuple[str, str] = ("", "")) -> None:
         self.session = session
+        self.module = module  # (path, class) of the module running when it was saved
         self.state = _KEPT
         self.payload = payload  # the tensor, the outer hook's packed object, or the packed bits
         self.shape = tensor.shape
@@ -81,6 +82,13 @@ class Session:
         self.active = False
         self.depth = 0
         self.pending: list[tuple[Any, tuple[str, str]]] = []  # (node, module) since the last boundary
+        # Without torch's node-creation hook (torch < 2.14) the nodes are found by walking the graph
+        # back from the tensors at each boundary, down to the nodes decided or made before the
+        # forward (sequence numbers: no strong reference keeps a dead branch alive), and each node
+        # is attributed to the module that ran when its saves were packed
+        self.node_hook = torchapi.has("node creation hook")
+        self.first_sequence = 0
+        self.walked: set[int] = set()
         # (path, class) of the modules running now; every boundary decides the pending nodes
         self.modules = ModuleTracker(model, on_boundary=self.boundary)
         self.stack = self.modules.stack
@@ -104,12 +112,12 @@ class Session:
             owner = None
             self.stats["kept"] += 1
         if self.outer is not None:
-            return Box(owner, self.outer[0](tensor), tensor, self.outer[1])
+            return Box(owner, self.outer[0](tensor), tensor, self.outer[1], self.stack[-1])
         # a detached alias (same storage, strides, version counter), never ``tensor`` itself: a
         # save of the node's own output would otherwise close the cycle tensor -> grad_fn -> saved
         # slot -> box -> tensor through C++, and a graph dropped without backward would never be
         # freed (see Recorder._pack)
-        box = Box(owner, tensor.detach(), tensor, None)
+        box = Box(owner, tensor.detach(), tensor, None, self.stack[-1])
         if owner is self and torchapi.saving_checkpoint_inputs(torchapi.caller_frame(1)):
             # a non-reentrant checkpoint saving its region's inputs (a plan's, or the model's own):
             # held until backward recomputes the region, on no node, so no decision ever sees it.
@@ -119,6 +127,20 @@ class Session:
 
     def on_node(self, node: Any) -> None:
         self.pending.append((node, self.stack[-1]))
+
+    def walk_from(self, values: Any) -> None:
+        """Add to ``pending`` the nodes made in this forward that ``values`` lead back to and no
+        boundary has seen yet (the stand-in for the node-creation hook)."""
+        first, walked = self.first_sequence, self.walked
+        todo = [t.grad_fn for t in iter_tensors(values) if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            number = torchapi.node_sequence_number(node)
+            if number < first or number == torchapi.NO_SEQUENCE or number in walked:
+                continue
+            walked.add(number)
+            self.pending.append((node, None))  # the module: its saves' (see decide)
+            todo.extend(fn for fn, _ in node.next_functions if fn is not None)
 
     def begin(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.active:
@@ -152,24 +174,30 @@ class Session:
         self.pending = []
         self.waiting = []
         self.modules.reset()
+        self.walked = set()
+        self.first_sequence = torchapi.sequence_number()
         self.active = True
         self.depth = 0
         self.hooks = torch.autograd.graph.saved_tensors_hooks(torchapi.called_from_autograd(self.pack),
                                                              torchapi.called_from_autograd(unpack))
         self.hooks.__enter__()
-        torchapi.push_node_creation_hook(torchapi.called_from_autograd(self.on_node), "gradaudit.trim")
+        if self.node_hook:
+            torchapi.push_node_creation_hook(torchapi.called_from_autograd(self.on_node), "gradaudit.trim")
 
-    def end(self) -> None:
+    def end(self, output: Any = None) -> None:
         if not self.active:
             return
         if self.depth:
             self.depth -= 1
             return
         try:
+            if not self.node_hook:
+                self.walk_from(output)
             self.step(final=True)
         finally:
             self.active = False
-            torchapi.pop_node_creation_hook()
+            if self.node_hook:
+                torchapi.pop_node_creation_hook()
             hooks, self.hooks = self.hooks, None
             hooks.__exit__(None, None, None)
             self.kept = {}
@@ -177,9 +205,12 @@ class Session:
             self.protected = set()
             self.pending = []
             self.waiting = []
+            self.walked = set()
             self.outer = None
 
-    def boundary(self) -> None:
+    def boundary(self, values: Any = None) -> None:
+        if self.active and not self.node_hook:
+            self.walk_from(values)
         if self.active and self.pending:
             self.step()
 
@@ -226,6 +257,8 @@ class Session:
                 boxes.append((attr, box))
         if not boxes:
             return
+        if module is None:  # found by a walk: the module that ran when the op saved these
+            module = boxes[0][1].module
         if not kind.declared:
             for _, box in boxes:
                 self.keep(box)
