@@ -273,8 +273,10 @@ def run_scan(options: ScanOptions) -> int:
         from .report import text
 
         stream = sys.stderr if to_stderr else sys.stdout
-        # as wide as the terminal (COLUMNS when set): clipping is for narrow terminals only
-        width = max(60, shutil.get_terminal_size((100, 20)).columns)
+        # as wide as the terminal (COLUMNS when set): clipping is for narrow terminals only; a pipe or a
+        # file (CI logs) gets whole lines unless COLUMNS says otherwise
+        width = (max(60, shutil.get_terminal_size((100, 20)).columns)
+                 if stream.isatty() or os.environ.get("COLUMNS") else None)
         color = stream.isatty() and "NO_COLOR" not in os.environ
         out(text.render(report, color=color, top=options.top, width=width).rstrip("\n"))
     if trim_figures is not None:
@@ -777,7 +779,7 @@ def plan_command(spec: str, budget: tuple[str, ...], model: dict[str, Any], bloc
     autograd holds at most --budget after the forward, for the least extra compute.
 
     Prints the plan beside what a user would otherwise pick: no checkpointing, every block
-    (Hugging Face's gradient_checkpointing_enable), every n-th block and, for an nn.Sequential stack,
+    (Hugging Face's activation_checkpointing_enable), every n-th block and, for an nn.Sequential stack,
     sqrt(n) segments (checkpoint_sequential). Apply it in Python with
     gradaudit.plan(model, inputs, budget).apply(model).
 

@@ -56,6 +56,20 @@ TINY_HF = {
 }
 
 
+def hf_checkpointing(model, on: bool = True, use_reentrant: bool = False) -> None:
+    """Turn a Hugging Face model's own activation checkpointing on or off by the name the installed
+    transformers recommends (5.x deprecates gradient_checkpointing_enable/disable, with a FutureWarning)."""
+    if on:
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()
+
+
 @pytest.fixture(scope="session")
 def transformers():
     """The transformers module; skips the test where it is not installed."""

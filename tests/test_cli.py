@@ -414,3 +414,17 @@ def test_progress_goes_to_stderr_and_is_cleared(runner, capsys):
     assert "\rgradaudit: building the model (models.py:build)..." in captured.err
     assert captured.err.endswith("\r")  # the status line is blanked before the summary prints
     assert "held for backward" in captured.out
+
+
+def test_a_pipe_gets_whole_lines_and_columns_still_sets_the_width(runner, tmp_path, monkeypatch):
+    # CliRunner's stdout is no terminal, as a CI log or `| tee` is not: the SOURCE column is never cut
+    deep = ("d" * 50) + "/" + ("e" * 50)
+    (tmp_path / deep).mkdir(parents=True)
+    (tmp_path / deep / "models.py").write_text(MODEL_FILE)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    piped = scan(runner, f"{deep}/models.py:build", "--no-html")
+    assert piped.exit_code == 0 and f"{deep}/models.py:" in piped.stdout and "…" not in piped.stdout
+    monkeypatch.setenv("COLUMNS", "80")
+    narrow = scan(runner, f"{deep}/models.py:build", "--no-html")
+    assert f"{deep}/models.py:" not in narrow.stdout and "…" in narrow.stdout
+    assert max(len(line) for line in narrow.stdout.splitlines() if line.lstrip().startswith("GA")) <= 80

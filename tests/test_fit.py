@@ -18,6 +18,7 @@ import gradaudit
 from gradaudit import GradauditError
 from gradaudit.fitting import CATEGORIES
 from gradaudit.measure import measured_step_peak
+from conftest import hf_checkpointing
 
 OPTIMIZERS = {
     "sgd-momentum": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
@@ -351,7 +352,7 @@ def test_when_weights_state_and_gradients_alone_exceed_memory_no_remedy_is_searc
 def test_a_model_that_checkpoints_itself_or_runs_in_eval_mode_is_predicted_to_the_byte(llama, mode):
     model = copy.deepcopy(llama)
     if mode == "own-checkpointing":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_checkpointing(model)
     else:
         model.eval()
     batch = padded_batch(100)
@@ -454,3 +455,50 @@ def test_a_step_without_matrix_products_holds_no_workspace():
     fitted = gradaudit.fit(model, torch.empty(2, 3, 16, 16, device="meta"), memory="1GiB", target="cuda",
                            optimizer="sgd", loss=lambda output: output.mean())
     assert fitted.breakdown["workspaces"] == 0
+
+
+def test_largest_works_on_a_fit_of_a_model_nobody_else_holds():
+    """``gradaudit.fit(build(), batch).largest("batch")``: the fit keeps the model its search runs."""
+    import gc
+
+    def build():
+        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).to("meta")
+
+    batch = torch.empty(16, 64, device="meta")
+    memory = gradaudit.fit(build(), batch, memory="1GiB", optimizer="sgd", target="cpu").peak_bytes
+    fitted = gradaudit.fit(build(), batch, memory=memory, optimizer="sgd", target="cpu")
+    gc.collect()
+    assert fitted.fits and fitted.largest("batch") >= 16
+
+
+def test_the_cli_speaks_in_one_line_when_quiet_and_offers_only_optimizers_it_can_step(tmp_path):
+    from click.testing import CliRunner
+
+    from gradaudit.cli import cli
+
+    factory = tmp_path / "mlp.py"
+    factory.write_text("import torch\n"
+                       "def build():\n"
+                       "    with torch.device('meta'):\n"
+                       "        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))\n"
+                       "    return model, torch.empty(16, 64, device='meta')\n")
+    runner = CliRunner()
+    # -q is one summary line, on a CUDA target (reserved estimate) and without a remedy alike
+    for args in (["--memory", "10MiB"], ["--memory", "1GiB", "--target", "cuda"], ["--memory", "10KB"]):
+        result = runner.invoke(cli, ["fit", f"{factory}:build", "--optimizer", "sgd", "-q", *args])
+        assert result.exit_code in (0, 2) and len(result.stdout.strip().splitlines()) == 1, result.stdout
+    quiet = runner.invoke(cli, ["fit", f"{factory}:build", "--optimizer", "sgd", "-q", "--memory", "1GiB",
+                                "--target", "cuda"]).stdout
+    assert "fits" in quiet and "to spare" in quiet and "reserved" in quiet
+    # LBFGS steps with a closure: not offered, and refused saying why
+    unknown = runner.invoke(cli, ["fit", f"{factory}:build", "--memory", "1GiB", "--optimizer", "nope"])
+    assert "lbfgs" not in unknown.stderr and "adamw" in unknown.stderr
+    lbfgs = runner.invoke(cli, ["fit", f"{factory}:build", "--memory", "1GiB", "--optimizer", "LBFGS"])
+    assert lbfgs.exit_code == 2 and "closure" in lbfgs.stderr and "Traceback" not in lbfgs.stderr
+    # with no remedy possible, the note says how much the floor is in words people read
+    floor = runner.invoke(cli, ["fit", f"{factory}:build", "--memory", "10KB", "--optimizer", "sgd"])
+    note = next(line for line in floor.stdout.splitlines() if "no remedy: the parameters" in line)
+    assert "KiB" in note and " bytes," not in note
+    # the foreach note says how to fit the loop, in Python and on the command line
+    cuda = runner.invoke(cli, ["fit", f"{factory}:build", "--memory", "1GiB", "--target", "cuda"]).stdout
+    assert "foreach=False" in cuda and "--optimizer file.py:make" in cuda

@@ -15,6 +15,7 @@ import gradaudit
 from gradaudit.measure import held_bytes_after_forward
 from gradaudit.sites import short_path
 from gradaudit.report.text import render as render_text
+from conftest import hf_checkpointing
 
 
 class Block(nn.Module):
@@ -164,7 +165,7 @@ def test_hf_gradient_checkpointing(family, tiny_hf_model):
     layers = model.model.layers if family == "llama" else model.encoder.layer
     ids = torch.randint(0, 100, (2, 16))
     plain = gradaudit.audit(model.train(), {"input_ids": ids})
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_checkpointing(model)
     model.train()
     counts, handles = _hf_count_layer_calls(
         [layer.self_attn if family == "llama" else layer.attention for layer in layers])
@@ -327,7 +328,7 @@ def test_hf_reentrant_checkpointing_gives_no_false_ga901(family, tiny_hf_model):
     layer's parameters get gradients, GA901 stays silent, and each layer's checkpoint input is
     held in the layer's name."""
     model = tiny_hf_model(family)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    hf_checkpointing(model, use_reentrant=True)
     model.train()
     ids = torch.randint(0, 100, (2, 16))
     report = gradaudit.audit(model, {"input_ids": ids})
@@ -350,7 +351,7 @@ def test_peft_lora_with_hf_checkpointing_and_autocast_equals_the_tracker(tiny_hf
     peft = pytest.importorskip("peft")
     model = tiny_hf_model("llama", use_cache=False)
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_checkpointing(model)
     model.enable_input_require_grads()
     model.train()
 

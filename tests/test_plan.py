@@ -17,6 +17,7 @@ from gradaudit.errors import GradauditError
 from gradaudit.measure import held_bytes_after_forward
 from gradaudit.planning import PLAN_SCHEMA_VERSION, BudgetError, plan, repeated_blocks, timing
 from gradaudit.planning.solve import Block, Chain, cheapest_within, exhaustive, solve
+from conftest import hf_checkpointing
 
 
 def mlp_stack(n: int = 6, width: int = 64) -> nn.Sequential:
@@ -621,18 +622,18 @@ def test_a_model_that_already_checkpoints_is_reported_and_replanned(tiny_hf_mode
     model = tiny_hf_model("llama", num_hidden_layers=4, use_cache=False).train()
     inputs = {"input_ids": torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))}
     unplanned = gradaudit.audit(model, inputs).saved_bytes
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    hf_checkpointing(model, use_reentrant=reentrant)
     current = gradaudit.audit(model, inputs).saved_bytes
     chosen = plan(model, inputs, unplanned // 2, measure_peak=False)
     # planned from what the model holds without its own checkpointing, which it reports
     assert chosen.unplanned_held_bytes == unplanned and chosen.current_held_bytes == current < unplanned
     assert chosen.replaces == tuple(f"model.layers.{i}" for i in range(4))
     assert "itself and so holds" in chosen.notes[0]
-    with pytest.raises(GradauditError, match="gradient_checkpointing_disable"):
+    with pytest.raises(GradauditError, match=r"model\.activation_checkpointing_disable\(\)"):
         chosen.apply(model)
     # the model's checkpointing is untouched by planning
     assert gradaudit.audit(model, inputs).saved_bytes == current
-    model.gradient_checkpointing_disable()
+    hf_checkpointing(model, on=False)
     with chosen.apply(model):
         assert gradaudit.audit(model, inputs).saved_bytes == chosen.held_bytes <= unplanned // 2
 

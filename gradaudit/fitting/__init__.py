@@ -96,10 +96,12 @@ def fit(
                  reserved_bytes=step.reserved_bytes, notes=notes, _run=run)
     _searchable(result, model, builder, name, loss, trainable, frozen, target, on_meta, autocast, inputs, memo)
     if remedy and not result.fits and step.floor_bytes > memory_bytes:
+        from ..report.units import human_bytes
+
         result.remedy_searched = True
         result.notes.append(
             f"no remedy: the parameters, buffers, batch, optimizer state and gradients alone take "
-            f"{step.floor_bytes} bytes, more than the memory, and neither trim nor checkpointing reduces them "
+            f"{human_bytes(step.floor_bytes)}, more than the memory, and neither trim nor checkpointing reduces them "
             f"(train fewer parameters, keep less optimizer state, or shard the model)")
     elif remedy and not result.fits:
         from .remedy import search
@@ -121,18 +123,12 @@ def fit(
 
 def _searchable(result: Fit, model: nn.Module, builder: Any, name: str, loss: Any, trainable: Any, frozen: Any,
                 target: str, on_meta: bool, autocast: Any, inputs: Any, memo: dict) -> None:
-    """Let ``result.largest`` run the same step on scaled inputs (the model held weakly)."""
-    import weakref
-
+    """Let ``result.largest`` run the same step on scaled inputs. The Fit keeps the model alive for it,
+    as it keeps the inputs: ``gradaudit.fit(build(), batch).largest("batch")`` is a natural one-liner."""
     from .largest import remember
 
-    model_ref = weakref.ref(model)
-
     def peak_of(scaled_inputs: Any) -> int:
-        live = model_ref()
-        if live is None:
-            raise GradauditError("the model this fit was made for is gone: fit again to search sizes")
-        run = run_step(live, scaled_inputs, builder=builder, optimizer_name=name, loss_fn=loss, trainable=trainable,
+        run = run_step(model, scaled_inputs, builder=builder, optimizer_name=name, loss_fn=loss, trainable=trainable,
                        frozen=frozen, target=target, on_meta=on_meta, autocast=autocast, memo=memo)
         return figures(run, target).peak_bytes
 

@@ -39,11 +39,15 @@ def resolve(optimizer: Any) -> tuple[Callable[[Any], torch.optim.Optimizer], str
                          f"from parameters to an optimizer, not {optimizer!r}")
 
 
+# torch.optim optimizers whose step fit cannot run: why
+UNSUPPORTED = {"lbfgs": "LBFGS steps with a closure that reruns the forward and backward, which fit does not model"}
+
+
 def names() -> list[str]:
-    """The torch.optim optimizers a name may give, lower case."""
+    """The torch.optim optimizers a name may give, lower case (those fit can step)."""
     return sorted(name.lower() for name, value in vars(torch.optim).items()
                   if isinstance(value, type) and issubclass(value, torch.optim.Optimizer)
-                  and value is not torch.optim.Optimizer)
+                  and value is not torch.optim.Optimizer and name.lower() not in UNSUPPORTED)
 
 
 def _named(name: str) -> Any:
@@ -56,6 +60,8 @@ def _named(name: str) -> Any:
         raise GradauditError(f"{name} is not an optimizer class or a callable building one")
     found = {n.lower(): value for n, value in vars(torch.optim).items()
              if isinstance(value, type) and issubclass(value, torch.optim.Optimizer)}
+    if name.lower() in UNSUPPORTED:
+        raise GradauditError(f"optimizer {name!r}: {UNSUPPORTED[name.lower()]}; use one of {', '.join(names())}")
     if name.lower() not in found or name.lower() == "optimizer":
         raise GradauditError(f"unknown optimizer {name!r}: use one of {', '.join(names())}, or module:Class")
     return found[name.lower()]
@@ -99,8 +105,10 @@ def target_defaults(optimizer: torch.optim.Optimizer, target: str) -> list[str]:
         if "foreach" in group and group["foreach"] is None and not group.get("fused") and not group.get("differentiable"):
             group["foreach"] = True
             chosen += 1
-    return [f"the optimizer runs its foreach implementation, as torch chooses by default for CUDA tensors "
-            f"(pass foreach=False to fit the per-parameter loop)"] if chosen else []
+    return ["the optimizer runs its foreach implementation, as torch chooses by default for CUDA tensors; "
+            "to fit the per-parameter loop give an optimizer built with foreach=False (Python: "
+            "optimizer=functools.partial(torch.optim.AdamW, foreach=False); the CLI: --optimizer file.py:make, "
+            "make(params) returning it)"] if chosen else []
 
 
 def build(builder: Any, groups: Any, name: str) -> torch.optim.Optimizer:

@@ -130,7 +130,7 @@ def search(model: nn.Module, inputs: Any, memory: int, measure: Callable[[Callab
 
 def _every_block(model: nn.Module, planned: Any, measure: Callable[[Callable[[], Any]], Any],
                  memory: int) -> Alternative:
-    """Checkpointing every block (Hugging Face's gradient_checkpointing_enable()), measured."""
+    """Checkpointing every block (Hugging Face's activation_checkpointing_enable()), measured."""
     from ..planning.apply import PlanHandle
     from ..planning.conditions import own_checkpointing_off
 

@@ -30,7 +30,7 @@ from ..errors import ForwardError, GradauditError, NothingRequiresGradError
 from ..tensors import iter_tensors, split_inputs, storage_key, strided_parts, unique
 from .. import torchapi
 from . import optimizers
-from .lifetimes import Life, Lifetimes, sweep
+from .lifetimes import Life, Lifetimes
 from .workspaces import GemmCount, workspaces
 
 PARAMETERS, BUFFERS, INPUTS, STATE = "parameters", "buffers", "inputs", "optimizer_state"

@@ -21,7 +21,7 @@ from .solve import Chain
 
 def usual_baselines(chain: Chain, costs: Costs, budget: int) -> tuple[Baseline, ...]:
     """What a user would otherwise pick: nothing, every block (Hugging Face's
-    gradient_checkpointing_enable()), and every n-th block for the largest n that fits the budget
+    activation_checkpointing_enable()), and every n-th block for the largest n that fits the budget
     (or 2 when none does)."""
     n = len(chain.blocks)
 

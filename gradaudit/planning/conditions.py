@@ -81,6 +81,16 @@ def checkpoints_itself(model: nn.Module) -> bool:
     return False
 
 
+def checkpointing_off_call(model: nn.Module) -> str:
+    """How to turn a Hugging Face model's own checkpointing off with the installed transformers:
+    ``activation_checkpointing_disable`` where it exists (transformers 5 deprecates the
+    ``gradient_checkpointing_*`` names), else the old name."""
+    for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
+        if hasattr(type(model), name):
+            return f"model.{name}()"
+    return "model.activation_checkpointing_disable()"
+
+
 def checkpointed_now(report: Any) -> list[str]:
     """The modules the audited forward checkpointed itself (torch.utils.checkpoint regions)."""
     regions = {n.module or "the model" for n in report.nodes

@@ -21,7 +21,8 @@ from . import segments, timing
 from .baselines import segments_baseline, stack_runner
 from .candidates import candidates, inside
 from .chain import add_selective, audited_with, build_chain, held_by_report
-from .conditions import CACHE_NOTE, as_audited, cache_off, checkpointed_now, own_checkpointing_off, trim_options
+from .conditions import (CACHE_NOTE, as_audited, cache_off, checkpointed_now, checkpointing_off_call,
+                         own_checkpointing_off, trim_options)
 from .costs import Costs, count_flops
 from .frontier import Frontier
 from .peaks import PeakProbes
@@ -133,7 +134,7 @@ def plan(
         if now:
             notes.insert(0, f"the model checkpoints {_few(now)} itself and so holds {audited.current_held} bytes; the "
                             f"plan replaces that (its figures are without it): turn the model's own checkpointing off "
-                            f"before applying it (Hugging Face: model.gradient_checkpointing_disable())")
+                            f"before applying it (Hugging Face: {checkpointing_off_call(model)})")
         fixed, applying, note = _segments(run, report, paths, now, chain, costs, bitpack, say)
         notes += note
         frontier = Frontier(chain, points, costs, fixed)

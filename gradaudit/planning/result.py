@@ -15,7 +15,7 @@ from ..errors import GradauditError
 from ..records import Bound, Cost
 from ..sizes import parse_size
 from .apply import FULL_POLICY, SELECTIVE_POLICY, PlanHandle
-from .conditions import checkpoints_itself
+from .conditions import checkpointing_off_call, checkpoints_itself
 from .solve import Point
 
 if TYPE_CHECKING:
@@ -188,8 +188,8 @@ class Plan:
         installed already; returns a handle: ``remove()`` or ``with plan.apply(model): ...`` restores
         it (removing trim only where apply installed it)."""
         if self.replaces and checkpoints_itself(model):
-            raise GradauditError("this plan replaces the model's own checkpointing, which is still on: turn it off "
-                                 "first (model.gradient_checkpointing_disable())")
+            raise GradauditError(f"this plan replaces the model's own checkpointing, which is still on: turn it off "
+                                 f"first ({checkpointing_off_call(model)})")
         return PlanHandle(model, self.checkpointed, self.policies, trim=self.bitpack if self.trimmed else None)
 
     @property

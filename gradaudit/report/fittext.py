@@ -24,11 +24,18 @@ def render(fit: Any, *, quiet: bool = False) -> str:
     if fit.reserved_bytes is not None:
         lines.append(f"the CUDA caching allocator would reserve about {human_bytes(fit.reserved_bytes)} "
                      f"(an estimate: its rules replayed over two steps; fits compares the allocated peak)")
-    if quiet:
+    if quiet:  # one line: the verdict, and what the other lines would add, in short
+        line = (f"gradaudit fit: {fit.model}: peak {human_bytes(fit.peak_bytes)} in the {fit.peak_phase} of "
+                f"{human_bytes(fit.memory)}: {verdict}" + (f", {human_bytes(fit.memory - fit.peak_bytes)} to spare"
+                                                          if fit.fits else f" by {human_bytes(fit.peak_bytes - fit.memory)}"))
+        if fit.reserved_bytes is not None:
+            line += f"; about {human_bytes(fit.reserved_bytes)} reserved"
         if fit.remedy is not None:
-            lines.append(f"remedy: {fit.remedy.describe()}, peak {human_bytes(fit.remedy.peak_bytes)}, "
-                         f"+{100 * fit.remedy.extra_compute:.1f}% compute")
-        return "\n".join(lines)
+            line += (f"; remedy: {fit.remedy.describe()}, peak {human_bytes(fit.remedy.peak_bytes)}, "
+                     f"+{100 * fit.remedy.extra_compute:.1f}% compute")
+        elif fit.remedy_searched:
+            line += "; no remedy"
+        return line
     lines.append("at that peak:")
     for category, nbytes in fit.breakdown.items():
         lines.append(f"  {_LABELS.get(category, category):<30} {human_bytes(nbytes):>10}")

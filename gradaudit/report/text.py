@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..records import Report, Severity
 from .units import human_bytes, share
@@ -23,7 +23,9 @@ class _Painter:
         return f"{_STYLES[style]}{text}{_RESET}"
 
 
-def _clip(text: str, width: int) -> str:
+def _clip(text: str, width: Optional[int]) -> str:
+    if width is None:  # no width: whole lines (a pipe, a file)
+        return text
     if width <= 0:
         return ""
     return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
@@ -36,7 +38,7 @@ def _columns(rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[list[
             for row in rows]
 
 
-def render(report: Report, *, color: bool = False, top: int = 10, width: int = 100) -> str:
+def render(report: Report, *, color: bool = False, top: int = 10, width: Optional[int] = 100) -> str:
     """The summary a person reads in a terminal. ``color`` adds ANSI colours (the CLI asks on a TTY)."""
     paint = _Painter(color)
     lines: list[str] = []
@@ -131,5 +133,5 @@ def render(report: Report, *, color: bool = False, top: int = 10, width: int = 1
         lines.append("")
 
     for note in report.notes:
-        lines.append(_clip(f"note: {note}", width) if len(note) < width else f"note: {note}")
+        lines.append(_clip(f"note: {note}", width) if width is not None and len(note) < width else f"note: {note}")
     return "\n".join(lines).rstrip() + "\n"
