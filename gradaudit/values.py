@@ -120,6 +120,17 @@ class Values:
         self._copies[torchapi.storage_key(meta)] = _Copy(StorageWeakRef(storage), copy,
                                                          _version(meta))
 
+    def remember_storage(self, meta: torch.Tensor, cpu: Any) -> None:
+        """Keep the bytes of the CPU storage ``cpu`` as those of ``meta``'s storage (of its size), for every
+        tensor made on that storage as ``meta`` was (``set_``, whose version they share); over the size
+        limit, nothing."""
+        if cpu.nbytes() > MAX_ELEMENTS * max(meta.element_size(), 1):
+            return
+        copy = torch.empty(cpu.nbytes(), dtype=torch.uint8, device="cpu").untyped_storage()
+        copy.copy_(cpu)
+        self._copies[torchapi.storage_key(meta)] = _Copy(StorageWeakRef(meta.untyped_storage()), copy,
+                                                         _version(meta))
+
     def written(self, meta: torch.Tensor) -> None:
         """``meta``'s storage was written and its copy followed: take its new version."""
         entry = self._copies.get(torchapi.storage_key(meta))
@@ -385,13 +396,36 @@ class LiteralsOnMeta(TorchFunctionMode):
 def to_meta(inputs: Any, values: Values = VALUES) -> Any:
     """``inputs`` with every tensor on a real device replaced by a meta tensor of the same shape,
     strides, dtype and requires_grad whose values are kept (CPU token ids, masks, positions beside a
-    meta model). Meta tensors, and everything that is not a tensor, stay as they are."""
+    meta model). Sharing survives the move: one tensor given twice (``{"input_ids": ids, "labels":
+    ids}``) becomes one meta tensor, and tensors that share a storage (views of one batch) become views
+    of one meta storage of the whole storage's size, as the CPU counts them (a tensor that requires
+    grad gets a storage of its own: a view of another would not be a leaf). Meta tensors, and
+    everything that is not a tensor, stay as they are."""
+    moved: dict[int, torch.Tensor] = {}  # id(tensor) -> its meta tensor (``inputs`` holds the tensors)
+    bases: dict[int, torch.Tensor] = {}  # the CPU storage's key -> a meta byte tensor over its whole size
+
     def move(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return t
-        meta = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
-        values.remember(meta, t)
-        return meta.requires_grad_(t.requires_grad) if t.requires_grad else meta
+        if id(t) in moved:
+            return moved[id(t)]
+        meta = None
+        if t.layout == torch.strided and not t.requires_grad:
+            storage = t.untyped_storage()
+            base = bases.get(torchapi.storage_key(t))
+            if base is None:
+                base = bases[torchapi.storage_key(t)] = torch.empty(storage.nbytes(), dtype=torch.uint8, device="meta")
+                values.remember(base, torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)))
+            if base.numel() % t.element_size() == 0:
+                # views of the one base share its version counter, as the values kept for it expect
+                meta = base.view(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset())
+        if meta is None:
+            meta = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+            values.remember(meta, t)
+            if t.requires_grad:
+                meta.requires_grad_(True)
+        moved[id(t)] = meta
+        return meta
 
     return tree_map(move, inputs)
 

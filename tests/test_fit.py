@@ -502,3 +502,19 @@ def test_the_cli_speaks_in_one_line_when_quiet_and_offers_only_optimizers_it_can
     # the foreach note says how to fit the loop, in Python and on the command line
     cuda = runner.invoke(cli, ["fit", f"{factory}:build", "--memory", "1GiB", "--target", "cuda"]).stdout
     assert "foreach=False" in cuda and "--optimizer file.py:make" in cuda
+
+
+def test_a_batch_sharing_storage_is_fitted_on_meta_as_on_the_cpu(tiny_hf_model, tiny_hf_config, transformers):
+    """``{"input_ids": ids, "labels": ids}``, as many loops build it: one storage on the CPU, and one on
+    meta too (2 x 16 int64 = 256 bytes of inputs, not 512), so the meta fit equals the CPU fit."""
+    from conftest import TINY_HF
+
+    cpu = tiny_hf_model("gpt2", use_cache=False).train()
+    with torch.device("meta"):
+        meta = getattr(transformers, TINY_HF["gpt2"][1])(tiny_hf_config("gpt2", use_cache=False)).train()
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    on_cpu = gradaudit.fit(cpu, batch, memory="1GiB", optimizer="adamw")
+    on_meta = gradaudit.fit(meta, batch, memory="1GiB", optimizer="adamw")
+    assert on_cpu.breakdown["inputs"] == on_meta.breakdown["inputs"] == 2 * 16 * 8
+    assert on_meta.peak_bytes == on_cpu.peak_bytes and on_meta.breakdown == on_cpu.breakdown
