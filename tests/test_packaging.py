@@ -51,8 +51,9 @@ def test_html_renders_from_a_checkout_that_is_not_installed(tmp_path):
     # the interpreter's own search path, minus this checkout, still provides torch and jinja2.
     for folder in ("gradaudit", "templates"):
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    elsewhere = [p for p in sys.path if p and Path(p).is_dir() and ROOT not in Path(p).resolve().parents
-                 and Path(p).resolve() != ROOT]
+    # every path but those that would provide gradaudit (this checkout): a virtual environment inside the
+    # checkout (.venv, CI's .ci/venv-*) still provides torch
+    elsewhere = [p for p in sys.path if p and Path(p).is_dir() and not (Path(p) / "gradaudit" / "__init__.py").exists()]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *elsewhere])}
     result = subprocess.run([sys.executable, "-S", "-c", RENDER], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=300)
