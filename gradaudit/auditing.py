@@ -244,6 +244,7 @@ def audit(
                 raise
             except Exception as error:
                 raise ForwardError(_forward_failure(error, on_meta)) from error
+        torchapi.wait_unwaited(iter_tensors(output))
         outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
         if not outputs:
             raise NothingRequiresGradError(

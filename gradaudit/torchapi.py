@@ -127,6 +127,16 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def wait_unwaited(tensors: Iterable[Any]) -> None:
+    """Wait the functional collectives whose results ``tensors`` hold unwaited (the
+    AsyncCollectiveTensor a rowwise-parallel layer returns): an audit uses the model's output no
+    further, and work left in the process group's registry is warned about when the process ends."""
+    for t in tensors:
+        trigger = getattr(type(t), "trigger_wait", None)
+        if trigger is not None:
+            trigger(t)
+
+
 def distributed_rank() -> Optional[tuple[int, int]]:
     """(world size, rank) of this process's default process group, None without one."""
     dist = torch.distributed
@@ -204,9 +214,20 @@ def fsdp_unsharded_storages(model: torch.nn.Module) -> dict[int, tuple[str, int]
     ``model`` (the storages FSDP2 gathers into before a forward or backward and, resharding, resizes
     to nothing after it). Read after the forward: a parameter never gathered has none."""
     found: dict[int, tuple[str, int]] = {}
+    gathered_into = {}  # the unsharded parameter's storage -> the all-gather output it views (padded)
+    for state in fsdp_states(model):
+        group = getattr(state, "_fsdp_param_group", None)
+        for param in getattr(group, "fsdp_params", ()):
+            unsharded = getattr(param, "_unsharded_param", None)
+            for output in getattr(param, "all_gather_outputs", None) or ():
+                if isinstance(unsharded, torch.Tensor) and storage_key(output) == storage_key(local_of(unsharded)):
+                    # a storage resized to nothing keeps the tensor's shape: its numel is the gathered size,
+                    # dim 0 padded to a multiple of the world size (a 127-row weight over 2 ranks: 128 rows)
+                    gathered_into[storage_key(output)] = output.numel() * output.element_size()
     for name, t in fsdp_unsharded_parameters(model):
         t = local_of(t)
-        found.setdefault(storage_key(t), (name, t.numel() * t.element_size()))
+        key = storage_key(t)
+        found.setdefault(key, (name, gathered_into.get(key, t.numel() * t.element_size())))
     return found
 
 

@@ -19,6 +19,7 @@ from gradaudit import GradauditError
 from gradaudit.fitting import CATEGORIES
 from gradaudit.measure import measured_step_peak
 from conftest import hf_checkpointing
+from gradaudit.report.units import human_bytes
 
 OPTIMIZERS = {
     "sgd-momentum": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
@@ -249,6 +250,10 @@ def test_the_html_page_draws_the_step_before_and_after_the_remedy(tiny_hf_model)
     assert "fit &lt;of&gt; a &amp; b" in page  # user text is escaped
     assert "Content-Security-Policy" in page and "<script" not in page and "http" not in page.split("</head>")[1]
     assert "activations" in page and "with the remedy" in page
+    # the margin the terminal prints, on the page too
+    assert f"does not fit, by {human_bytes(fitted.peak_bytes - fitted.memory)}" in page
+    roomy = gradaudit.fit(model, batch, memory="1GiB", optimizer="sgd", remedy=False)
+    assert f"fits, {human_bytes(roomy.memory - roomy.peak_bytes)} to spare" in fithtml.render(roomy)
     # every point of the timeline carries each category, and the worst point is the peak
     assert max(sum(p[c] for c in CATEGORIES) for p in fitted.timeline) == fitted.peak_bytes
     assert max(sum(p[c] for c in CATEGORIES) for p in fitted.remedy.timeline) == fitted.remedy.peak_bytes
@@ -403,6 +408,9 @@ def test_a_fit_for_cuda_estimates_what_the_allocator_reserves():
     fitted = gradaudit.fit(model, torch.empty(32, 256, device="meta"), memory="1GiB", target="cuda",
                            optimizer="adamw", loss=lambda output: output.sum())
     assert fitted.reserved_bytes >= fitted.peak_bytes and fitted.reserved_bytes % (2 << 20) == 0
+    from gradaudit.report import fithtml
+
+    assert "Reserved (estimate)" in fithtml.render(fitted) and human_bytes(fitted.reserved_bytes) in fithtml.render(fitted)
     assert fitted.to_dict()["reserved_bytes"] == fitted.reserved_bytes
     assert gradaudit.fit(model, torch.empty(32, 256, device="meta"), memory="1GiB", target="cpu",
                          loss=lambda output: output.sum()).reserved_bytes is None

@@ -864,6 +864,28 @@ def test_html_plan_draws_the_frontier_and_escapes_module_names():
     assert '<line class="budget"' not in by_peak and "for the peak of a step" in by_peak
 
 
+def test_html_plan_says_where_it_stands_and_when_no_plan_fits():
+    """The page says what the terminal says: "meta as cuda" on meta standing for a GPU, and where no plan
+    fits, a headline saying so (not "Held under the plan" with a "no" in a table cell)."""
+    from gradaudit.report import planhtml, plantext
+
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
+    x = torch.randn(8, 32, device="meta", requires_grad=True)
+    fitting = plan(model, x, 3 * 1024, target="cuda", measure_peak=False)
+    page = planhtml.render(fitting)
+    assert "meta as cuda" in page and "meta as cuda" in plantext.render(fitting, repeats=1).splitlines()[0]
+    assert "Held under the plan" in page and "No plan fits" not in page
+    with pytest.raises(BudgetError) as raised:
+        plan(model, x, 16, target="cuda", measure_peak=False)
+    least = raised.value.smallest_plan
+    assert not least.fits
+    page = planhtml.render(least)
+    assert "No plan fits the budget" in page and "Held under the plan" not in page
+    assert "least possible" in page and "raise the budget" in page
+
+
 def test_cli_writes_the_html_plan(plan_cli, tmp_path):
     result = plan_cli("--budget", "1MiB", "--html", "plan.html", "--no-peak")
     assert result.exit_code == 0 and "HTML plan: plan.html" in result.output

@@ -292,3 +292,50 @@ def test_plan_per_rank_holds_what_it_says(build):
     plan, measured = per_rank(build, 2, planned, ranks=[1])[1]
     assert plan.checkpointed and plan.held_bytes <= 200_000
     assert plan.held_bytes == measured
+
+
+def test_an_audit_in_a_tensor_parallel_world_leaves_no_collective_unwaited():
+    """A row-parallel layer's output is an unwaited functional collective until used; the audit uses
+    the model's output no further, so it waits it: otherwise the user's process ends with torch's
+    "there are still N unwaited collective calls" warning (every pytest run of this suite did)."""
+    import pathlib
+    import subprocess
+
+    here = pathlib.Path(__file__).resolve().parent
+    script = (
+        "import sys, torch\n"
+        f"sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]\n"
+        "import gradaudit\n"
+        "from gloo_world import fake_rank\n"
+        "from distributed_models import linear_tp\n"
+        "with fake_rank(0, 2):\n"
+        "    torch.manual_seed(0)\n"
+        "    model, inputs = linear_tp(0, 2)\n"
+        "    gradaudit.audit(model, inputs)\n"
+        "print('audited')\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "audited" in result.stdout, result.stderr
+    assert "unwaited collective" not in result.stderr
+
+
+def test_regathered_bytes_count_the_padded_storage_fsdp2_gathers_into():
+    """FSDP2 shards dim 0 padded to a multiple of the world size: a 127 x 127 float32 weight over 2
+    ranks is gathered into 128 x 127 x 4 = 65,024 bytes (a real FSDPModule.unshard() allocates that),
+    of which the parameter views 127 x 127 x 4 = 64,516; backward gathers the storage again."""
+    from torch.distributed.fsdp import fully_shard
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 127, bias=False), nn.ReLU(), nn.Linear(127, 127, bias=False), nn.ReLU(),
+                              nn.Linear(127, 4, bias=False))
+        fully_shard(model[2])
+        fully_shard(model)
+        return model, torch.randn(8, 4)
+
+    def regathered(model, inputs):
+        return gradaudit.audit(model, inputs).regathered_bytes
+
+    result = per_rank(build, 2, regathered)
+    # model[2]'s weight, saved for its input's gradient, is resharded after the forward and gathered again
+    # in backward; the root keeps its own gathered weights (alive, not regathered)
+    assert set(result.results.values()) == {128 * 127 * 4} == {65024}

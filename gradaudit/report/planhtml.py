@@ -12,7 +12,7 @@ from markupsafe import Markup
 
 from ..records import Bound, Cost
 from .html import _load_template, environment
-from .units import human_bytes, path_ranges, share
+from .units import human_bytes, path_ranges, share, stands_for
 
 
 def frontier_chart(plan: Any, width: int = 900, height: int = 340) -> dict[str, Any]:
@@ -51,13 +51,14 @@ def frontier_chart(plan: Any, width: int = 900, height: int = 340) -> dict[str, 
 
 def render(plan: Any, *, title: Optional[str] = None) -> str:
     """The plan as one HTML document (a string; the caller decides where it goes)."""
-    rows = [{"name": "this plan", "held": plan.held_bytes, "peak": plan.peak_bytes,
+    rows = [{"name": "this plan" if plan.fits else "least possible", "held": plan.held_bytes, "peak": plan.peak_bytes,
              "extra": 100 * plan.extra_compute, "count": len(plan.checkpointed), "fits": plan.fits}]
     rows += [{"name": b.name, "held": b.held_bytes, "peak": b.peak_bytes, "extra": 100 * plan.share(b),
               "count": len(b.checkpointed), "fits": b.held_bytes <= plan.budget} for b in plan.baselines]
     context = {
         "title": title or f"gradaudit plan: {plan.model}",
         "plan": plan,
+        "where": stands_for(plan.device, plan.target),  # as the terminal says it: "meta as cuda"
         "shares": {"held": share(plan.held_bytes, plan.unplanned_held_bytes)},
         "ranges": path_ranges(plan.checkpointed),
         "chart": frontier_chart(plan),

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..records import Bound, Cost
-from .units import human_bytes, path_ranges
+from .units import human_bytes, path_ranges, stands_for
 
 
 def render(plan: Any, *, repeats: int, quiet: bool = False) -> str:
@@ -118,7 +118,7 @@ def _milliseconds(seconds: float) -> str:
 
 def _where(plan: Any) -> str:
     """The device the figures are for: the model's, or on meta the one it stands for."""
-    return f"meta as {plan.target}" if plan.device == "meta" else plan.device
+    return stands_for(plan.device, plan.target)
 
 
 def _with_trim(plan: Any) -> str:

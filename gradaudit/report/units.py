@@ -27,6 +27,11 @@ def human_bytes(n: int | float | None) -> str:
     return f"{sign}{figure} {_UNITS[unit]}"
 
 
+def stands_for(device: str, target: str) -> str:
+    """Where figures are for: the device, or on meta the one it stands for ("meta as cuda")."""
+    return f"meta as {target}" if device == "meta" else device
+
+
 def share(part: int, whole: int) -> str:
     """``part`` as a percentage of ``whole`` ("-" when there is nothing to share)."""
     if whole <= 0:
