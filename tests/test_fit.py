@@ -437,6 +437,8 @@ def test_a_cuda_step_holds_a_cublas_workspace_per_thread_that_multiplies(monkeyp
     assert any("cuBLAS 32 MiB for the forward's thread" in note and "cuBLASLt 1 MiB" in note for note in on_cuda.notes)
     # alive in every sample: the timeline's floor carries them
     assert all(point["workspaces"] == 65 * MIB for point in on_cuda.timeline)
+    # and what the figure counts says so (it said cuBLAS's workspaces were not counted)
+    assert "cuBLAS's workspaces included" in on_cuda.allocator and "(cuBLAS" not in on_cuda.allocator
     on_cpu = gradaudit.fit(_linear_stack(), x, memory="1GiB", target="cpu", optimizer="sgd")
     assert on_cpu.breakdown["workspaces"] == 0 and not any("cuBLAS" in note for note in on_cpu.notes)
     # without a bias no cuBLASLt epilogue: 64 MiB

@@ -107,10 +107,10 @@ class Fit:
         """What ``peak_bytes`` counts, in words."""
         if self.target == "cuda":
             return ("bytes allocated by PyTorch's CUDA caching allocator (each storage rounded up to 512 B), as "
-                    "torch.cuda.max_memory_allocated reports; the allocator reserves more (whole segments, "
-                    "cached free blocks: reserved_bytes estimates it by replaying its rules), and the CUDA "
-                    "context and libraries' workspaces (cuBLAS, cuDNN) are not counted: leave headroom, or set "
-                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+                    "torch.cuda.max_memory_allocated reports, cuBLAS's workspaces included; the allocator reserves "
+                    "more (whole segments, cached free blocks: reserved_bytes estimates it by replaying its rules), "
+                    "and the CUDA context and cuDNN's per-call convolution workspaces are not counted: leave "
+                    "headroom, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
         return "bytes of the storages alive, as the CPU allocator is asked for them"
 
     def largest(self, dimension: str = "batch") -> int:
