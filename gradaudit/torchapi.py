@@ -5,7 +5,7 @@ Each feature is looked up once, when this module is imported; a missing one beco
 caller needs it (``require``), never an AttributeError deep inside a hook. Enum values are taken
 by name, and hooks are recognised by identity (a code object), not by a substring of a name.
 
-Tested on torch 2.13 and 2.14 (see pyproject.toml); tests/test_torchapi.py pins each feature.
+Tested on torch 2.11, 2.14 and 2.15 (CI runs the suite on each); tests/test_torchapi.py pins each feature.
 """
 
 from __future__ import annotations
@@ -576,7 +576,7 @@ def force_eager(who: str) -> Any:
 # -- torch.utils.checkpoint's internals -------------------------------------------------------------
 # A non-reentrant checkpoint saves its region's inputs with whatever saved-tensor hooks are in force
 # before it installs its own: torch 2.14 in ``_CheckpointFrame.save_inputs`` (a list comprehension,
-# its own frame before Python 3.12), torch 2.13 through ``_NoopSaveInputs.apply`` called from the
+# its own frame before Python 3.12), torch 2.11 to 2.13 through ``_NoopSaveInputs.apply`` called from the
 # generator. Neither holder is reachable from the outputs. Recognised by code object.
 def _codes_of(owner: Any, *names: str) -> set[Any]:
     codes = set()
@@ -607,7 +607,7 @@ def saving_checkpoint_inputs(frame: Any) -> bool:
     """Whether a pack called from Python frame ``frame`` is a non-reentrant checkpoint saving its
     region's inputs (held until backward, to recompute the region)."""
     code = frame.f_code
-    if code is _FUNCTION_APPLY_CODE and frame.f_back is not None:  # torch 2.13: _NoopSaveInputs.apply
+    if code is _FUNCTION_APPLY_CODE and frame.f_back is not None:  # torch 2.11 to 2.13: _NoopSaveInputs.apply
         code = frame.f_back.f_code
     return code in _INPUT_SAVER_CODES
 
@@ -656,7 +656,7 @@ def _checkpoint_generator_frame(frame: Any) -> Any:
 
 # Turning a model's own checkpointing off for a while (the planner plans from what the model holds
 # without it): torch.utils.checkpoint looks these names up in its module at each call, the
-# non-reentrant generator (torch 2.14: the ``_impl`` one; 2.13: the other) and the reentrant Function.
+# non-reentrant generator (torch 2.14 on: the ``_impl`` one; 2.11 to 2.13: the other) and the reentrant Function.
 _GENERATOR_NAME = next((name for name in ("_checkpoint_without_reentrant_generator_impl",
                                           "_checkpoint_without_reentrant_generator")
                         if hasattr(_CHECKPOINT, name)), None)
