@@ -120,17 +120,6 @@ class Values:
         self._copies[torchapi.storage_key(meta)] = _Copy(StorageWeakRef(storage), copy,
                                                          _version(meta))
 
-    def remember_storage(self, meta: torch.Tensor, cpu: Any) -> None:
-        """Keep the bytes of the CPU storage ``cpu`` as those of ``meta``'s storage (of its size), for every
-        tensor made on that storage as ``meta`` was (``set_``, whose version they share); over the size
-        limit, nothing."""
-        if cpu.nbytes() > MAX_ELEMENTS * max(meta.element_size(), 1):
-            return
-        copy = torch.empty(cpu.nbytes(), dtype=torch.uint8, device="cpu").untyped_storage()
-        copy.copy_(cpu)
-        self._copies[torchapi.storage_key(meta)] = _Copy(StorageWeakRef(meta.untyped_storage()), copy,
-                                                         _version(meta))
-
     def written(self, meta: torch.Tensor) -> None:
         """``meta``'s storage was written and its copy followed: take its new version."""
         entry = self._copies.get(torchapi.storage_key(meta))
@@ -411,10 +400,10 @@ def to_meta(inputs: Any, values: Values = VALUES) -> Any:
             return moved[id(t)]
         meta = None
         if t.layout == torch.strided and not t.requires_grad:
-            storage = t.untyped_storage()
-            base = bases.get(torchapi.storage_key(t))
+            storage, key = t.untyped_storage(), torchapi.storage_key(t)
+            base = bases.get(key)
             if base is None:
-                base = bases[torchapi.storage_key(t)] = torch.empty(storage.nbytes(), dtype=torch.uint8, device="meta")
+                base = bases[key] = torch.empty(storage.nbytes(), dtype=torch.uint8, device="meta")
                 values.remember(base, torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)))
             if base.numel() % t.element_size() == 0:
                 # views of the one base share its version counter, as the values kept for it expect
