@@ -20,8 +20,9 @@ from .records import (
 )
 from .rules.registry import Flag, RuleContext, all_rules, selected
 from .tensors import ModelTree, dtype_name, first_meta_parameter, itemsize, storage_key, tensor_attributes
-from . import torchapi
-from .torchapi import local_of, storage_id
+from .torchapi.distributed import local_of
+from .torchapi.fsdp import fsdp_unsharded_storages
+from .torchapi.storages import storage_id
 
 
 class KnownStorages:
@@ -54,7 +55,7 @@ class KnownStorages:
                 if t.layout == strided:
                     kind[storage_key(t)] = label
         # FSDP2's gathered parameters that are not the registered ones now (resharded after the forward)
-        self.gathered = torchapi.fsdp_unsharded_storages(model)
+        self.gathered = fsdp_unsharded_storages(model)
         for key in self.gathered:
             kind.setdefault(key, StorageKind.RESHARDED)
 

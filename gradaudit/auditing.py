@@ -12,7 +12,6 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from . import torchapi
 from .analysis import build_report
 from .errors import ForwardError, GradauditError, NoMatchingParameterError, NothingRequiresGradError
 from .measure import held_bytes_after_forward
@@ -22,6 +21,11 @@ from .records import Leaf, Manager, Report, StorageKind
 from .rules.registry import check_codes
 from .tensors import ModelTree, first_meta_parameter, iter_tensors, split_inputs, unique
 from .values import to_meta
+from .torchapi.compiler import COMPILED_NODE, compiled_original, force_eager
+from .torchapi.distributed import distributed_rank, wait_unwaited
+from .torchapi.fsdp import fsdp_reshard, fsdp_unsharded_parameters
+from .torchapi.modules import hook_counts_of, module_slots
+from .torchapi.storages import version_counter
 
 
 def matching_parameters(model: nn.Module, patterns: Sequence[str],
@@ -101,9 +105,9 @@ class ModelState:
         tree = tree or ModelTree(model)
         self.modules = tree.module_list
         self.training = [m.training for m in self.modules]
-        slots = torchapi.module_slots
+        slots = module_slots
         self.slots = [(m, *map(dict, slots(m))) for m in self.modules]
-        version = torchapi.version_counter
+        version = version_counter
         self.flags = [(p, p.requires_grad, p.grad, version(p)) for _, p in tree.parameters]
         # meta buffers have no values to restore (and cloning them would be free anyway)
         self.buffer_values = [(b, b.detach().clone()) for b in tree.buffers if not b.is_meta]
@@ -113,7 +117,7 @@ class ModelState:
                          if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
 
     def _hook_counts(self) -> list[tuple[int, ...]]:
-        return torchapi.hook_counts_of(self.modules)
+        return hook_counts_of(self.modules)
 
     def restore(self) -> list[str]:
         """Put everything back; returns notes about what could not be restored exactly."""
@@ -122,7 +126,7 @@ class ModelState:
             if m.training is not flag:  # nn.Module.__setattr__ is slow, and most flags are as they were
                 m.training = flag
         for m, *saved in self.slots:
-            for live, slots in zip(torchapi.module_slots(m), saved):
+            for live, slots in zip(module_slots(m), saved):
                 if live or slots:  # most are empty, and stayed so
                     live.clear()
                     live.update(slots)
@@ -134,7 +138,6 @@ class ModelState:
                     # through .data, which does not bump the version either: a graph the caller
                     # built before the audit (it may have saved this buffer) can still run backward
                     buffer.data.copy_(value)
-        version_counter = torchapi.version_counter
         for p, requires_grad, grad, version in self.flags:
             if p.requires_grad != requires_grad:
                 p.requires_grad_(requires_grad)
@@ -203,8 +206,8 @@ def audit(
     if scripted is not None:
         raise GradauditError(f"{scripted} is a TorchScript module (torch.jit.script or trace): gradaudit audits "
                              f"eager PyTorch modules; audit the module before scripting it")
-    if eager and torchapi.compiled_original(model) is not None:
-        model = torchapi.compiled_original(model)  # its module paths, without "_orig_mod."
+    if eager and compiled_original(model) is not None:
+        model = compiled_original(model)  # its module paths, without "_orig_mod."
     args, kwargs = split_inputs(inputs)
     input_tensors = unique(list(iter_tensors((args, kwargs))))
     # one walk of the module tree serves every stage before the forward, another every stage after it
@@ -215,7 +218,7 @@ def audit(
         inputs = to_meta(inputs)
         args, kwargs = split_inputs(inputs)
         input_tensors = unique(list(iter_tensors((args, kwargs))))
-    if verify and (torchapi.distributed_rank() or (1, 0))[0] > 1:
+    if verify and (distributed_rank() or (1, 0))[0] > 1:
         raise GradauditError("verify=True runs backward nodes one by one on poisoned values, which a distributed "
                              "model's collectives cannot (a fake world's carry no values): drop verify, or verify "
                              "the model unparallelised")
@@ -233,7 +236,7 @@ def audit(
         # target device would take, or it saves different tensors; and autocast, which meta tensors do not reach,
         # is emulated (entered last: its casts come first)
         emulation = standing_for(target) if on_meta else contextlib.nullcontext()
-        stance = torchapi.force_eager("audit(eager=True)") if eager else contextlib.nullcontext()
+        stance = force_eager("audit(eager=True)") if eager else contextlib.nullcontext()
         with recorder, emulation as emulated, stance, warnings.catch_warnings():
             # gradaudit's own saved-tensor hooks are what torch warns about around a selective
             # checkpoint (its cache bypasses them: the recorder reads the cache itself)
@@ -244,7 +247,7 @@ def audit(
                 raise
             except Exception as error:
                 raise ForwardError(_forward_failure(error, on_meta)) from error
-        torchapi.wait_unwaited(iter_tensors(output))
+        wait_unwaited(iter_tensors(output))
         outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
         if not outputs:
             raise NothingRequiresGradError(
@@ -252,7 +255,7 @@ def audit(
                 "(trainable=[...] / --trainable GLOB) or pass inputs with requires_grad=True")
         after = ModelTree(model)  # as the forward left it (a lazy module has parameters now)
         leaf_names = {id(p): Leaf("param", n) for n, p in after.parameters}
-        for n, p in torchapi.fsdp_unsharded_parameters(model):  # (FSDP2) the leaves gradients reach
+        for n, p in fsdp_unsharded_parameters(model):  # (FSDP2) the leaves gradients reach
             leaf_names.setdefault(id(p), Leaf("param", n))
         for i, t in enumerate(input_tensors):
             leaf_names.setdefault(id(t), Leaf("input", str(i)))
@@ -281,11 +284,11 @@ def audit(
                               ignore=ignore, prove=prove, measured=measured, target=target, tree=after)
         del recording, output, outputs
     finally:
-        torchapi.fsdp_reshard(model)  # (FSDP2) the root keeps its gathered parameters after a forward
+        fsdp_reshard(model)  # (FSDP2) the root keeps its gathered parameters after a forward
         notes = state.restore()
     report.notes.extend(notes)
-    if torchapi.distributed_rank() is not None:
-        report.world_size, report.rank = torchapi.distributed_rank()
+    if distributed_rank() is not None:
+        report.world_size, report.rank = distributed_rank()
         report.notes.extend(_rank_notes(report))
     if emulated is not None:
         report.notes.extend(emulated.notes)
@@ -379,12 +382,12 @@ def _forward_failure(error: Exception, on_meta: bool) -> str:
 
 def _compiled_notes(model: nn.Module, report: Report) -> list[str]:
     """What a torch.compile'd model's report can and cannot say."""
-    regions = sum(1 for n in report.nodes if n.name == torchapi.COMPILED_NODE)
+    regions = sum(1 for n in report.nodes if n.name == COMPILED_NODE)
     if not regions:
         return []
-    compiled = [path or "the model" for path, m in model.named_modules() if torchapi.compiled_original(m) is not None]
+    compiled = [path or "the model" for path, m in model.named_modules() if compiled_original(m) is not None]
     where = f" ({', '.join(compiled[:5])})" if compiled else ""
     return [f"{regions} torch.compile'd region{'s' if regions > 1 else ''}{where} ran as one compiled graph each "
-            f"({torchapi.COMPILED_NODE}): what such a region keeps for backward is the compiler's choice, "
+            f"({COMPILED_NODE}): what such a region keeps for backward is the compiler's choice, "
             f"counted in the byte figures but without per-op verdicts or findings. To see what eager "
             f"autograd would keep and which fixes apply, audit with eager=True (gradaudit scan --eager)"]

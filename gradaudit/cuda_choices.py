@@ -53,8 +53,10 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from . import torchapi
 from .errors import GradauditError
+from .torchapi.kernels import (cuda_cudnn_attention, cuda_efficient_attention, cuda_flash_attention,
+                               cudnn_version, math_sdp_low_precision_reduction, mul_scalar, native_dropout,
+                               safe_softmax, sdp_enabled, sdp_priority_order)
 
 _HALF = (torch.float16, torch.bfloat16)
 # torch's default priority order (ATen's Context); a GPU that prefers cuDNN replaces it once, at its
@@ -125,7 +127,7 @@ def default_gpu() -> Gpu:
     where the installed torch has none, the cuDNN its release's default CUDA wheel bundles), CUDA as the
     installed torch was built for, under the installed release's rules."""
     release = _release_of(installed_release())
-    return Gpu("H100", (9, 0), torchapi.cudnn_version() or BUNDLED_CUDNN[release],
+    return Gpu("H100", (9, 0), cudnn_version() or BUNDLED_CUDNN[release],
                cuda=_cuda_build() if torch.version.cuda else BUNDLED_CUDA[release], torch=release)
 
 
@@ -485,7 +487,7 @@ def prefers_cudnn(gpu: Gpu) -> bool:
 def priority(gpu: Gpu) -> tuple[str, ...]:
     """The order select_sdp_backend tries the backends in: torch's setting, except that the stock
     default becomes cuDNN-first where this GPU prefers cuDNN (a GPU does so at its first call)."""
-    order = torchapi.sdp_priority_order()
+    order = sdp_priority_order()
     if order == STOCK_PRIORITY and prefers_cudnn(gpu):
         return CUDNN_FIRST
     return order
@@ -502,7 +504,7 @@ class Choice:
 def choose(c: SdpaCall, gpu: Gpu) -> Choice:
     """sdp_utils.cpp select_sdp_backend for ``gpu``. Raises RuntimeError where a GPU would find no
     kernel (math disabled and no fused kernel takes the call), as torch does there."""
-    enabled = torchapi.sdp_enabled()
+    enabled = sdp_enabled()
     if not any(enabled[name] for name in ("math", *FUSED)):
         raise RuntimeError("scaled_dot_product_attention: every backend is disabled (sdpa_kernel / "
                            "torch.backends.cuda.enable_*_sdp), so CUDA finds no viable backend")
@@ -555,7 +557,7 @@ def _math_with_fused_dropout(c: SdpaCall) -> torch.Tensor:
     native_dropout (a bool mask) where the meta device would multiply by a float mask."""
     mask = additive_mask(c.attn_mask, c.query.dtype, -math.inf)
     origin = c.query.dtype
-    low_precision_ok = torchapi.math_sdp_low_precision_reduction()
+    low_precision_ok = math_sdp_low_precision_reduction()
 
     def accumulate(t: torch.Tensor) -> torch.Tensor:  # kept in float32 unless low precision is allowed
         return t.to(torch.float32) if t.dtype in _HALF and not low_precision_ok else t
@@ -563,7 +565,7 @@ def _math_with_fused_dropout(c: SdpaCall) -> torch.Tensor:
     query, key, value = (accumulate(t) for t in c.qkv)
     negative = c.scale is not None and c.scale < 0
     factor = math.sqrt(abs(c.scale) if c.scale is not None else 1.0 / math.sqrt(query.size(-1)))
-    query = torchapi.mul_scalar(query, -factor if negative else factor)
+    query = mul_scalar(query, -factor if negative else factor)
     if c.is_causal:
         causal = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
         mask = additive_mask(causal, query.dtype, -math.inf)
@@ -573,12 +575,12 @@ def _math_with_fused_dropout(c: SdpaCall) -> torch.Tensor:
             raise RuntimeError("Number of heads in key and value must divide the number of heads in query")
         key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
         value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
-    attn = torch.matmul(query, torchapi.mul_scalar(key.transpose(-2, -1), factor))
+    attn = torch.matmul(query, mul_scalar(key.transpose(-2, -1), factor))
     if mask is not None:
         attn.add_(mask)
-    attn = torchapi.safe_softmax(attn, -1)
+    attn = safe_softmax(attn, -1)
     if 0 < c.dropout_p < 1 and attn.numel() > 0:  # Dropout.cpp is_fused_kernel_acceptable on CUDA
-        attn = torchapi.native_dropout(attn, c.dropout_p)
+        attn = native_dropout(attn, c.dropout_p)
     elif c.dropout_p > 0:
         attn = torch.dropout(attn, c.dropout_p, True)
     return torch.matmul(attn, value).to(origin)
@@ -591,17 +593,17 @@ def run(c: SdpaCall, kernel: str) -> torch.Tensor:
     if kernel == "flash":
         head_dim = q.size(-1)
         scale = c.scale if c.scale is not None else 1.0 / math.sqrt(head_dim)  # from the unpadded head dim
-        out = torchapi.cuda_flash_attention(_pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), c.dropout_p,
+        out = cuda_flash_attention(_pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), c.dropout_p,
                                             c.is_causal, scale)
         return out if out.size(-1) == head_dim else out[..., :head_dim]
     if kernel == "efficient":
         mask = additive_mask(c.attn_mask, q.dtype, -math.inf)
         if mask is not None:
             mask = _efficient_bias(mask, q, k)
-        return torchapi.cuda_efficient_attention(q, k, v, mask, c.requires_grad(), c.dropout_p, c.is_causal, c.scale)
+        return cuda_efficient_attention(q, k, v, mask, c.requires_grad(), c.dropout_p, c.is_causal, c.scale)
     if kernel == "cudnn":
         mask = additive_mask(c.attn_mask, q.dtype, -65504.0)
-        return torchapi.cuda_cudnn_attention(q, k, v, mask, c.requires_grad(), c.dropout_p, c.is_causal, c.scale)
+        return cuda_cudnn_attention(q, k, v, mask, c.requires_grad(), c.dropout_p, c.is_causal, c.scale)
     if c.dropout_p > 0:
         return _math_with_fused_dropout(c)
     # without dropout the math kernel is one composite for every device: the meta device runs CUDA's

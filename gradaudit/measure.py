@@ -43,17 +43,13 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import torchapi
 from .tensors import iter_tensors, split_inputs, strided_parts, unique
-from .torchapi import TorchDispatchMode, is_traceable_wrapper_subclass, storage_id, tree_flatten
+from .torchapi.autograd import is_custom_function, raw_saved_slots
+from .torchapi.dispatch import TorchDispatchMode, is_traceable_wrapper_subclass, tree_flatten
+from .torchapi.storages import storage_at, storage_id
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
-# A live storage from the address a StorageWeakRef keeps (its ``cdata``), or None once it was freed:
-# the way torch.multiprocessing's own storage cache reads a weak reference back. The StorageWeakRef
-# must be kept while its address is used: it keeps the StorageImpl (not its memory) from being
-# reused for another storage.
-_from_weak = torch.UntypedStorage._new_with_weak_ptr
 
 
 def local_parts(t: torch.Tensor) -> list[torch.Tensor]:
@@ -76,7 +72,7 @@ def storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
 def current_nbytes(cdata: int) -> Optional[int]:
     """The bytes of the storage at ``cdata`` now, None once it was freed (a StorageWeakRef to it
     must be held)."""
-    storage = _from_weak(cdata)
+    storage = storage_at(cdata)
     return None if storage is None else storage.nbytes()
 
 
@@ -181,7 +177,7 @@ def graph_roots(output: Any) -> list[Any]:
     for t in iter_tensors(output):
         if t.grad_fn is None:
             continue
-        roots.append(t.sum().grad_fn if torchapi.is_custom_function(t.grad_fn) else t.grad_fn)
+        roots.append(t.sum().grad_fn if is_custom_function(t.grad_fn) else t.grad_fn)
     return roots
 
 
@@ -207,7 +203,7 @@ def _saved_scalars(roots: list[Any]) -> Any:
         stack.extend(fn for fn, _ in node.next_functions)
         # the packed objects, never the unpacked values: unpacking a checkpointed slot would
         # recompute its block; a slot packed by anybody's hooks holds no plain tensor here
-        for _, raw in torchapi.raw_saved_slots(node):
+        for _, raw in raw_saved_slots(node):
             value = raw.data
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(t, torch.Tensor) and t.dim() == 0:

@@ -36,7 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from . import cuda_choices, torchapi
+from . import cuda_choices
+from .torchapi.checkpoint import checkpoint_meta_as, recomputing_under
+from .torchapi.dispatch import TorchDispatchMode, op_namespaces
+from .torchapi.kernels import (any_autocast_enabled, cpu_flash_attention, cuda_autocast_without_cuda,
+                               cudnn_batch_norm, fused_sdp_choice, native_dropout, sdp_backend_name,
+                               suggest_memory_format)
+from .torchapi.storages import is_view
 from .values import KnownValues, LiteralsOnMeta
 
 
@@ -69,7 +75,7 @@ def sdpa_backend(bound: dict[str, Any], dropout_p: Optional[float] = None) -> in
     if isinstance(query, torch.Tensor) and query.device.type == "meta":
         tensors = [_cpu_twin(t) for t in tensors]
     p = bound["dropout_p"] if dropout_p is None else dropout_p
-    return torchapi.fused_sdp_choice(*tensors, p, bound["is_causal"], scale=bound["scale"],
+    return fused_sdp_choice(*tensors, p, bound["is_causal"], scale=bound["scale"],
                                      enable_gqa=bound["enable_gqa"])
 
 
@@ -153,8 +159,8 @@ class CpuKernelChoices(TorchFunctionMode):
         """The kernel the CPU dispatcher picks for these arguments (asked with CPU twins); None where
         it cannot be asked (torch's own call then runs, and raises where it should)."""
         try:
-            kernel = torchapi.sdp_backend_name(sdpa_backend(bound))
-            without = torchapi.sdp_backend_name(sdpa_backend(bound, dropout_p=0.0)) if bound["dropout_p"] else kernel
+            kernel = sdp_backend_name(sdpa_backend(bound))
+            without = sdp_backend_name(sdpa_backend(bound, dropout_p=0.0)) if bound["dropout_p"] else kernel
         except (RuntimeError, TypeError, ValueError):
             return None
         return SdpaChoice(kernel, without, "cpu")
@@ -163,7 +169,7 @@ class CpuKernelChoices(TorchFunctionMode):
         if choice.kernel == "flash":
             # the CPU flash kernel takes grouped key/value heads as they are (no repeat); attention.cpp
             # first turns a bool mask into an additive one in the query's dtype (the node saves that)
-            return lambda q, k, v, mask, p, causal, scale, gqa: torchapi.cpu_flash_attention(
+            return lambda q, k, v, mask, p, causal, scale, gqa: cpu_flash_attention(
                 q, k, v, p, causal, attn_mask=_cpu_additive_mask(mask, q.dtype), scale=scale)
         return lambda q, k, v, mask, p, causal, scale, gqa: F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale, enable_gqa=gqa)
@@ -280,7 +286,7 @@ class CudaKernelChoices(CpuKernelChoices):
             return func(*args, **kwargs)
         dropout = _dropout_arguments(func, args, kwargs)
         if dropout is not None and cuda_choices.fused_dropout_applies(*dropout):
-            return torchapi.native_dropout(dropout[0], float(dropout[1]))
+            return native_dropout(dropout[0], float(dropout[1]))
         if func is F.instance_norm and _argument(args, kwargs, 3, "weight", None) is not None:
             self._note("target cuda: F.instance_norm runs batch norm inside (in C++), which CUDA sends to cuDNN "
                        "when the instance norm is affine; on meta it keeps the native kernel's node "
@@ -310,7 +316,7 @@ class CudaKernelChoices(CpuKernelChoices):
     def _cudnn(bound: dict[str, Any]) -> torch.Tensor:
         x, training = bound["input"], bool(bound["training"])
         stats = [t.contiguous() if t is not None else None for t in (bound["running_mean"], bound["running_var"])]
-        return torchapi.cudnn_batch_norm(x.contiguous(memory_format=torchapi.suggest_memory_format(x)),
+        return cudnn_batch_norm(x.contiguous(memory_format=suggest_memory_format(x)),
                                          bound["weight"].contiguous(), bound["bias"].contiguous(), *stats,
                                          training, bound["momentum"], bound["eps"])
 
@@ -334,7 +340,7 @@ def _dropout_arguments(func: Any, args: tuple, kwargs: dict) -> Optional[tuple[A
 TARGETS = ("cpu", "cuda")
 
 
-class GroupedMmOnMeta(torchapi.TorchDispatchMode):
+class GroupedMmOnMeta(TorchDispatchMode):
     """``_grouped_mm`` (mixture of experts) in float32 or float16 on meta. Its meta kernel accepts
     bfloat16 only (the condition of CUDA's fused kernel); the CPU kernel, and CUDA's fallback for other
     dtypes (a loop of matrix products, in aten/native/cuda/GroupedBlas.cpp since torch 2.10), take
@@ -384,6 +390,10 @@ class Emulation:
         return [*self.autocast.notes, *getattr(self.kernels, "notes", []), *self.values.notes]
 
 
+def _reentered_on_recompute(mode: Any) -> bool:
+    return getattr(mode, "reenter_on_recompute", False)
+
+
 @contextlib.contextmanager
 def standing_for(target: str, also: Any = None) -> Iterator[Emulation]:
     """Everything a forward on the meta device needs to save what it would save on ``target``
@@ -393,8 +403,12 @@ def standing_for(target: str, also: Any = None) -> Iterator[Emulation]:
     after the kernel choices, before autocast (another TorchFunctionMode that sees the calls after
     autocast's casts)."""
     with contextlib.ExitStack() as stack:
+        # a checkpointed block is recomputed in backward under the emulation its forward ran under
+        stack.enter_context(recomputing_under(_reentered_on_recompute))
         if target == "cuda":
-            stack.enter_context(torchapi.cuda_autocast_without_cuda())
+            stack.enter_context(cuda_autocast_without_cuda())
+            # a checkpointed block recomputed in backward runs under the forward's CUDA autocast
+            stack.enter_context(checkpoint_meta_as("cuda"))
         stack.enter_context(GroupedMmOnMeta())
         # above the kernels: it sees what they return (values carried through masks and positions)
         values = stack.enter_context(KnownValues())
@@ -504,7 +518,7 @@ def _python_functions(name: str) -> list[Any]:
         "pad": [F.pad],
     }.get(name, [])
     found = list(extra)
-    spaces = [(torch, ""), (torch.Tensor, ""), (F, "")] + [(space, "") for space in torchapi.op_namespaces()]
+    spaces = [(torch, ""), (torch.Tensor, ""), (F, "")] + [(space, "") for space in op_namespaces()]
     for space, prefix in spaces + [(torch.linalg, "linalg_"), (torch.fft, "fft_")]:
         if prefix and not name.startswith(prefix):
             continue
@@ -644,7 +658,7 @@ class AutocastOnMeta(TorchFunctionMode):
             return value
         # autocast's cache: fp32 leaves that require grad, cast to the lower precision, once per region
         if (cache and target == lower and value.dtype == torch.float32 and value.requires_grad and value.is_leaf
-                and not value._is_view() and torch.is_autocast_cache_enabled()):
+                and not is_view(value) and torch.is_autocast_cache_enabled()):
             hit = self._cache.get(id(value))
             if hit is not None and hit[0]() is value:
                 return hit[1]
@@ -687,7 +701,7 @@ def run_with_mode_inside(mode: TorchFunctionMode, func: Any, args: tuple, kwargs
 
 
 def _any_autocast_enabled() -> bool:
-    return torchapi.any_autocast_enabled(EMULATED_AUTOCAST + _KNOWN_OTHERS)
+    return any_autocast_enabled(EMULATED_AUTOCAST + _KNOWN_OTHERS)
 
 
 def _autocast_known(device_type: str) -> bool:

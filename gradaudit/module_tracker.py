@@ -9,7 +9,9 @@ from typing import Any, Optional, Sequence
 
 from torch import nn
 
-from . import torchapi
+from .torchapi.autograd import sequence_number
+from .torchapi.compiler import compiling
+from .torchapi.modules import add_forward_hooks, remove_forward_hooks
 
 
 class ModuleTracker:
@@ -38,7 +40,7 @@ class ModuleTracker:
 
     def __enter__(self) -> "ModuleTracker":
         modules = self._named_modules if self._named_modules is not None else self.model.named_modules()
-        post, add = self._post, torchapi.add_forward_hooks
+        post, add = self._post, add_forward_hooks
         for path, module in modules:
             if module is self.model:
                 continue
@@ -54,8 +56,8 @@ class ModuleTracker:
                     boundary(args)
                 enter(entry)
                 stack.append(entry)
-                if self.timeline is not None and not torchapi.compiling():
-                    self.timeline.append((torchapi.sequence_number(), entry))
+                if self.timeline is not None and not compiling():
+                    self.timeline.append((sequence_number(), entry))
         elif boundary is None:
             def pre(module: nn.Module, args: Any) -> None:
                 stack.append(entry)
@@ -71,8 +73,8 @@ class ModuleTracker:
             self.on_boundary(output)
         if len(self.stack) > 1:
             self.stack.pop()
-            if self.timeline is not None and not torchapi.compiling():
-                self.timeline.append((torchapi.sequence_number(), self.stack[-1]))
+            if self.timeline is not None and not compiling():
+                self.timeline.append((sequence_number(), self.stack[-1]))
 
     def reset(self) -> None:
         """Back to the root module alone (a forward that raised may leave entries behind)."""
@@ -86,7 +88,7 @@ class ModuleTracker:
         return timeline[k - 1][1] if k else self.stack[0]
 
     def __exit__(self, *exc: Any) -> None:
-        remove = torchapi.remove_forward_hooks
+        remove = remove_forward_hooks
         for added in self._handles:
             remove(added)
         self._handles.clear()

@@ -20,8 +20,9 @@ from typing import Any, Callable, Generic, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
-from . import torchapi
 from .errors import GradauditError
+from .torchapi.distributed import clear_dtensor_caches, fake_process_group
+from .torchapi.fsdp import fsdp_on_meta
 
 T = TypeVar("T")
 
@@ -34,14 +35,6 @@ class World:
     size: int
     rank: int
     meta: bool = False
-
-
-_current: list[World] = []
-
-
-def current_world() -> Optional[World]:
-    """The fake world gradaudit is running a factory in, or None."""
-    return _current[-1] if _current else None
 
 
 def check_world(world_size: Any, ranks: Optional[Sequence[int]] = None) -> tuple[int, list[int]]:
@@ -87,15 +80,13 @@ def fake_world(world_size: int, rank: int = 0, *, device: Optional[str] = None) 
                              "distributed run")
     world = World(world_size, rank, device == "meta")
     hook = sys.excepthook  # init_process_group wraps it to prefix "[rankN]: ", and never unwraps it
-    torchapi.fake_process_group(world_size, rank)
-    _current.append(world)
+    fake_process_group(world_size, rank)
     try:
-        with torchapi.fsdp_on_meta() if world.meta else contextlib.nullcontext():
+        with fsdp_on_meta() if world.meta else contextlib.nullcontext():
             yield world
     finally:
-        _current.pop()
         torch.distributed.destroy_process_group()
-        torchapi.clear_dtensor_caches()  # they hold this group's subgroups, which the next world lacks
+        clear_dtensor_caches()  # they hold this group's subgroups, which the next world lacks
         sys.excepthook = hook
 
 

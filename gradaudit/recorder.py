@@ -33,7 +33,16 @@ from .records import NEEDED, AttentionCall, Leaf, Manager
 from .sites import _constructed, _user_frame, construction_site, short_path, user_source_line
 from .sites import noting_construction  # noqa: F401  (recorder.noting_construction, as before the move)
 from .tensors import flatten, iter_tensors, storage_key, tensor_attributes, unique
-from .torchapi import NO_SEQUENCE, node_scalars, raw_saved_slots, storage_id
+from .torchapi.autograd import (NO_SEQUENCE, called_from_autograd, caller_frame, manager_of, node_scalars,
+                                node_sequence_number, packed_by_checkpoint, pop_node_creation_hook,
+                                push_node_creation_hook, raw_saved_slots, sequence_number,
+                                top_saved_tensors_hooks)
+from .torchapi.checkpoint import (REENTRANT_CHECKPOINT_NODE, cached_tensors, checkpoint_arguments,
+                                  checkpoint_cache, checkpoint_placeholder, checkpoint_run_function,
+                                  reentrant_checkpoint_frames, saving_checkpoint_inputs)
+from .torchapi.distributed import local_of
+from .torchapi.kernels import sdp_backend_name
+from .torchapi.storages import storage_id
 
 _COPY_SLICES_REACH = 4  # nodes announced between an in-place-on-view save and its CopySlices
 
@@ -179,8 +188,8 @@ class AttentionCalls(TorchFunctionMode):
         if isinstance(query, torch.Tensor):
             try:
                 if choice is None:
-                    kernel = torchapi.sdp_backend_name(sdpa_backend(bound))
-                    without = (torchapi.sdp_backend_name(sdpa_backend(bound, dropout_p=0.0)) if bound["dropout_p"]
+                    kernel = sdp_backend_name(sdpa_backend(bound))
+                    without = (sdp_backend_name(sdpa_backend(bound, dropout_p=0.0)) if bound["dropout_p"]
                                else kernel)
                     choice = SdpaChoice(kernel, without, "cpu" if query.device.type == "meta" else query.device.type)
                 batch_heads_queries = query.numel() // query.shape[-1] if query.dim() else 0
@@ -191,10 +200,10 @@ class AttentionCalls(TorchFunctionMode):
                     causal=bool(bound["is_causal"]), device=choice.device, passed_over=choice.passed_over)
             except Exception:  # the choice cannot be asked for these arguments: say nothing
                 call = None
-        start = torchapi.sequence_number()
+        start = sequence_number()
         out = func(*args, **kwargs)
         if call is not None:
-            self.calls.append((start, torchapi.sequence_number(), call))
+            self.calls.append((start, sequence_number(), call))
             kept = {}  # one entry per storage (a packed qkv projection gives three views of one)
             for t in (bound["query"], bound["key"], bound["value"], out):
                 if isinstance(t, torch.Tensor) and t.layout == torch.strided:
@@ -231,7 +240,7 @@ class AttentionCalls(TorchFunctionMode):
             return
         for t in iter_tensors(out):
             if t.layout == torch.strided:
-                storage = torchapi.local_of(t).untyped_storage()
+                storage = local_of(t).untyped_storage()
                 self.gathered[storage_id(storage)] = (StorageWeakRef(storage), group)
 
     def call_of(self, sequence: int) -> Optional[AttentionCall]:
@@ -365,9 +374,9 @@ class Recorder:
         self.pack_functions.append(self.attention.current)
         if not self._node_hook_installed:
             self.pack_sites.append(self._site())
-        frame = torchapi.caller_frame(1)  # whoever autograd's pack call came from
-        if torchapi.saving_checkpoint_inputs(frame):
-            if torchapi.checkpoint_placeholder(frame, tensor):
+        frame = caller_frame(1)  # whoever autograd's pack call came from
+        if saving_checkpoint_inputs(frame):
+            if checkpoint_placeholder(frame, tensor):
                 self._placeholders.add(box.index)  # held by the checkpoint, 0 bytes, no input: not a save
             else:
                 self._note_checkpoint_input(box.index, frame)
@@ -384,13 +393,13 @@ class Recorder:
             stack = self.tracker.stack
             region = LiveRegion(reentrant=False, depth=len(stack), caller=stack[-1],
                                 source=user_source_line(frame, self._caller))
-            called = torchapi.checkpoint_arguments(frame)
+            called = checkpoint_arguments(frame)
             if called is not None:
                 args, kwargs = called
                 packed = {id(a) for a in args if isinstance(a, torch.Tensor)}  # these come as packs
                 region.kept = [t.detach() for t in unique(list(iter_tensors((args, kwargs))))
                                if id(t) not in packed]
-            region.cache = torchapi.checkpoint_cache(frame)
+            region.cache = checkpoint_cache(frame)
             self.regions.append(region)
         self._saving = (id(frame), (index, self._announced, self._entered), region)
         region.packs.append(index)
@@ -401,7 +410,7 @@ class Recorder:
         self._entered += 1
         if not torch.is_grad_enabled():
             # reentrant checkpointing runs the block under no_grad, inside CheckpointFunction.forward
-            for frame, ctx in torchapi.reentrant_checkpoint_frames(sys._getframe(1)):
+            for frame, ctx in reentrant_checkpoint_frames(sys._getframe(1)):
                 region = self._reentrant.get(id(ctx))
                 if region is None or region.ctx() is not ctx:
                     region = LiveRegion(reentrant=True, depth=len(stack), caller=stack[-1],
@@ -416,8 +425,8 @@ class Recorder:
         if region is None or len(stack) != region.depth:
             return
         # a non-reentrant region runs its block under checkpoint's own saved-tensor hooks
-        top = torchapi.top_saved_tensors_hooks()
-        if top is None or not torchapi.packed_by_checkpoint(top[0]):
+        top = top_saved_tensors_hooks()
+        if top is None or not packed_by_checkpoint(top[0]):
             return
         if region.hook is None:
             region.hook = id(top[0])
@@ -437,7 +446,7 @@ class Recorder:
         return NodeSite(path, cls, self._built.get(path))
 
     def _on_node(self, node: Any) -> None:
-        seq = torchapi.node_sequence_number(node)
+        seq = node_sequence_number(node)
         if seq != NO_SEQUENCE:
             self.node_sites[seq] = self._site_from(sys._getframe(0))
             if type(node).__name__ == "CopySlices":
@@ -459,18 +468,18 @@ class Recorder:
             self._watch_handles.append(modules[path].register_forward_hook(after, always_call=True))
         self.attention.__enter__()
         if torchapi.has("node creation hook"):
-            torchapi.push_node_creation_hook(torchapi.called_from_autograd(self._on_node), "the recorder")
+            push_node_creation_hook(called_from_autograd(self._on_node), "the recorder")
             self._node_hook_installed = True
         else:
             self.tracker.timeline = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(torchapi.called_from_autograd(self._pack),
-                                                              torchapi.called_from_autograd(self._unpack))
-        self.start_sequence = torchapi.sequence_number()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(called_from_autograd(self._pack),
+                                                              called_from_autograd(self._unpack))
+        self.start_sequence = sequence_number()
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.end_sequence = torchapi.sequence_number()
+        self.end_sequence = sequence_number()
         self._caller = None  # the caller's frame holds this recorder: no cycle left behind
         try:
             if self._hooks is not None:
@@ -480,7 +489,7 @@ class Recorder:
             # it noted, is freed as soon as the audit lets go of it, not by a garbage collection
             self._hooks = None
             if self._node_hook_installed:
-                torchapi.pop_node_creation_hook()
+                pop_node_creation_hook()
             self.attention.__exit__(*exc)
             self.tracker.__exit__(*exc)
             self.tracker.on_enter = None
@@ -521,7 +530,7 @@ class Recorder:
         by_sequence = {}
         for pos, live in enumerate(nodes):
             if live.name == "CopySlices" and live.node is not None:
-                by_sequence[torchapi.node_sequence_number(live.node)] = pos
+                by_sequence[node_sequence_number(live.node)] = pos
         announced = [position for position, _ in self._copy_slices]
         fallback = NodeSite("", type(self.model).__name__, None)
         for index, ref in enumerate(self._boxes):
@@ -566,7 +575,7 @@ class Recorder:
                 saves.append(LiveSave(-1, region.node_pos, f"inputs[{len(live.saves)}]", tensor,
                                       Manager.AUTOGRAD, live.site, verdict=NEEDED, reason=region.reason()))
                 live.saves.append(len(saves) - 1)
-            cached = torchapi.cached_tensors(region.cache) if region.cache is not None else []
+            cached = cached_tensors(region.cache) if region.cache is not None else []
             for k, tensor in enumerate(unique(cached)):
                 saves.append(LiveSave(-1, region.node_pos, f"cached[{k}]", tensor.detach(), Manager.AUTOGRAD,
                                       live.site, verdict=NEEDED, reason=region.cache_reason()))
@@ -584,7 +593,7 @@ class Recorder:
         if self._module_paths is None:
             self._module_paths = {id(m): (path, type(m).__name__) for path, m in self.model.named_modules()}
         paths = self._module_paths
-        direct, closure = _modules_named_by(torchapi.checkpoint_run_function(node))
+        direct, closure = _modules_named_by(checkpoint_run_function(node))
         region.run_modules = [paths[id(m)] for m in direct if id(m) in paths]
         region.closure_modules = [paths[id(m)] for m in closure if id(m) in paths]
         return region
@@ -624,7 +633,7 @@ class Recorder:
         while cursor < len(order):
             node = order[cursor]
             cursor += 1
-            seq = torchapi.node_sequence_number(node)
+            seq = node_sequence_number(node)
             created_here = seq == NO_SEQUENCE or self.start_sequence <= seq < self.end_sequence
             site = self.node_sites.get(seq)
             live = LiveNode(node=node, name=type(node).__name__, site=site or self._site_by_sequence(seq, created_here)
@@ -646,7 +655,7 @@ class Recorder:
                 continue
             live.scalars = node_scalars(node)
             region = None
-            if live.name == torchapi.REENTRANT_CHECKPOINT_NODE:
+            if live.name == REENTRANT_CHECKPOINT_NODE:
                 region = self._reentrant_region(node, live.site)
                 region.node_pos = cursor - 1
                 live.site = site = region.site()
@@ -667,7 +676,7 @@ class Recorder:
                     # saved while hooks were disabled: held plainly by autograd
                     tensor, managed, index = packed, Manager.AUTOGRAD, -1
                 else:
-                    managed = torchapi.manager_of(raw.unpack_hook)
+                    managed = manager_of(raw.unpack_hook)
                     tensor, index = None, -1
                     # save_on_cpu packs (device, tensor): the shape is readable without unpacking
                     if isinstance(packed, tuple) and packed and isinstance(packed[-1], torch.Tensor):

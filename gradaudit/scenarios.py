@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .errors import GradauditError
-from .torchapi import BATCH_NORM_BASE
+from .torchapi.modules import BATCH_NORM_BASE
 
 class ScenarioError(GradauditError, ValueError):
     """An unknown scenario name."""

@@ -13,7 +13,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from .torchapi import local_of, module_slots, sparse_coo_parts, storage_key
+from .torchapi.distributed import local_of
+from .torchapi.modules import module_slots
+from .torchapi.storages import sparse_coo_parts, storage_key
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 

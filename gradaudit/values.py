@@ -29,8 +29,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
-from . import torchapi
-from .torchapi import TorchDispatchMode, tree_map
+from .torchapi.dispatch import TorchDispatchMode, op_schema, tree_map, without_dispatch_modes
+from .torchapi.storages import storage_key, version_counter
 
 # a copy is kept for storages up to this many elements (a 4 x 4096 mask is 16,384; a causal 4-D mask
 # of 8 x 4096 x 4096 is 134M, and is never read)
@@ -65,7 +65,7 @@ class ValueRead:
 
 def _version(t: torch.Tensor) -> int:
     # inference-mode tensors keep no version counter (and cannot be written outside inference mode)
-    return -1 if t.is_inference() else torchapi.version_counter(t)
+    return -1 if t.is_inference() else version_counter(t)
 
 
 class _Copy:
@@ -82,7 +82,7 @@ class Values:
         self._copies: dict[int, _Copy] = {}
 
     def _entry(self, t: torch.Tensor) -> Optional[_Copy]:
-        entry = self._copies.get(torchapi.storage_key(t))
+        entry = self._copies.get(storage_key(t))
         if entry is None:
             return None
         if entry.meta.expired() or entry.version != _version(t):
@@ -117,17 +117,17 @@ class Values:
         view = torch.empty(0, dtype=meta.dtype, device="cpu").set_(copy, meta.storage_offset(), meta.size(), meta.stride())
         with torch.no_grad():
             view.copy_(cpu.detach())
-        self._copies[torchapi.storage_key(meta)] = _Copy(StorageWeakRef(storage), copy,
+        self._copies[storage_key(meta)] = _Copy(StorageWeakRef(storage), copy,
                                                          _version(meta))
 
     def written(self, meta: torch.Tensor) -> None:
         """``meta``'s storage was written and its copy followed: take its new version."""
-        entry = self._copies.get(torchapi.storage_key(meta))
+        entry = self._copies.get(storage_key(meta))
         if entry is not None:
             entry.version = _version(meta)
 
     def forget(self, meta: torch.Tensor) -> None:
-        self._copies.pop(torchapi.storage_key(meta), None)
+        self._copies.pop(storage_key(meta), None)
 
     def prune(self) -> None:
         for key in [k for k, entry in self._copies.items() if entry.meta.expired()]:
@@ -337,7 +337,7 @@ def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tenso
     mutable = _MUTABLE.get(func)
     if mutable is None:
         mutable = _MUTABLE[func] = tuple(
-            (i, argument.name) for i, argument in enumerate(torchapi.op_schema(func).arguments)
+            (i, argument.name) for i, argument in enumerate(op_schema(func).arguments)
             if argument.alias_info is not None and argument.alias_info.is_write)
     written = []
     for i, name in mutable:
@@ -372,7 +372,7 @@ class LiteralsOnMeta(TorchFunctionMode):
                 cpu_kwargs = dict(kwargs, device="cpu")
                 cpu_kwargs.pop("requires_grad", None)
                 # the copy is gradaudit's bookkeeping: no storage tracker may count it
-                with torchapi.without_dispatch_modes():
+                with without_dispatch_modes():
                     try:
                         cpu = func(*args, **cpu_kwargs)
                     except Exception:  # noqa: BLE001  (stays unknown)
@@ -400,7 +400,7 @@ def to_meta(inputs: Any, values: Values = VALUES) -> Any:
             return moved[id(t)]
         meta = None
         if t.layout == torch.strided and not t.requires_grad:
-            storage, key = t.untyped_storage(), torchapi.storage_key(t)
+            storage, key = t.untyped_storage(), storage_key(t)
             base = bases.get(key)
             if base is None:
                 base = bases[key] = torch.empty(storage.nbytes(), dtype=torch.uint8, device="meta")

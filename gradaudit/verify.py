@@ -35,12 +35,14 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch.autograd.graph import GradientEdge
 
-from . import torchapi
 from .errors import GradauditError
 from .recorder import CHECKPOINT_INPUTS, Packed, Recording
 from .tensors import storage_span
 from .knowledge import declaration
 from .records import FREE_KINDS, NEEDED, NOT_NEEDED, SIGN_ONLY, UNKNOWN, Disagreement, GraphNode, SavedTensor
+from .torchapi.autograd import input_metadata, is_custom_function, raw_saved_slots
+from .torchapi.checkpoint import REENTRANT_CHECKPOINT_NODE
+from .torchapi.storages import version_counter
 
 # Storage kinds whose memory does not depend on autograd: proving their saves cannot change a byte.
 SEED = 20240917
@@ -130,11 +132,11 @@ class Pools:
         return self.get(kind, dtype, device, numel + offset)[offset:offset + numel].view(tuple(shape))
 
     def versions(self) -> list[tuple[torch.Tensor, int]]:
-        return [(b, torchapi.version_counter(b)) for b in [*self.buffers.values(), *self.retired]]
+        return [(b, version_counter(b)) for b in [*self.buffers.values(), *self.retired]]
 
     def check(self, before: list[tuple[torch.Tensor, int]]) -> None:
         """Raise when a call wrote into any buffer (views share their base's version counter)."""
-        if any(torchapi.version_counter(b) != version for b, version in before):
+        if any(version_counter(b) != version for b, version in before):
             self.buffers.clear()
             self.retired.clear()
             raise _PoolsTouched()
@@ -198,13 +200,13 @@ class NodeCall:
                  narrowing: Optional["Narrowing"] = None) -> None:
         self.node = node
         self.narrowing = narrowing if narrowing is not None else Narrowing()
-        self.custom = torchapi.is_custom_function(node)
+        self.custom = is_custom_function(node)
         self.pools = pools
         # a user's backward may modify its incoming gradient in place: it gets copies, as does
         # any node once it was seen writing into the shared pools
         self.copies = fresh or self.custom
         grads: list[Optional[torch.Tensor]] = []
-        for i, meta in enumerate(torchapi.input_metadata(node)):
+        for i, meta in enumerate(input_metadata(node)):
             if i not in consumed or not _floating(meta.dtype) or meta.is_nested_tensor:
                 grads.append(None)  # nothing downstream sends a gradient for this output
                 continue
@@ -364,7 +366,7 @@ def _consumed_outputs(recording: Recording) -> dict[int, set[int]]:
 def _boxes_of(node: Any) -> Optional[dict[int, Packed]]:
     """Our boxes by record index; None when the node also holds saves someone else packed."""
     boxes: dict[int, Packed] = {}
-    for _, raw in torchapi.raw_saved_slots(node):
+    for _, raw in raw_saved_slots(node):
         packed = raw.data
         if isinstance(packed, Packed):
             boxes[packed.index] = packed
@@ -444,7 +446,7 @@ class Prover:
                                            "that could be called on its own")
         if live.node is None or not live.created_here:
             return self._unproven(indices, "its node cannot be called on its own")
-        if live.name == torchapi.REENTRANT_CHECKPOINT_NODE:
+        if live.name == REENTRANT_CHECKPOINT_NODE:
             # calling it reruns the checkpointed block (its modules, their hooks, batch norm's
             # running statistics): its inputs keep the verdict of what holds them
             return self._unproven(indices, "calling its node would recompute the checkpointed block")

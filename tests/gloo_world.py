@@ -241,7 +241,7 @@ def fake_rank(rank: int, world_size: int) -> Iterator[None]:
 
 
 def _clear_dtensor_caches() -> None:
-    from gradaudit.torchapi import clear_dtensor_caches  # (the caches, not a measurement: shared)
+    from gradaudit.torchapi.distributed import clear_dtensor_caches  # (the caches, not a measurement: shared)
 
     clear_dtensor_caches()
 

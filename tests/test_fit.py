@@ -528,3 +528,79 @@ def test_a_batch_sharing_storage_is_fitted_on_meta_as_on_the_cpu(tiny_hf_model, 
     on_meta = gradaudit.fit(meta, batch, memory="1GiB", optimizer="adamw")
     assert on_cpu.breakdown["inputs"] == on_meta.breakdown["inputs"] == 2 * 16 * 8
     assert on_meta.peak_bytes == on_cpu.peak_bytes and on_meta.breakdown == on_cpu.breakdown
+
+
+def _qwen2_on_meta(transformers, kind: str):
+    """A 4-layer Qwen2 (tied embeddings, grouped-query attention) built on meta as users fine-tune
+    one: fp32, bf16 weights, or LoRA (r=4 on q/v) over fp32."""
+    config = transformers.Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      use_cache=False, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = transformers.Qwen2ForCausalLM(config).train()
+    if kind == "bf16":
+        model = model.to(torch.bfloat16)
+    if kind == "lora":
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "lora"])
+def test_under_cuda_autocast_on_meta_a_checkpoint_remedy_recomputes_under_the_same_autocast(transformers, kind):
+    # fit --target cuda --autocast bf16 crashed in the remedy search: torch.utils.checkpoint records the
+    # autocast state of the device its tensors are on, "meta", and its recomputation in backward ran
+    # in fp32 what the forward had saved in bf16 (CheckpointError). Found, applied and measured again.
+    model = _qwen2_on_meta(transformers, kind)
+    batch = padded_batch(1000, sequence=128)
+    options = dict(target="cuda", autocast=torch.bfloat16, optimizer=torch.optim.AdamW)
+    plain = gradaudit.fit(model, batch, memory="1GiB", **options)
+    fitted = gradaudit.fit(model, batch, memory=plain.peak_bytes - 1, **options)
+    remedy = fitted.remedy
+    assert remedy is not None and remedy.checkpointed and remedy.peak_bytes < plain.peak_bytes
+    with remedy.apply(model):
+        applied = gradaudit.fit(model, batch, memory=plain.peak_bytes - 1, **options)
+    assert applied.fits and applied.peak_bytes == remedy.peak_bytes
+    assert applied.breakdown["activations"] < plain.breakdown["activations"]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_block_on_meta_for_cuda_is_recomputed_under_the_forwards_autocast(reentrant):
+    from gradaudit.meta import standing_for
+    from torch.utils.checkpoint import checkpoint
+
+    layer = nn.Linear(8, 8, device="meta")
+    x = torch.randn(4, 8, device="meta", requires_grad=True)
+    runs = []
+
+    def block(t):
+        out = layer(t)
+        runs.append(out.dtype)
+        return out.relu()
+
+    with standing_for("cuda"):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = checkpoint(block, x, use_reentrant=reentrant)
+        assert y.dtype == torch.bfloat16
+        y.float().sum().backward()  # outside the autocast region, as a training loop calls it
+    assert runs == [torch.bfloat16, torch.bfloat16]  # the forward's and the recomputation's
+    assert x.grad.dtype == torch.float32 and x.grad.shape == (4, 8)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_model_that_checkpoints_itself_is_fitted_on_meta_as_on_the_cpu_with_and_without_autocast(
+        transformers, reentrant):
+    # on meta its blocks' recomputation ran without the emulation of the target (kernel choices,
+    # autocast): a non-reentrant checkpoint raised CheckpointError, a reentrant one recomputed other ops
+    config = transformers.Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    on_meta = copy.deepcopy(model).to("meta")
+    batch = padded_batch(1000, sequence=64)
+    for autocast in (None, torch.bfloat16):
+        measured = measured_step_peak(model, batch, torch.optim.AdamW, hf_loss, autocast=autocast)
+        for fitted in (model, on_meta):
+            assert gradaudit.fit(fitted, batch, memory="1GiB", optimizer=torch.optim.AdamW,
+                                 autocast=autocast).peak_bytes == measured, (fitted.device, autocast)

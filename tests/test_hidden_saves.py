@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradaudit
-from gradaudit import torchapi
 from gradaudit.knowledge import Read, declarations, hidden_by
 from gradaudit.knowledge.registry import forget
 from gradaudit.measure import held_bytes_after_forward
 from gradaudit.records import NEEDED, SIGN_ONLY, UNKNOWN
+from gradaudit.torchapi.autograd import node_scalars, raw_saved_slots
 
 
 def _mask_of(v):
@@ -118,11 +118,11 @@ def test_the_function_makes_the_declared_node(function):
         nodes.extend(fn for fn, _ in node.next_functions if fn is not None)
     assert found is not None, (function, sorted(hidden))
     inner, attrs = hidden[type(found).__name__]
-    slots = [(attr.split("[")[0], raw.data is not None) for attr, raw in torchapi.raw_saved_slots(found)]
+    slots = [(attr.split("[")[0], raw.data is not None) for attr, raw in raw_saved_slots(found)]
     assert set(attrs) <= {attr for attr, _ in slots}  # the node type has each declared attribute ...
     assert {attr for attr, made in slots if made} & set(attrs)  # ... and this call saved one of them
     if inner.when:
-        assert inner.matches(torchapi.node_scalars(found))
+        assert inner.matches(node_scalars(found))
 
 
 @pytest.mark.parametrize("function", sorted(CASES))

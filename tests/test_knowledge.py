@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradaudit
-from gradaudit import torchapi
 from gradaudit.knowledge import Bit, Read, Reads, declaration, declarations, declared_ops
 from gradaudit.knowledge.registry import forget
 from gradaudit.records import NEEDED, NOT_NEEDED, SIGN_ONLY, UNKNOWN
 from gradaudit.rules import all_rules
+from gradaudit.torchapi.autograd import node_type_exists
 
 
 def _float(*shape):
@@ -260,9 +260,9 @@ def _patterns(case):
 def test_every_declared_node_type_exists_in_the_installed_torch():
     # a library's Function makes its node when it runs: its generated case checks that it does
     libraries = {v.name for v in declarations() if v.library}
-    missing = [name for name in declared_ops() if name not in libraries and not torchapi.node_type_exists(name)]
+    missing = [name for name in declared_ops() if name not in libraries and not node_type_exists(name)]
     assert not missing, f"declared but not a node type of torch {torch.__version__}: {missing}"
-    assert libraries <= set(CASES) and not libraries & {name for name in declared_ops() if torchapi.node_type_exists(name)}
+    assert libraries <= set(CASES) and not libraries & {name for name in declared_ops() if node_type_exists(name)}
 
 
 def test_every_declared_node_type_has_a_generated_case():

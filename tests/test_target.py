@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradaudit
-from gradaudit import GradauditError, cuda_choices, torchapi
+from gradaudit import GradauditError, cuda_choices
 from gradaudit.cuda_choices import Gpu, SdpaCall
 from gradaudit.meta import CudaKernelChoices
 from gradaudit.records import NEEDED, NOT_NEEDED, UNKNOWN
 from gradaudit.report import jsonout, text
+from gradaudit.torchapi.storages import storage_key
 
 BATCH = (2, 3, 64, 64)
 # ResNet-18's 20 batch norms: bn1 (64), layer1 4 x 64, layer2 4 x 128 and its downsample's 128,
@@ -174,9 +175,9 @@ def test_cudnn_saves_the_input_in_its_suggested_memory_format():
     transposed = _meta(2, 3, 8, 8).transpose(2, 3)
     with CudaKernelChoices():
         kept, copied = bn(channels_last).grad_fn._saved_input, bn(transposed).grad_fn._saved_input
-    assert torchapi.storage_key(kept) == torchapi.storage_key(channels_last)
+    assert storage_key(kept) == storage_key(channels_last)
     assert kept.is_contiguous(memory_format=torch.channels_last)
-    assert torchapi.storage_key(copied) != torchapi.storage_key(transposed) and copied.is_contiguous()
+    assert storage_key(copied) != storage_key(transposed) and copied.is_contiguous()
 
 
 class _CudaAutocastNet(nn.Module):
@@ -505,7 +506,7 @@ def test_math_with_dropout_is_the_composite_with_cudas_dropout(dtype, mask, caus
     composite = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=0.25, is_causal=causal,
                                                scale=scale, enable_gqa=gqa)
     fused = graph(cuda_choices.run(call, "math"))
-    monkeypatch.setattr(torchapi, "native_dropout", lambda x, p: torch.dropout(x, p, True))
+    monkeypatch.setattr(cuda_choices, "native_dropout", lambda x, p: torch.dropout(x, p, True))
     assert graph(cuda_choices.run(call, "math")) == graph(composite)
     differs = [(a, b) for a, b in zip(fused, graph(composite)) if a != b]
     (((cuda_node, cuda_saves), (meta_node, meta_saves)),) = differs

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import GradauditError
 from ..tensors import iter_tensors
-from ..torchapi import tree_map
+from ..torchapi.dispatch import tree_map
 
 DIMENSIONS = {"batch": 0, "seq": 1}
 MOST_STEPS = 24  # measurements before giving up on the neighbours' walk

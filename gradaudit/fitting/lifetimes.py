@@ -15,8 +15,10 @@ import torch
 
 from ..measure import op_leaves
 from ..tensors import strided_parts
-from ..torchapi import TorchDispatchMode, fsdp_storage_events, overload_packet, storage_id
 from .workspaces import GemmCount, is_gemm, uses_cublaslt
+from ..torchapi.dispatch import TorchDispatchMode, overload_packet
+from ..torchapi.fsdp import fsdp_storage_events
+from ..torchapi.storages import storage_id
 
 
 @dataclass

@@ -28,10 +28,11 @@ from torch import nn
 
 from ..errors import ForwardError, GradauditError, NothingRequiresGradError
 from ..tensors import iter_tensors, split_inputs, storage_key, strided_parts, unique
-from .. import torchapi
 from . import optimizers
 from .lifetimes import Life, Lifetimes
 from .workspaces import GemmCount, workspaces
+from ..torchapi.distributed import local_of
+from ..torchapi.optimizers import fused_optimizers_on_meta
 
 PARAMETERS, BUFFERS, INPUTS, STATE = "parameters", "buffers", "inputs", "optimizer_state"
 GRADIENTS, ACTIVATIONS, TEMPORARIES = "gradients", "activations", "temporaries"
@@ -133,7 +134,7 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
         # every gradient is the step's (an input's too); the optimizer takes those of what it steps
         layouts = [(p, gradients[id(p)]) for p in trains if id(p) in gradients]
         carried = [life for life in lifetimes.lives if life.died is None]
-        key = tuple((id(p), tuple(torchapi.local_of(g).shape), torchapi.local_of(g).stride(), g.dtype) for p, g in layouts)
+        key = tuple((id(p), tuple(local_of(g).shape), local_of(g).stride(), g.dtype) for p, g in layouts)
         if memo is None or key not in memo:
             found = _optimizer_step(model, trains, layouts, builder, optimizer_name, target)
             if memo is not None:
@@ -222,7 +223,6 @@ def _optimizer_step(model: nn.Module, trains: Sequence[torch.Tensor], layouts: S
     step made, the sizes of its state, the step's samples). A first step makes the state; the
     second is followed."""
     stand_in = {}
-    local_of = torchapi.local_of  # a DTensor (FSDP2, tensor parallel): this rank's shard is what it steps
     for p in [*model.parameters(), *trains]:
         if id(p) not in stand_in:
             shard = local_of(p)
@@ -240,7 +240,7 @@ def _optimizer_step(model: nn.Module, trains: Sequence[torch.Tensor], layouts: S
         else:
             grads.append((stand, torch.empty_strided(shard.shape, shard.stride(), dtype=g.dtype, device="meta")))
     # fused=True: the stand-ins are meta tensors, which torch.optim's device check leaves out
-    with torchapi.fused_optimizers_on_meta():
+    with fused_optimizers_on_meta():
         optimizer = optimizers.build(builder, optimizers.stand_in_groups(builder, trains, stand_in), name)
         notes = optimizers.target_defaults(optimizer, target)
         if placed:

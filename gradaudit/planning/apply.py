@@ -35,9 +35,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import flop_registry
 
-from .. import torchapi
 from ..errors import GradauditError
 from ..tensors import flatten
+from ..torchapi.checkpoint import KEEP_CHECKPOINTING
+from ..torchapi.dispatch import function_modes, function_modes_entered, overload_packet
+from ..torchapi.modules import BATCH_NORM
 
 _PLANNED: "weakref.WeakKeyDictionary[nn.Module, PlanHandle]" = weakref.WeakKeyDictionary()
 
@@ -60,7 +62,7 @@ def kept_by_selective(op: Any) -> bool:
     """Whether a selective checkpoint keeps the output of ``op`` (an overload or its packet): the
     ops torch.utils.flop_counter has a FLOP formula for (matrix products, convolutions,
     attention) and batch norm's."""
-    packet = torchapi.overload_packet(op)
+    packet = overload_packet(op)
     return packet in flop_registry or packet in _NORM_OPS
 
 
@@ -140,7 +142,7 @@ def _counts_aside(counters: list[tuple[nn.Module, torch.Tensor]]) -> Iterator[No
 
 def _checkpointed(module: nn.Module, forward: Callable[..., Any], policy: str,
                   caches: Optional[list[Any]]) -> Callable[..., Any]:
-    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    norms = [m for m in module.modules() if isinstance(m, BATCH_NORM)]
     context_fn = _context_fn(policy, caches)
     options = {"context_fn": context_fn} if context_fn is not None else {}
     if options and _HOOKS_CHOICE:
@@ -183,17 +185,17 @@ def recomputed_as_run(run: Callable[..., Any], rerun: Optional[Callable[..., Any
     (kernel choices, autocast, literals' values: backward, called through torch.autograd.backward, runs
     with the function mode stack set aside; torch restores autocast and the device itself, not such
     modes). Marked as gradaudit's own checkpoint, kept where the model's are turned off."""
-    modes = [m for m in torchapi.function_modes() if getattr(m, "reenter_on_recompute", False)]
+    modes = [m for m in function_modes() if getattr(m, "reenter_on_recompute", False)]
     calls = [0]
 
     def checkpointed(*inputs: Any) -> Any:
         calls[0] += 1
         if calls[0] == 1:
             return run(*inputs)
-        with torchapi.function_modes_entered(modes):
+        with function_modes_entered(modes):
             return (rerun or run)(*inputs)
 
-    setattr(checkpointed, torchapi.KEEP_CHECKPOINTING, True)
+    setattr(checkpointed, KEEP_CHECKPOINTING, True)
     return checkpointed
 
 

@@ -16,13 +16,13 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
-from .. import torchapi
 from ..accounting import Accountant, counted, packed_bits_nbytes
 from ..recorder import CHECKPOINT_INPUTS
 from ..records import HELD_KINDS, NOT_NEEDED, StorageKind
 from .apply import SELECTIVE_POLICY, PlanHandle
 from .candidates import inside
 from .solve import Block, Chain
+from ..torchapi.checkpoint import mutated_cached
 
 WHOLE = "whole"  # a save that holds its whole storage (see saves_as_trimmed)
 
@@ -107,7 +107,7 @@ def audited_with(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, tar
     with PlanHandle(model, tuple(checkpointed), policies=checkpointed, keep_caches=True, trim=bitpack) as handle:
         report = audit(model, inputs, trainable=trainable, frozen=frozen, watch=watch, target=target)
         mutated = {path for path, caches in handle.caches.items()
-                   if any(torchapi.mutated_cached(cache) for cache in caches)}
+                   if any(mutated_cached(cache) for cache in caches)}
     return report, mutated
 
 

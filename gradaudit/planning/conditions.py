@@ -10,10 +10,10 @@ from typing import Any, Iterator, Optional, Sequence
 
 from torch import nn
 
-from .. import torchapi
 from ..errors import GradauditError
 from ..recorder import CHECKPOINT_INPUTS
 from ..records import Manager
+from ..torchapi.checkpoint import REENTRANT_CHECKPOINT_NODE, checkpointing_off
 
 
 @contextlib.contextmanager
@@ -94,7 +94,7 @@ def checkpointing_off_call(model: nn.Module) -> str:
 def checkpointed_now(report: Any) -> list[str]:
     """The modules the audited forward checkpointed itself (torch.utils.checkpoint regions)."""
     regions = {n.module or "the model" for n in report.nodes
-               if n.name in (CHECKPOINT_INPUTS, torchapi.REENTRANT_CHECKPOINT_NODE)}
+               if n.name in (CHECKPOINT_INPUTS, REENTRANT_CHECKPOINT_NODE)}
     if not regions and any(t.managed_by == Manager.CHECKPOINT for t in report.tensors):
         regions.add("the model")
     return sorted(regions)
@@ -103,7 +103,7 @@ def checkpointed_now(report: Any) -> list[str]:
 def own_checkpointing_off(now: Sequence[str]) -> Any:
     """The model's own checkpointing turned off while in force, where it has some (``now``:
     ``checkpointed_now``): the planner's runs measure the model as the plan would leave it."""
-    return torchapi.checkpointing_off() if now else contextlib.nullcontext()
+    return checkpointing_off() if now else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

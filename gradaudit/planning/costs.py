@@ -13,9 +13,9 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .. import torchapi
 from .apply import kept_by_selective
 from .conditions import as_audited
+from ..torchapi.dispatch import first_overload_schema
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def _writes_nothing(op: Any) -> bool:
     """Whether ``op`` (an overload packet) makes no new elements: a view or an allocation only."""
     if op in _NO_WORK:
         return True
-    schema = torchapi.first_overload_schema(op)
+    schema = first_overload_schema(op)
     if schema is None:
         return False
     return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)

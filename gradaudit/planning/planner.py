@@ -28,6 +28,7 @@ from .frontier import Frontier
 from .peaks import PeakProbes
 from .result import Baseline, Plan, budget_error, parse_budget
 from .solve import Chain, solve
+from ..torchapi.checkpoint import checkpointing_off
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ def _audit(run: _Run, paths: Sequence[str], bitpack: Optional[bool], say: Callab
     # plan from what the model holds without its own checkpointing (which the plan replaces)
     current_held = held_by_report(report, bitpack)
     say("auditing the forward without the model's own checkpointing")
-    with torchapi.checkpointing_off():
+    with checkpointing_off():
         report = audit(run.model, run.inputs, trainable=run.trainable, frozen=run.frozen, watch=paths,
                        target=run.target)
     if checkpointed_now(report):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .. import torchapi
 from ..knowledge import declaration, declared_ops, scalars_read
 from ..records import NOT_NEEDED
 from ..tensors import dtype_name
 from .codec import PACKERS, scaled_mask
+from ..torchapi.autograd import is_custom_function, node_scalars, slot_names
 
 class NodeKind:
     """What deciding needs about one autograd node type, found once per type."""
@@ -20,8 +20,8 @@ class NodeKind:
         self.name = type(node).__name__
         # (attribute, getter) per tensor slot; None for custom Functions (their own listing)
         self.slots: Optional[tuple[str, ...]] = None
-        if not torchapi.is_custom_function(node):
-            self.slots = torchapi.slot_names(node)[0]
+        if not is_custom_function(node):
+            self.slots = slot_names(node)[0]
         self.declared = self.name in _declared_names()
         # reading every scalar of every node costs more than the rest of a decision: read only
         # those the op knowledge chooses its variants by
@@ -52,7 +52,7 @@ def plan_for(kind: NodeKind, node: Any, module: tuple[str, str], boxes: list[tup
     the node type, the scalars its variants are chosen by, its edge mask, the module's class and
     the saves' attributes and dtypes.
     """
-    scalars = torchapi.node_scalars(node, kind.scalars) if kind.scalars else {}
+    scalars = node_scalars(node, kind.scalars) if kind.scalars else {}
     key = (module[1], tuple([fn is not None for fn, _ in node.next_functions]),
            tuple([(k, tuple(v) if type(v) is list else v) for k, v in scalars.items()]),
            tuple([(attr, box.dtype) for attr, box in boxes]))

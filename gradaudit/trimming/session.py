@@ -16,6 +16,12 @@ from ..module_tracker import ModuleTracker
 from ..tensors import iter_tensors, storage_key
 from .codec import Packer, contiguous_strides, dense, unfilled_strided, unpack_bits
 from .plan import KEEP, kind_of, plan_for
+from ..torchapi.autograd import (NO_SEQUENCE, called_from_autograd, caller_frame, in_backward,
+                                 node_sequence_number, packed_by_checkpoint, pop_node_creation_hook,
+                                 push_node_creation_hook, raw_saved_slots, raw_slot,
+                                 saved_tensors_hooks_enabled, sequence_number, top_saved_tensors_hooks)
+from ..torchapi.checkpoint import saving_checkpoint_inputs
+from ..torchapi.storages import storage_id, version_counter
 
 _KEPT, _DROPPED, _PACKED = 0, 1, 2
 
@@ -34,7 +40,7 @@ class Box:
         self.shape = tensor.shape
         self.dtype = tensor.dtype
         self.device = tensor.device
-        self.version = torchapi.version_counter(tensor)
+        self.version = version_counter(tensor)
         # read when the box is dropped or packed (the tensor is still at hand then), except behind
         # an outer hook, whose packed object is not the tensor
         self.stride: tuple[int, ...] = () if outer_unpack is None or session is None else tensor.stride()
@@ -47,7 +53,7 @@ class Box:
 def unpack(box: Box) -> torch.Tensor:
     if box.state == _KEPT:
         return box.payload if box.outer_unpack is None else box.outer_unpack(box.payload)
-    if torch.is_grad_enabled() and torchapi.in_backward():
+    if torch.is_grad_enabled() and in_backward():
         # backward(create_graph=True) differentiates the backward formulas themselves, which may
         # read values the first-order backward never reads
         raise GradauditError(
@@ -118,7 +124,7 @@ class Session:
         # slot -> box -> tensor through C++, and a graph dropped without backward would never be
         # freed (see Recorder._pack)
         box = Box(owner, tensor.detach(), tensor, None, self.stack[-1])
-        if owner is self and torchapi.saving_checkpoint_inputs(torchapi.caller_frame(1)):
+        if owner is self and saving_checkpoint_inputs(caller_frame(1)):
             # a non-reentrant checkpoint saving its region's inputs (a plan's, or the model's own):
             # held until backward recomputes the region, on no node, so no decision ever sees it.
             # It keeps the tensor: bit-packing another save of that storage would free nothing
@@ -135,8 +141,8 @@ class Session:
         todo = [t.grad_fn for t in iter_tensors(values) if t.grad_fn is not None]
         while todo:
             node = todo.pop()
-            number = torchapi.node_sequence_number(node)
-            if number < first or number == torchapi.NO_SEQUENCE or number in walked:
+            number = node_sequence_number(node)
+            if number < first or number == NO_SEQUENCE or number in walked:
                 continue
             walked.add(number)
             self.pending.append((node, None))  # the module: its saves' (see decide)
@@ -148,16 +154,16 @@ class Session:
             return
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return
-        if not torchapi.saved_tensors_hooks_enabled():
+        if not saved_tensors_hooks_enabled():
             raise GradauditError(
                 "gradaudit.trim cannot work here: saved-tensor hooks are disabled around this forward "
                 "(torch.compile and some distributed wrappers do this). Remove the trim handle")
-        top = torchapi.top_saved_tensors_hooks()
+        top = top_saved_tensors_hooks()
         if top is not None:
             owner = getattr(top[0], "__self__", None)
             home = getattr(top[0], "__module__", "") or ""
             if isinstance(owner, Session) or home.startswith("gradaudit.") or \
-                    torchapi.packed_by_checkpoint(top[0]):
+                    packed_by_checkpoint(top[0]):
                 # another trim session covers this forward, gradaudit is auditing it, or
                 # checkpoint holds nothing here and needs every pack it counted
                 return
@@ -175,14 +181,14 @@ class Session:
         self.waiting = []
         self.modules.reset()
         self.walked = set()
-        self.first_sequence = torchapi.sequence_number()
+        self.first_sequence = sequence_number()
         self.active = True
         self.depth = 0
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(torchapi.called_from_autograd(self.pack),
-                                                             torchapi.called_from_autograd(unpack))
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(called_from_autograd(self.pack),
+                                                             called_from_autograd(unpack))
         self.hooks.__enter__()
         if self.node_hook:
-            torchapi.push_node_creation_hook(torchapi.called_from_autograd(self.on_node), "gradaudit.trim")
+            push_node_creation_hook(called_from_autograd(self.on_node), "gradaudit.trim")
 
     def end(self, output: Any = None) -> None:
         if not self.active:
@@ -197,7 +203,7 @@ class Session:
         finally:
             self.active = False
             if self.node_hook:
-                torchapi.pop_node_creation_hook()
+                pop_node_creation_hook()
             hooks, self.hooks = self.hooks, None
             hooks.__exit__(None, None, None)
             self.kept = {}
@@ -240,11 +246,11 @@ class Session:
         kind = kind_of(node)
         boxes = []
         if kind.slots is None:
-            slots = torchapi.raw_saved_slots(node)
+            slots = raw_saved_slots(node)
         else:
             slots = []
             for attr in kind.slots:
-                raw = torchapi.raw_slot(node, attr)
+                raw = raw_slot(node, attr)
                 if raw is None:
                     continue
                 if type(raw) is list or type(raw) is tuple:
@@ -290,7 +296,7 @@ class Session:
         if not self.bitpack or box.outer_unpack is not None:
             return False
         tensor = box.payload
-        if not tensor.is_floating_point() or torchapi.version_counter(tensor) != box.version:
+        if not tensor.is_floating_point() or version_counter(tensor) != box.version:
             return False  # modified in place since it was saved: leave it as autograd would
         key = storage_key(tensor)
         if key in self.protected:
@@ -305,7 +311,7 @@ class Session:
             return
         tensor = box.payload
         storage = tensor.untyped_storage()
-        key = torchapi.storage_id(storage)
+        key = storage_id(storage)
         if key in self.protected:
             return  # parameters are never bit-packed: nothing to give back
         self.kept[key] = weakref.ref(box)
@@ -317,7 +323,7 @@ class Session:
         for ref in use.boxes:
             packed_box = ref()
             if packed_box is not None and packed_box.state == _PACKED \
-                    and torchapi.version_counter(tensor) == packed_box.version:
+                    and version_counter(tensor) == packed_box.version:
                 view = torch.empty((0,), dtype=packed_box.dtype, device=packed_box.device)
                 view.set_(storage, packed_box.offset, packed_box.shape, packed_box.stride)
                 packed_box.payload, packed_box.state = view, _KEPT
@@ -333,9 +339,9 @@ class Session:
         bits, box.scale = found
         box.stride, box.offset = tensor.stride(), tensor.storage_offset()
         storage = tensor.untyped_storage()
-        use = self.packed.get(torchapi.storage_id(storage))
+        use = self.packed.get(storage_id(storage))
         if use is None or use.ref.expired():
-            use = self.packed[torchapi.storage_id(storage)] = _PackedUse(StorageWeakRef(storage))
+            use = self.packed[storage_id(storage)] = _PackedUse(StorageWeakRef(storage))
         use.boxes.append(weakref.ref(box))
         box.payload, box.state = bits, _PACKED
         self.stats["bitpacked"] += 1

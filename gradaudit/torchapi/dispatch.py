@@ -1,0 +1,61 @@
+"""Dispatch and function modes, operator overloads and their schemas, pytrees."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (the storage trackers' base)
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass  # noqa: F401  (measure's wrappers)
+from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401
+
+
+def without_dispatch_modes() -> Any:
+    """A context in which no TorchDispatchMode sees the ops run (gradaudit's own bookkeeping tensors,
+    which storage trackers must not count)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def function_modes() -> list[Any]:
+    """The TorchFunctionModes in force, outermost first."""
+    return list(torch.overrides._get_current_function_mode_stack())
+
+
+@contextlib.contextmanager
+def function_modes_entered(modes: Sequence[Any]) -> Iterator[None]:
+    """Enter those of ``modes`` not in force now, in order (a torch function being handled runs with
+    the mode stack set aside: a backward called through ``torch.autograd.backward`` does)."""
+    active = {id(m) for m in function_modes()}
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            if id(mode) not in active:
+                stack.enter_context(mode)
+        yield
+
+
+def op_namespaces() -> tuple[Any, ...]:
+    """torch's C namespaces of functions (F's builtins, the _VF ops) as a TorchFunctionMode gets them."""
+    return tuple(space for space in (getattr(torch._C, "_nn", None), getattr(torch._C, "_VariableFunctions", None))
+                 if space is not None)
+
+
+def overload_packet(op: Any) -> Any:
+    """The overload packet of an operator overload (``aten.mm.default`` -> ``aten.mm``); a packet as it is."""
+    return getattr(op, "_overloadpacket", op)
+
+
+def op_schema(op: Any) -> Any:
+    """An operator overload's schema (its arguments' alias information says which it writes)."""
+    return op._schema
+
+
+def first_overload_schema(packet: Any) -> Optional[Any]:
+    """The schema of an overload packet's first overload (its ``returns`` say which alias an input);
+    None where the packet has no overload or schema to read."""
+    try:
+        return getattr(packet, packet.overloads()[0])._schema
+    except (AttributeError, IndexError, RuntimeError):
+        return None
