@@ -810,7 +810,8 @@ _AUTOCAST_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16
 
 def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: Optional[str],
             autocast: Optional[str], remedy: bool, largest: Optional[str] = None,
-            html_path: Optional[str] = None, memory_viz_path: Optional[str] = None) -> int:
+            html_path: Optional[str] = None, memory_viz_path: Optional[str] = None, accumulation: int = 1,
+            headroom_text: Optional[str] = None) -> int:
     import torch
 
     from . import loading
@@ -826,6 +827,7 @@ def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: O
     if memory_viz_path:
         _check_writable(memory_viz_path, "--memory-viz")
     memory = loading.parse_size(memory_text)
+    headroom = loading.parse_size(headroom_text) if headroom_text is not None else None
     loss = loading.load_object(loss_spec) if loss_spec else None
     if loss is not None and not callable(loss):
         raise ScanFailed(f"--loss {loss_spec} is not callable: give module:function taking the model's output")
@@ -835,8 +837,8 @@ def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: O
     result = fit(model, inputs, memory=memory, optimizer=optimizer, loss=loss,
                  trainable=list(options.trainable) if options.trainable else None, frozen=list(options.freeze),
                  target=options.target if where == "meta" else None,
-                 autocast=getattr(torch, _AUTOCAST_DTYPES[autocast]) if autocast else None, remedy=remedy,
-                 progress=options.progress)
+                 autocast=getattr(torch, _AUTOCAST_DTYPES[autocast]) if autocast else None,
+                 accumulation=accumulation, headroom=headroom, remedy=remedy, progress=options.progress)
     found = None
     if largest:
         options.progress(f"searching the largest {largest} that fits")
@@ -879,6 +881,12 @@ def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: O
               "its first tensor).")
 @click.option("--autocast", type=click.Choice(sorted(_AUTOCAST_DTYPES)), help="Run the forward and the loss "
               "under torch.autocast with this dtype (backward and the optimizer step after it closes).")
+@click.option("--accumulate", "accumulation", type=click.IntRange(min=1), default=1, show_default=True,
+              metavar="N", help="Gradient accumulation: N micro-batches (each the batch SPEC gives) per "
+              "optimizer step, their gradients added up by backward.")
+@click.option("--headroom", "headroom_text", metavar="SIZE", help="What the device needs beside the step's peak, "
+              "left free by the verdict and the remedy (default: on CUDA, what the caching allocator would reserve "
+              "beyond the peak, estimated for each step; on the CPU nothing).")
 @click.option("--no-remedy", is_flag=True, help="Do not search for a change that makes the step fit.")
 @click.option("--largest", type=click.Choice(["batch", "seq"]), help="Also find the largest batch (dimension 0 of "
               "the inputs) or sequence length (dimension 1) whose step fits as it is, by measured steps.")
@@ -890,8 +898,10 @@ def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: O
 @quiet_option
 @debug_option
 def fit_command(spec: str, memory: str, model: dict[str, Any], optimizer: str, loss_spec: Optional[str],
-                autocast: Optional[str], no_remedy: bool, largest: Optional[str], json_path: Optional[str],
-                html_path: Optional[str], memory_viz_path: Optional[str], quiet: bool, debug: bool) -> None:
+                autocast: Optional[str], accumulation: int, headroom_text: Optional[str], no_remedy: bool,
+                largest: Optional[str],
+                json_path: Optional[str], html_path: Optional[str], memory_viz_path: Optional[str], quiet: bool,
+                debug: bool) -> None:
     """Predict the peak memory of one training step (forward, backward, optimizer step) of the model
     built by SPEC, by category, and whether it fits in --memory; when it does not, the cheapest
     change (gradaudit.trim, a checkpoint plan) whose measured step fits, beside checkpointing every
@@ -908,7 +918,9 @@ def fit_command(spec: str, memory: str, model: dict[str, Any], optimizer: str, l
     options = ScanOptions(spec=spec, **model, html=None, json=json_path, quiet=quiet, progress=progress)
     _exit_with(lambda: _per_rank(options, lambda ranked, path: run_fit(
         ranked, memory, optimizer, loss_spec, autocast, remedy=not no_remedy, largest=largest,
-        html_path=path(html_path), memory_viz_path=path(memory_viz_path))), progress, debug)
+        html_path=path(html_path), memory_viz_path=path(memory_viz_path), accumulation=accumulation,
+        headroom_text=headroom_text)),
+        progress, debug)
 
 
 @cli.command("rules", short_help="List the rule catalogue.")

@@ -307,13 +307,15 @@ def forward_backward(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple
 
 
 def measured_step_peak(model: torch.nn.Module, inputs: Any, make_optimizer: Callable[[Any], torch.optim.Optimizer],
-                       loss_fn: Callable[[Any], torch.Tensor], autocast: Optional[torch.dtype] = None) -> int:
+                       loss_fn: Callable[[Any], torch.Tensor], autocast: Optional[torch.dtype] = None,
+                       accumulation: int = 1) -> int:
     """The peak bytes alive through one steady-state training step of ``model`` on ``inputs`` on the CPU,
     measured as a training loop runs it: a warm-up step (the optimizer's state exists afterwards),
     then forward, loss, backward and the optimizer step under a PeakTracker, plus what is alive
-    throughout (parameters, buffers, the batch, the optimizer's state), counted by storage. It
-    shares nothing with gradaudit.fit's own following of the step (fitting/). The model trains for
-    real; its weights (and buffers) are put back afterwards."""
+    throughout (parameters, buffers, the batch, the optimizer's state), counted by storage. With
+    ``accumulation`` > 1 each step runs that many forwards and backwards of ``inputs`` (the loss
+    divided by it) before the optimizer's. It shares nothing with gradaudit.fit's own following of the
+    step (fitting/). The model trains for real; its weights (and buffers) are put back afterwards."""
     args, kwargs = split_inputs(inputs)
     weights = copy.deepcopy(model.state_dict())
     # the parameters that train; where none does, the inputs that require grad (an adversarial loop)
@@ -327,12 +329,15 @@ def measured_step_peak(model: torch.nn.Module, inputs: Any, make_optimizer: Call
         with region:
             output = model(*args, **kwargs)
             loss = loss_fn(output)
+            if accumulation > 1:
+                loss = loss / accumulation
         del output
         gc.collect()
         return loss
 
-    loss = forward()  # warm-up: the optimizer's state exists afterwards
-    loss.backward()
+    for _ in range(accumulation):  # warm-up: the optimizer's state exists afterwards
+        loss = forward()
+        loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     del loss
@@ -343,8 +348,9 @@ def measured_step_peak(model: torch.nn.Module, inputs: Any, make_optimizer: Call
             always[storage_id(part.untyped_storage())] = part.untyped_storage().nbytes()
     tracker = PeakTracker(set(always))
     with tracker:
-        loss = forward()
-        loss.backward()
+        for _ in range(accumulation):
+            loss = forward()
+            loss.backward()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     del loss

@@ -198,14 +198,15 @@ def test_on_meta_for_cuda_every_storage_is_counted_as_the_caching_allocator_roun
 def test_a_step_that_does_not_fit_gets_the_cheapest_remedy_and_it_is_true(tiny_hf_model):
     model = tiny_hf_model("llama", num_hidden_layers=6, use_cache=False).train()
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 100, (4, 64), generator=generator)
+    # one sequence: no smaller micro-batch to take, the remedy is a checkpoint plan
+    ids = torch.randint(0, 100, (1, 256), generator=generator)
     batch = {"input_ids": ids, "labels": ids}
     unremedied = gradaudit.fit(model, batch, memory="1GiB", optimizer=torch.optim.SGD)
     memory = unremedied.peak_bytes * 85 // 100
     fitted = gradaudit.fit(model, batch, memory=memory, optimizer=torch.optim.SGD)
     assert not fitted.fits and fitted.remedy is not None
     remedy = fitted.remedy
-    assert remedy.peak_bytes <= memory
+    assert remedy.peak_bytes <= memory and remedy.checkpointed and remedy.split == 1
     every = fitted.alternatives[0]
     assert every.name == "checkpoint every block" and remedy.extra_compute <= every.extra_compute
     # gradients with the remedy installed are those without it, bit for bit; its peak is measured
@@ -220,8 +221,9 @@ def test_a_step_that_does_not_fit_gets_the_cheapest_remedy_and_it_is_true(tiny_h
 def test_a_remedy_with_trim_is_true_and_keeps_gradients_bit_identical(tiny_hf_model):
     """GPT-2 in train mode: dropout masks that trim bit-packs, and blocks to checkpoint."""
 
-    model = tiny_hf_model("gpt2", n_layer=4, n_positions=128, use_cache=False).train()
-    ids = torch.randint(0, 100, (4, 128), generator=torch.Generator().manual_seed(0))
+    model = tiny_hf_model("gpt2", n_layer=4, n_positions=512, use_cache=False).train()
+    # one sequence: no smaller micro-batch to take
+    ids = torch.randint(0, 100, (1, 512), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     unremedied = gradaudit.fit(model, batch, memory="1GiB", optimizer="sgd")
     fitted = gradaudit.fit(model, batch, memory=unremedied.peak_bytes * 95 // 100, optimizer="sgd")
@@ -350,7 +352,7 @@ def test_when_weights_state_and_gradients_alone_exceed_memory_no_remedy_is_searc
     parameter_bytes = sum(p.numel() * 4 for p in llama.parameters())
     fitted = gradaudit.fit(llama, padded_batch(100), memory=parameter_bytes, optimizer="sgd")
     assert not fitted.fits and fitted.remedy is None and fitted.remedy_searched
-    assert any("neither trim nor checkpointing reduces them" in note for note in fitted.notes)
+    assert any("neither smaller micro-batches, trim nor checkpointing reduces them" in note for note in fitted.notes)
 
 
 @pytest.mark.parametrize("mode", ["own-checkpointing", "eval"])
@@ -552,8 +554,9 @@ def test_under_cuda_autocast_on_meta_a_checkpoint_remedy_recomputes_under_the_sa
     # autocast state of the device its tensors are on, "meta", and its recomputation in backward ran
     # in fp32 what the forward had saved in bf16 (CheckpointError). Found, applied and measured again.
     model = _qwen2_on_meta(transformers, kind)
-    batch = padded_batch(1000, sequence=128)
-    options = dict(target="cuda", autocast=torch.bfloat16, optimizer=torch.optim.AdamW)
+    # one sequence (no smaller micro-batch to take), no headroom: the remedy is a checkpoint plan
+    batch = {name: t[:1].clone() for name, t in padded_batch(1000, sequence=128).items()}
+    options = dict(target="cuda", autocast=torch.bfloat16, optimizer=torch.optim.AdamW, headroom=0)
     plain = gradaudit.fit(model, batch, memory="1GiB", **options)
     fitted = gradaudit.fit(model, batch, memory=plain.peak_bytes - 1, **options)
     remedy = fitted.remedy
@@ -604,3 +607,131 @@ def test_a_model_that_checkpoints_itself_is_fitted_on_meta_as_on_the_cpu_with_an
         for fitted in (model, on_meta):
             assert gradaudit.fit(fitted, batch, memory="1GiB", optimizer=torch.optim.AdamW,
                                  autocast=autocast).peak_bytes == measured, (fitted.device, autocast)
+
+
+def _accumulated_gradients(model, micro_batches, handle=None):
+    model.zero_grad(set_to_none=True)
+    for micro in micro_batches:
+        (model(**micro).loss / len(micro_batches)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_gradient_accumulation_is_predicted_to_the_byte_with_the_first_micro_batchs_gradients_alive(llama):
+    batch = padded_batch(100)
+    one = gradaudit.fit(llama, batch, memory="1GiB", optimizer=torch.optim.SGD)
+    for accumulation in (2, 3):
+        fitted = gradaudit.fit(llama, batch, memory="1GiB", optimizer=torch.optim.SGD, accumulation=accumulation)
+        assert fitted.peak_bytes == measured_step_peak(llama, batch, torch.optim.SGD, hf_loss,
+                                                       accumulation=accumulation)
+        on_meta = gradaudit.fit(copy.deepcopy(llama).to("meta"), batch, memory="1GiB", optimizer=torch.optim.SGD,
+                                accumulation=accumulation)
+        assert on_meta.peak_bytes == fitted.peak_bytes
+        # the later micro-batches' backward runs with the gradients of the first alive: every parameter
+        # trains, in fp32, so they are the parameters' bytes, beside what one micro-batch holds
+        parameters = sum(p.numel() * 4 for p in llama.parameters())
+        assert fitted.breakdown["gradients"] == parameters
+        assert fitted.peak_phase == ("backward (micro-batch 2)" if accumulation == 2
+                                     else "backward (micro-batches 2-3)")
+        assert fitted.peak_bytes > one.peak_bytes and fitted.to_dict()["accumulation"] == accumulation
+    with pytest.raises(GradauditError, match="accumulation must be a whole number"):
+        gradaudit.fit(llama, batch, memory="1GiB", accumulation=0)
+
+
+def test_a_remedy_of_micro_batches_and_checkpoints_is_true_and_trains_as_the_whole_batch(tiny_hf_model):
+    model = tiny_hf_model("llama", num_hidden_layers=4, use_cache=False).train()
+    ids = torch.randint(0, 100, (4, 64), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    sgd = torch.optim.SGD
+    plain = gradaudit.fit(model, batch, memory="1GiB", optimizer=sgd)
+    every = gradaudit.fit(model, batch, memory=plain.peak_bytes - 1, optimizer=sgd).alternatives[0]
+    assert every.name == "checkpoint every block"
+    single = {k: v[:1].clone() for k, v in batch.items()}  # a storage of its own, as a loader makes it
+    in_fours = gradaudit.fit(model, single, memory="1GiB", optimizer=sgd, accumulation=4)
+    # below both "checkpoint every block" and "micro-batches of 1" alone: only the two together fit
+    memory = min(every.peak_bytes, in_fours.peak_bytes) - 1
+    fitted = gradaudit.fit(model, batch, memory=memory, optimizer=sgd)
+    remedy = fitted.remedy
+    assert remedy is not None and remedy.split > 1 and remedy.checkpointed and remedy.peak_bytes <= memory
+    assert remedy.accumulation == remedy.split and remedy.micro_batch * remedy.split == 4
+    assert "(loss / " in remedy.loop_change() and fitted.to_dict()["remedy"]["micro_batch"] == remedy.micro_batch
+    micro_batches = [{k: v[i:i + remedy.micro_batch].clone() for k, v in batch.items()}
+                     for i in range(0, 4, remedy.micro_batch)]
+    reference = _accumulated_gradients(model, [batch])
+    with remedy.apply(model):
+        # the prediction is the step an independent tracker measures, micro-batch by micro-batch
+        assert measured_step_peak(model, micro_batches[0], sgd, hf_loss,
+                                  accumulation=remedy.accumulation) == remedy.peak_bytes
+        accumulated = _accumulated_gradients(model, micro_batches)
+    # the effective batch is kept: each micro-batch's mean loss over its tokens (none ignored, as many
+    # in each), divided by the micro-batches, sums to the whole batch's; equal up to float rounding
+    # (the sums run in another order)
+    for name, grad in reference.items():
+        torch.testing.assert_close(accumulated[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_remedy_of_micro_batches_and_trim_is_true_and_trains_as_the_whole_batch():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "examples" / "resnet_surgical.py"
+    spec = importlib.util.spec_from_file_location("example_resnet_surgical", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    # the surgical ResNet-18 (eval-mode batch norm, layers 2-4 frozen behind the trained layer1): trim
+    # drops what the frozen layers keep; at 65% of the plain step's peak neither trim alone nor any
+    # checkpoint plan without recomputing fits, and the cheapest that does is trim in micro-batches
+    model, images = example.build()
+    mean_square = lambda out: out.square().mean()  # noqa: E731  (averaged over the batch)
+    sgd = torch.optim.SGD
+    plain = gradaudit.fit(model, (images,), memory="1GiB", optimizer=sgd, loss=mean_square)
+    fitted = gradaudit.fit(model, (images,), memory=plain.peak_bytes * 65 // 100, optimizer=sgd, loss=mean_square)
+    remedy = fitted.remedy
+    assert remedy is not None and remedy.trim and remedy.split > 1 and not remedy.checkpointed
+    assert remedy.extra_compute == 0 and remedy.peak_bytes <= fitted.memory
+    micro = [images[i:i + remedy.micro_batch].clone() for i in range(0, len(images), remedy.micro_batch)]
+
+    def gradients(batches):
+        model.zero_grad(set_to_none=True)
+        for batch in batches:
+            (mean_square(model(batch)) / len(batches)).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    reference = gradients([images])
+    with remedy.apply(model):
+        assert measured_step_peak(model, (micro[0],), sgd, mean_square,
+                                  accumulation=remedy.accumulation) == remedy.peak_bytes
+        accumulated = gradients(micro)
+    assert reference.keys() == accumulated.keys() and len(reference) > 10
+    for name, grad in reference.items():
+        torch.testing.assert_close(accumulated[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fits_leaves_the_headroom_free_by_default_the_allocators_reserve_on_cuda(llama):
+    on_meta = copy.deepcopy(llama).to("meta")
+    batch = padded_batch(100)
+    plain = gradaudit.fit(on_meta, batch, memory="1GiB", target="cuda", optimizer="sgd")
+    # the default headroom on CUDA: what the caching allocator would reserve beyond the peak
+    assert plain.headroom == plain.reserved_bytes - plain.peak_bytes > 0 and not plain.headroom_given
+    assert plain.margin == plain.memory - plain.reserved_bytes
+    between = plain.peak_bytes + plain.headroom // 2  # the peak fits, the reserve beside it does not
+    tight = gradaudit.fit(on_meta, batch, memory=between, target="cuda", optimizer="sgd", remedy=False)
+    assert not tight.fits and tight.margin == between - plain.reserved_bytes
+    given = gradaudit.fit(on_meta, batch, memory=between, target="cuda", optimizer="sgd", headroom=0, remedy=False)
+    assert given.fits and given.headroom == 0 and given.headroom_given
+    assert given.to_dict()["headroom"] == 0 and tight.to_dict()["margin"] == tight.margin
+    # the remedy leaves its own step's headroom free (a Qwen2 whose step misses by one byte)
+    qwen = _qwen2_on_meta(pytest.importorskip("transformers"), "fp32")
+    tokens = padded_batch(1000, sequence=128)
+    plain = gradaudit.fit(qwen, tokens, memory="1GiB", target="cuda", optimizer="sgd")
+    short = plain.peak_bytes + plain.headroom - 1
+    remedy = gradaudit.fit(qwen, tokens, memory=short, target="cuda", optimizer="sgd").remedy
+    assert remedy is not None and 0 < remedy.headroom and remedy.peak_bytes + remedy.headroom <= short
+    # on the CPU there is none unless given
+    cpu = gradaudit.fit(llama, batch, memory="1GiB", optimizer="sgd")
+    assert cpu.headroom == 0 and cpu.reserved_bytes is None
+    assert gradaudit.fit(llama, batch, memory=cpu.peak_bytes, optimizer="sgd", headroom="1KiB",
+                         remedy=False).margin == -1024

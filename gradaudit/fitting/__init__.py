@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..errors import GradauditError
-from .result import Fit, figures
+from .result import Figures, Fit, figures
 from .step import CATEGORIES, run_step
 
 __all__ = ["fit", "Fit", "CATEGORIES"]
@@ -29,7 +29,10 @@ def fit(
     frozen: Optional[Sequence[str]] = None,
     target: Optional[str] = None,
     autocast: Optional[torch.dtype] = None,
+    accumulation: int = 1,
+    headroom: Union[int, str, None] = None,
     remedy: bool = True,
+    split_batch: bool = True,
     progress: Optional[Callable[[str], None]] = None,
 ) -> Fit:
     """The peak memory of one steady-state training step of ``model`` on ``inputs``, by category,
@@ -49,8 +52,18 @@ def fit(
     autocast: a dtype (torch.bfloat16, torch.float16): the forward and the loss run under
         ``torch.autocast(target, dtype)``, and backward and the optimizer step after it closes, as a
         training loop runs them. Call fit outside any autocast region.
-    remedy: when the step does not fit, search for the cheapest trim and checkpoint plan whose
-        measured step fits (``Fit.remedy``).
+    accumulation: micro-batches per optimizer step, each ``inputs``: their losses divided by it, their
+        gradients added up by backward (the first micro-batch allocates them, the later ones run with
+        them alive), then one optimizer step. Default 1.
+    headroom: what the device needs beside the step's peak, which ``fits`` and the remedy leave
+        free: bytes (an int, or a size such as "2GiB"). Default: on CUDA, what the caching allocator
+        would reserve beyond the peak (whole segments, cached free blocks: ``reserved_bytes`` minus
+        the peak, its rules replayed), for each step measured; on the CPU nothing.
+    remedy: when the step does not fit, search for the cheapest change whose measured step fits
+        (``Fit.remedy``): smaller micro-batches with gradient accumulation, trim, a checkpoint plan,
+        alone and combined.
+    split_batch: whether the remedy may split the batch into micro-batches (a change to the training
+        loop, which ``Remedy.apply`` cannot make); False leaves the changes to the model alone.
 
     The step is the one a training loop repeats once the optimizer has state: forward, loss,
     backward, optimizer step, zero_grad(set_to_none=True). Its forward and backward run on the model
@@ -65,6 +78,17 @@ def fit(
     if not isinstance(model, nn.Module):
         raise GradauditError(f"fit() needs a torch.nn.Module, got {type(model).__name__}")
     memory_bytes = parse_budget(memory)
+    fixed_headroom = None if headroom is None else parse_budget(headroom)
+
+    def headroom_of(step: Figures) -> int:
+        """What ``step`` needs beside its peak: the headroom given, else the allocator's reserve."""
+        if fixed_headroom is not None:
+            return fixed_headroom
+        return max(0, step.reserved_bytes - step.peak_bytes) if step.reserved_bytes is not None else 0
+
+    def needed(step: Figures) -> int:
+        return step.peak_bytes + headroom_of(step)
+
     if isinstance(trainable, str):
         trainable = [trainable]
     if isinstance(frozen, str):
@@ -74,6 +98,8 @@ def fit(
     if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
         raise GradauditError("fit() was called inside torch.autocast: call it outside and pass autocast=dtype (the "
                              "forward and loss run under it, backward and the optimizer step after it closes)")
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise GradauditError(f"accumulation must be a whole number of micro-batches >= 1, not {accumulation!r}")
     builder, name = optimizers.resolve(optimizer)
     inputs = meta_inputs(model, inputs)
     tensors = list(iter_tensors(inputs))
@@ -84,7 +110,8 @@ def fit(
     say("running a training step (forward, backward, optimizer step)")
     memo: dict = {}  # the optimizer's stand-in step, stepped once for every run of this fit
     run = run_step(model, inputs, builder=builder, optimizer_name=name, loss_fn=loss, trainable=trainable,
-                   frozen=frozen, target=target, on_meta=on_meta, autocast=autocast, memo=memo)
+                   frozen=frozen, target=target, on_meta=on_meta, autocast=autocast, memo=memo,
+                   accumulation=accumulation)
     step = figures(run, target)
     notes = list(run.notes)
     if run.output_cache:
@@ -93,44 +120,53 @@ def fit(
     result = Fit(model=type(model).__name__, device="meta" if on_meta else target, target=target, optimizer=name,
                  memory=memory_bytes, peak_bytes=step.peak_bytes, breakdown=step.breakdown,
                  peak_phase=step.peak_phase, timeline=step.timeline, trained_parameters=run.trained,
-                 reserved_bytes=step.reserved_bytes, notes=notes, _run=run)
-    _searchable(result, model, builder, name, loss, trainable, frozen, target, on_meta, autocast, inputs, memo)
-    if remedy and not result.fits and step.floor_bytes > memory_bytes:
+                 reserved_bytes=step.reserved_bytes, notes=notes, accumulation=accumulation,
+                 headroom=headroom_of(step), headroom_given=fixed_headroom is not None, _run=run)
+    _searchable(result, model, builder, name, loss, trainable, frozen, target, on_meta, autocast, inputs, memo,
+                headroom_of)
+    if remedy and not result.fits and step.floor_bytes + headroom_of(step) > memory_bytes:
         from ..report.units import human_bytes
 
         result.remedy_searched = True
         result.notes.append(
-            f"no remedy: the parameters, buffers, batch, optimizer state and gradients alone take "
-            f"{human_bytes(step.floor_bytes)}, more than the memory, and neither trim nor checkpointing reduces them "
-            f"(train fewer parameters, keep less optimizer state, or shard the model)")
+            f"no remedy: the parameters, buffers, optimizer state and gradients alone take "
+            f"{human_bytes(step.floor_bytes)}, more than the memory, and neither smaller micro-batches, trim nor "
+            f"checkpointing reduces them (train fewer parameters, keep less optimizer state, or shard the model)")
     elif remedy and not result.fits:
-        from .remedy import search
+        from .remedy import search_levers
 
-        def measure(applied: Callable[[], Any]) -> Any:
-            return figures(run_step(model, inputs, builder=builder, optimizer_name=name, loss_fn=loss,
-                                    trainable=trainable, frozen=frozen, target=target, on_meta=on_meta,
-                                    autocast=autocast, applied=applied, memo=memo), target)
+        def measure_with(step_inputs: Any, micro_batches: int) -> Callable[[Callable[[], Any]], Any]:
+            def measure(applied: Callable[[], Any]) -> Any:
+                return figures(run_step(model, step_inputs, builder=builder, optimizer_name=name, loss_fn=loss,
+                                        trainable=trainable, frozen=frozen, target=target, on_meta=on_meta,
+                                        autocast=autocast, applied=applied, memo=memo, accumulation=micro_batches),
+                               target)
+            return measure
 
-        result.remedy, result.alternatives, more = search(model, inputs, memory_bytes, measure, trainable=trainable,
-                                                          frozen=frozen, target=target, say=say)
+        result.remedy, result.alternatives, more = search_levers(
+            model, inputs, memory_bytes, measure_with, accumulation=accumulation, trainable=trainable, frozen=frozen,
+            target=target, say=say, needed=needed, split_batch=split_batch)
         result.remedy_searched = True
         result.notes += more
         result.alternatives += _smaller_batch(result, say)
-        if result.remedy is not None:
+        if result.remedy is not None and result.remedy.plan is not None:
             result.notes += [n for n in result.remedy.plan.notes if n not in result.notes]
     return result
 
 
 def _searchable(result: Fit, model: nn.Module, builder: Any, name: str, loss: Any, trainable: Any, frozen: Any,
-                target: str, on_meta: bool, autocast: Any, inputs: Any, memo: dict) -> None:
+                target: str, on_meta: bool, autocast: Any, inputs: Any, memo: dict,
+                headroom_of: Callable[[Figures], int]) -> None:
     """Let ``result.largest`` run the same step on scaled inputs. The Fit keeps the model alive for it,
     as it keeps the inputs: ``gradaudit.fit(build(), batch).largest("batch")`` is a natural one-liner."""
     from .largest import remember
 
-    def peak_of(scaled_inputs: Any) -> int:
+    def peak_of(scaled_inputs: Any) -> tuple[int, int]:
         run = run_step(model, scaled_inputs, builder=builder, optimizer_name=name, loss_fn=loss, trainable=trainable,
-                       frozen=frozen, target=target, on_meta=on_meta, autocast=autocast, memo=memo)
-        return figures(run, target).peak_bytes
+                       frozen=frozen, target=target, on_meta=on_meta, autocast=autocast, memo=memo,
+                       accumulation=result.accumulation)
+        step = figures(run, target)
+        return step.peak_bytes, headroom_of(step)
 
     remember(result, peak_of, inputs)
 

@@ -57,15 +57,18 @@ def search(fit: Any, dimension: str) -> tuple[int, Optional[int], int]:
     peak_of_inputs, inputs = fit._largest
     axis = DIMENSIONS[dimension]
     size = size_of(inputs, axis)
-    measured: dict[int, int] = {size: fit.peak_bytes}
+    # the step's peak and what it needs with its headroom, by size
+    measured: dict[int, tuple[int, int]] = {size: (fit.peak_bytes, fit.peak_bytes + fit.headroom)}
 
     def peak(n: int) -> int:
+        """What the step of size ``n`` needs: its peak and its headroom."""
         if n not in measured:
             if len(measured) > MOST_STEPS:
                 raise GradauditError(f"the largest {dimension} was not found in {MOST_STEPS} steps: the peak is "
                                      f"far from affine in it")
-            measured[n] = peak_of_inputs(scaled(inputs, axis, size, n))
-        return measured[n]
+            step_peak, headroom = peak_of_inputs(scaled(inputs, axis, size, n))
+            measured[n] = (step_peak, step_peak + headroom)
+        return measured[n][1]
 
     fits = lambda n: peak(n) <= fit.memory  # noqa: E731
     if not fits(size):
@@ -88,9 +91,10 @@ def search(fit: Any, dimension: str) -> tuple[int, Optional[int], int]:
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
-    return low, measured.get(low), size
+    return low, measured[low][0] if low in measured else None, size
 
 
-def remember(fit: Any, run_peak: Callable[[Any], int], inputs: Any) -> None:
-    """Let ``fit.largest`` measure steps on other inputs: ``run_peak(inputs)`` gives a step's peak."""
+def remember(fit: Any, run_peak: Callable[[Any], tuple[int, int]], inputs: Any) -> None:
+    """Let ``fit.largest`` measure steps on other inputs: ``run_peak(inputs)`` gives a step's peak and
+    its headroom."""
     fit._largest = (run_peak, inputs)

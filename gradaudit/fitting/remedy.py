@@ -1,13 +1,18 @@
-"""The cheapest change that makes a step fit: ``gradaudit.trim`` or not, and a point of the checkpoint
-planner's frontier, chosen by the whole step's measured peak (parameters, optimizer state and the
-optimizer's step included, which the planner's own ``bound="peak"`` leaves out). For each trim
-option the frontier is bisected by that peak (``planning.frontier.by_peak``); of the two answers,
-the one that recomputes less wins. Every figure is a step run with the change in force.
+"""The cheapest change that makes a step fit, among the levers a user has, alone and combined: a
+smaller micro-batch with gradient accumulation keeping the effective batch, ``gradaudit.trim`` or
+not, and a point of the checkpoint planner's frontier, chosen by the whole step's measured peak
+(parameters, optimizer state and the optimizer's step included, which the planner's own
+``bound="peak"`` leaves out). For each micro-batch size (the batch split in 1, 2, ... equal parts)
+and trim option the frontier is bisected by that peak (``planning.frontier.by_peak``); the search
+stops at the first split whose step fits without checkpointing. What fits is ranked by its cost:
+the FLOPs recomputed first, then the number of micro-batches (the same FLOPs in smaller passes). Every
+figure is a step run with the change in force.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -20,34 +25,63 @@ NO_PLAN = 2**62  # a budget every plan fits: the frontier is wanted, not a choic
 
 @dataclass
 class Remedy:
-    """A change whose step fits: trim or not, and the modules to checkpoint (``plan``, a Plan at one
-    point of its frontier), with the step's measured peak and breakdown under it."""
+    """A change whose step fits: a smaller micro-batch with gradient accumulation or not, trim or
+    not, and the modules to checkpoint (``plan``, a Plan at one point of its frontier; None where the
+    micro-batches alone fit), with the step's measured peak and breakdown under it."""
 
-    plan: Any  # gradaudit.Plan
+    plan: Any  # gradaudit.Plan, or None
     peak_bytes: int
     breakdown: dict[str, int]
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    # the micro-batch the step runs (None: the batch as given), and the micro-batches per optimizer
+    # step it takes to keep the effective batch (the fit's own accumulation times the split)
+    micro_batch: Optional[int] = None
+    accumulation: int = 1
+    batch: Optional[int] = None  # the batch as given (dimension 0 of the inputs), where it is split
+    headroom: int = 0  # what the device needs beside this step's peak (the fit's headroom, for this step)
 
     @property
     def trim(self) -> bool:
-        return self.plan.trimmed
+        return self.plan is not None and self.plan.trimmed
 
     @property
     def checkpointed(self) -> tuple[str, ...]:
-        return self.plan.checkpointed
+        return self.plan.checkpointed if self.plan is not None else ()
+
+    @property
+    def selective(self) -> tuple[str, ...]:
+        return tuple(self.plan.selective) if self.plan is not None else ()
 
     @property
     def extra_compute(self) -> float:
         """The recomputation's FLOPs as a fraction of one unplanned step's."""
-        return self.plan.extra_compute
+        return self.plan.extra_compute if self.plan is not None else 0.0
+
+    @property
+    def split(self) -> int:
+        """Into how many micro-batches each batch as given is split (1: not split)."""
+        return self.batch // self.micro_batch if self.micro_batch else 1
 
     def apply(self, model: nn.Module) -> Any:
-        """Install it on ``model`` (trim where it has trim, the checkpoints): a handle, also a context
-        manager, whose ``remove()`` restores the model (``Plan.apply``)."""
+        """Install the model's part of it on ``model`` (trim where it has trim, the checkpoints): a
+        handle, also a context manager, whose ``remove()`` restores the model (``Plan.apply``). The
+        micro-batches are the training loop's to make (``loop_change``)."""
+        if self.plan is None:
+            return _NothingApplied()
         return self.plan.apply(model)
+
+    def loop_change(self) -> Optional[str]:
+        """What the training loop changes, in words (None: nothing)."""
+        if not self.micro_batch:
+            return None
+        return (f"split each batch of {self.batch} into {self.split} micro-batches of {self.micro_batch}: "
+                f"(loss / {self.accumulation}).backward() for each, {self.accumulation} per optimizer.step() "
+                f"(a loss averaged over its batch keeps the effective batch's gradient)")
 
     def describe(self) -> str:
         parts = []
+        if self.micro_batch:
+            parts.append(f"micro-batches of {self.micro_batch} with {self.accumulation} accumulation steps")
         if self.trim:
             parts.append(f"gradaudit.trim (bitpack={self.plan.bitpack})")
         if self.checkpointed:
@@ -56,10 +90,25 @@ class Remedy:
         return " + ".join(parts) or "nothing"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"change": self.describe(), "trim": self.trim, "bitpack": self.plan.bitpack if self.trim else None,
-                "checkpointed": list(self.checkpointed), "selective": list(self.plan.selective),
-                "extra_compute": self.extra_compute, "extra_flops": self.plan.extra_flops,
-                "peak_bytes": self.peak_bytes, "breakdown": dict(self.breakdown)}
+        return {"change": self.describe(), "micro_batch": self.micro_batch, "accumulation": self.accumulation,
+                "trim": self.trim, "bitpack": self.plan.bitpack if self.trim else None,
+                "checkpointed": list(self.checkpointed), "selective": list(self.selective),
+                "extra_compute": self.extra_compute,
+                "extra_flops": self.plan.extra_flops if self.plan is not None else 0,
+                "peak_bytes": self.peak_bytes, "headroom": self.headroom, "breakdown": dict(self.breakdown)}
+
+
+class _NothingApplied:
+    """The handle of a remedy with nothing to install on the model."""
+
+    def remove(self) -> None:
+        pass
+
+    def __enter__(self) -> "_NothingApplied":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -77,18 +126,63 @@ class Alternative:
                 "fits": self.fits}
 
 
-def search(model: nn.Module, inputs: Any, memory: int, measure: Callable[[Callable[[], Any]], Any], *,
-           trainable: Any, frozen: Any, target: str, say: Callable[[str], None]
+Measure = Callable[[Callable[[], Any]], Any]  # the step's Figures with applied() in force
+Needed = Callable[[Any], int]  # what a step's Figures need of the memory: its peak and its headroom
+
+
+def search_levers(model: nn.Module, inputs: Any, memory: int, measure_with: Callable[[Any, int], Measure], *,
+                  accumulation: int, trainable: Any, frozen: Any, target: str, say: Callable[[str], None],
+                  needed: Needed, split_batch: bool = True) -> tuple[Optional[Remedy], list[Alternative], list[str]]:
+    """(the cheapest remedy over every split of the batch into micro-batches, None when nothing
+    fits; beside it "every block checkpointed" and the other remedies that fit, cheapest first;
+    notes). ``measure_with(inputs, accumulation)``: a Measure of the step on those inputs; a step
+    fits where ``needed(figures) <= memory``."""
+    from .largest import scaled, size_of
+
+    best, alternatives, notes = search(model, inputs, memory, measure_with(inputs, accumulation),
+                                       trainable=trainable, frozen=frozen, target=target, say=say, needed=needed)
+    found = [best] if best is not None else []
+    try:
+        batch = size_of(inputs, 0) if split_batch else 1
+    except GradauditError:
+        batch = 1  # no tensor to split
+    for split in (k for k in range(2, batch + 1) if batch % k == 0):
+        if found and found[0].extra_compute == 0:
+            break  # nothing recomputed already: more micro-batches cost time and save nothing worth it
+        micro = batch // split
+        micro_inputs = scaled(inputs, 0, batch, micro)
+        measure = measure_with(micro_inputs, accumulation * split)
+        say(f"measuring a step in {split} micro-batches of {micro}")
+        plain = measure(contextlib.nullcontext)
+        lever = dict(micro_batch=micro, accumulation=accumulation * split, batch=batch)
+        if needed(plain) <= memory:
+            found.append(Remedy(None, plain.peak_bytes, plain.breakdown, plain.timeline,
+                                headroom=needed(plain) - plain.peak_bytes, **lever))
+            break
+        remedy, _, more = search(model, micro_inputs, memory, measure, trainable=trainable, frozen=frozen,
+                                 target=target, say=say, needed=needed, every=False)
+        notes += [note for note in more if note not in notes]
+        if remedy is not None:
+            found.append(dataclasses.replace(remedy, **lever))
+    found.sort(key=lambda r: (r.extra_compute, r.accumulation, r.peak_bytes))
+    for other in found[1:]:  # where not the same step as one beside it already (every block checkpointed)
+        if not any((a.peak_bytes, a.extra_compute) == (other.peak_bytes, other.extra_compute) for a in alternatives):
+            alternatives.append(Alternative(other.describe(), other.peak_bytes, other.extra_compute, True))
+    return (found[0] if found else None), alternatives, notes
+
+
+def search(model: nn.Module, inputs: Any, memory: int, measure: Measure, *, trainable: Any, frozen: Any,
+           target: str, say: Callable[[str], None], needed: Needed, every: bool = True
            ) -> tuple[Optional[Remedy], list[Alternative], list[str]]:
-    """(the cheapest remedy, None when nothing fits; "every block checkpointed" beside it; notes).
-    ``measure(applied)``: the step's Figures with ``applied()`` in force."""
+    """(the cheapest remedy of trim and checkpointing, None when nothing fits; "every block
+    checkpointed" beside it, where ``every``; notes)."""
     from ..planning import plan as make_plan
     from ..planning.conditions import own_checkpointing_off
     from ..planning.frontier import by_peak
 
     found: list[tuple[float, int, Remedy]] = []
     notes: list[str] = []
-    every: Optional[Alternative] = None
+    every_block: Optional[Alternative] = None
     for trim in (False, True):
         say(f"planning checkpoints{' with trim' if trim else ''}")
         try:
@@ -115,21 +209,21 @@ def search(model: nn.Module, inputs: Any, memory: int, measure: Callable[[Callab
                 measured[index] = (at, measure(applied))
             return measured[index]
 
-        index = by_peak(list(range(len(frontier.points))), memory, lambda i: figures_at(i)[1].peak_bytes, 0)
+        index = by_peak(list(range(len(frontier.points))), memory, lambda i: needed(figures_at(i)[1]), 0)
         if index is not None:
             at, step = figures_at(index)
-            found.append((at.extra_flops, step.peak_bytes, Remedy(at, step.peak_bytes, step.breakdown, step.timeline)))
-        if not trim and frontier.chain.blocks:
-            every = _every_block(model, planned, measure, memory)
-    alternatives = [every] if every is not None else []
+            found.append((at.extra_flops, step.peak_bytes, Remedy(at, step.peak_bytes, step.breakdown, step.timeline,
+                                                                  headroom=needed(step) - step.peak_bytes)))
+        if every and not trim and frontier.chain.blocks:
+            every_block = _every_block(model, planned, measure, memory, needed)
+    alternatives = [every_block] if every_block is not None else []
     if not found:
         return None, alternatives, notes
     found.sort(key=lambda entry: (entry[0], entry[1]))
     return found[0][2], alternatives, notes
 
 
-def _every_block(model: nn.Module, planned: Any, measure: Callable[[Callable[[], Any]], Any],
-                 memory: int) -> Alternative:
+def _every_block(model: nn.Module, planned: Any, measure: Measure, memory: int, needed: Needed) -> Alternative:
     """Checkpointing every block (Hugging Face's activation_checkpointing_enable()), measured."""
     from ..planning.apply import PlanHandle
     from ..planning.conditions import own_checkpointing_off
@@ -143,4 +237,4 @@ def _every_block(model: nn.Module, planned: Any, measure: Callable[[Callable[[],
         return stack
 
     step = measure(applied)
-    return Alternative("checkpoint every block", step.peak_bytes, planned.share(every), step.peak_bytes <= memory)
+    return Alternative("checkpoint every block", step.peak_bytes, planned.share(every), needed(step) <= memory)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from .allocator import rounded
-from .step import CATEGORIES, GRADIENTS, StepRun
+from .step import CATEGORIES, GRADIENTS, INPUTS, StepRun
 
 if TYPE_CHECKING:
     from .remedy import Remedy
@@ -34,8 +34,8 @@ class Figures:
     breakdown: dict[str, int]
     peak_phase: str
     timeline: list[dict[str, Any]]
-    # what no change to the activations removes: everything alive throughout and every gradient
-    # (all alive at once when backward ends)
+    # what no change to the activations or the micro-batch removes: everything alive throughout but the
+    # batch, and every gradient (all alive at once when backward ends)
     floor_bytes: int = 0
     reserved_bytes: Optional[int] = None  # on CUDA, what the caching allocator would reserve (an estimate)
 
@@ -61,8 +61,8 @@ def figures(run: StepRun, target: str) -> Figures:
     for start in range(0, samples, step):
         i = max(range(start, min(start + step, samples)), key=totals.__getitem__)
         timeline.append({"sample": i + 1, "phase": phase_of[i], **at(i)})
-    floor = sum(steady.values()) + sum(allocated(life.nbytes, target) for life in run.lives
-                                       if life.category == GRADIENTS)
+    floor = sum(steady.values()) - steady[INPUTS] + sum(allocated(life.nbytes, target) for life in run.lives
+                                                        if life.category == GRADIENTS)
     reserved = None
     if target == "cuda":
         from .allocator import reserved_estimate
@@ -84,13 +84,18 @@ class Fit:
     memory: int  # the bytes the step may use (the device's memory, as given)
     peak_bytes: int  # the peak of one steady-state step, as the target's allocator counts it
     breakdown: dict[str, int]  # at that peak, by category (CATEGORIES)
-    peak_phase: str  # "forward", "backward" or "optimizer"
+    peak_phase: str  # "forward", "backward" or "optimizer" (with accumulation: "backward (micro-batch 2)"...)
     timeline: list[dict[str, Any]]  # bytes by category through the step (its worst moments)
     trained_parameters: int  # parameter tensors that get a gradient and optimizer state
     # on CUDA: what the caching allocator would reserve by the end of a second step (segments, cached
     # free blocks), replayed from its rules (fitting/allocator.py): an estimate; None on the CPU
     reserved_bytes: Optional[int] = None
     notes: list[str] = field(default_factory=list)
+    accumulation: int = 1  # micro-batches per optimizer step (gradient accumulation), each the inputs given
+    # what the device needs beside the peak, left free by fits and the remedy: the headroom given, or on
+    # CUDA the caching allocator's estimated reserve beyond the peak (reserved_bytes - peak_bytes)
+    headroom: int = 0
+    headroom_given: bool = False
     remedy: Optional["Remedy"] = None  # the cheapest change whose step fits (None: fits as it is, or nothing does)
     remedy_searched: bool = False  # whether a remedy was looked for (only when it does not fit)
     alternatives: list[Any] = field(default_factory=list)  # what users otherwise try, measured beside the remedy
@@ -99,8 +104,14 @@ class Fit:
 
     @property
     def fits(self) -> bool:
-        """Whether the step's peak (the allocated bytes, see ``allocator``) is within ``memory``."""
-        return self.peak_bytes <= self.memory
+        """Whether the step's peak (the allocated bytes, see ``allocator``) and the headroom beside it
+        are within ``memory``."""
+        return self.peak_bytes + self.headroom <= self.memory
+
+    @property
+    def margin(self) -> int:
+        """The memory left beside the peak and the headroom (negative: by how much it does not fit)."""
+        return self.memory - self.peak_bytes - self.headroom
 
     @property
     def allocator(self) -> str:
@@ -109,8 +120,9 @@ class Fit:
             return ("bytes allocated by PyTorch's CUDA caching allocator (each storage rounded up to 512 B), as "
                     "torch.cuda.max_memory_allocated reports, cuBLAS's workspaces included; the allocator reserves "
                     "more (whole segments, cached free blocks: reserved_bytes estimates it by replaying its rules), "
-                    "and the CUDA context and cuDNN's per-call convolution workspaces are not counted: leave "
-                    "headroom, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+                    "and the CUDA context and cuDNN's per-call convolution workspaces are not counted: give them "
+                    "headroom (by default the headroom is what the allocator reserves beyond the peak), or set "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
         return "bytes of the storages alive, as the CPU allocator is asked for them"
 
     def largest(self, dimension: str = "batch") -> int:
@@ -128,11 +140,14 @@ class Fit:
             "device": self.device,
             "target": self.target,
             "optimizer": self.optimizer,
+            "accumulation": self.accumulation,
             "memory": self.memory,
             "fits": self.fits,
             "peak_bytes": self.peak_bytes,
             "peak_phase": self.peak_phase,
             "reserved_bytes": self.reserved_bytes,
+            "headroom": self.headroom,
+            "margin": self.margin,
             "allocator": self.allocator,
             "breakdown": dict(self.breakdown),
             "trained_parameters": self.trained_parameters,

@@ -3,12 +3,17 @@
 The step, as a training loop runs it once the optimizer has state (after a first step) and every
 ``.grad`` is None (``zero_grad(set_to_none=True)``)::
 
-    output = model(*args, **kwargs)      # under torch.autocast(target, dtype) with autocast=dtype
-    loss = loss_fn(output)               # (the autocast region closes here)
-    del output
-    loss.backward()
+    for micro_batch in range(accumulation):  # one, unless gradients are accumulated
+        output = model(*args, **kwargs)      # under torch.autocast(target, dtype) with autocast=dtype
+        loss = loss_fn(output)               # (the autocast region closes here)
+        loss = loss / accumulation           # (with accumulation > 1)
+        del output
+        loss.backward()                      # the first allocates .grad, the others add to it
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+With accumulation, the first micro-batch and the second are followed: the second runs with the
+gradients of the first alive and adds to them, as every later one does, storage for storage.
 
 The forward and backward run on the model as it is (its device, or meta standing for the target,
 as an audit runs it), left as found; the optimizer's step runs on meta stand-ins of the parameters
@@ -67,13 +72,25 @@ def default_loss(output: Any) -> torch.Tensor:
     return first.sum()
 
 
+def phase_names(accumulation: int) -> list[tuple[str, str]]:
+    """(forward, backward) phase names of each micro-batch followed: the plain names for one; with
+    accumulation the first micro-batch's, then the second's, which stands for every later one."""
+    if accumulation == 1:
+        return [(FORWARD, BACKWARD)]
+    later = "micro-batch 2" if accumulation == 2 else f"micro-batches 2-{accumulation}"
+    return [(f"{FORWARD} (micro-batch 1)", f"{BACKWARD} (micro-batch 1)"),
+            (f"{FORWARD} ({later})", f"{BACKWARD} ({later})")]
+
+
 def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str, loss_fn: Optional[Callable],
              trainable: Any, frozen: Any, target: str, on_meta: bool, autocast: Optional[torch.dtype],
-             applied: Callable[[], Any] = contextlib.nullcontext, memo: Optional[dict] = None) -> StepRun:
+             applied: Callable[[], Any] = contextlib.nullcontext, memo: Optional[dict] = None,
+             accumulation: int = 1) -> StepRun:
     """Run the step (``applied()`` in force around the forward and backward: a plan, trim) and
     return its storages. The model is left as found. ``memo``: a dict kept across the runs of one fit,
     where the optimizer's step is remembered by the gradients' layouts (a plan or trim does not
-    change them, so probing many plans steps the stand-ins once)."""
+    change them, so probing many plans steps the stand-ins once). ``accumulation``: micro-batches
+    (each ``inputs``) whose gradients add up before the optimizer steps."""
     from ..planning.conditions import as_audited
 
     args, kwargs = split_inputs(inputs)
@@ -106,14 +123,21 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
             notes.append(f"no parameter trains: the optimizer steps the {len(leaves)} input tensor(s) that require "
                          f"grad, as adversarial and style-transfer loops do")
         lifetimes = Lifetimes(seen, counts)
+        phases: list[tuple[str, int]] = []
+        held: set[int] = set()  # lives alive when a forward ends, by identity (a later storage may take a key)
+        losses: set[int] = set()  # the lives of each micro-batch's loss
         with applied():
-            loss, cache = _forward(model, args, kwargs, lifetimes, loss_fn, target, autocast)
-            # by identity: a storage made later may take the address (the key) of one freed since
-            held = {id(life) for life in lifetimes.live.values()}
-            forward_samples = lifetimes.samples
-            forward_gemms = dataclasses.replace(lifetimes.gemms)
-            with lifetimes:
-                loss.backward()
+            for forward_name, backward_name in phase_names(accumulation):
+                start = lifetimes.samples
+                loss, cache = _forward(model, args, kwargs, lifetimes, loss_fn, target, autocast, accumulation)
+                held |= {id(life) for life in lifetimes.live.values()}
+                losses |= {id(life) for life in lifetimes.live.values() if life.key == storage_key(loss)}
+                if not phases:
+                    forward_gemms = dataclasses.replace(lifetimes.gemms)
+                middle = lifetimes.samples
+                with lifetimes:
+                    loss.backward()
+                phases += [(forward_name, middle - start), (backward_name, lifetimes.samples - middle)]
             lifetimes.close()
         if target == "cuda":
             persistent[WORKSPACES], note = _workspaces(forward_gemms, lifetimes.gemms.minus(forward_gemms))
@@ -123,11 +147,10 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
             if p.grad is not None:
                 gradients[id(p)] = p.grad
         grad_keys = {storage_key(g) for g in gradients.values()}
-        loss_key = storage_key(loss)
         for life in lifetimes.lives:
             if life.died is None and life.key in grad_keys:
                 life.category = GRADIENTS
-            elif id(life) in held and not (life.died is None and life.key == loss_key):
+            elif id(life) in held and id(life) not in losses:
                 life.category = ACTIVATIONS
             else:
                 life.category = TEMPORARIES
@@ -160,8 +183,8 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
     lives += optimizer_lives
     if not on_meta and device != "cpu":
         notes.append(f"on {device}, the figures count storages as PyTorch's allocator is asked for them")
-    return StepRun(persistent, lives, [(FORWARD, forward_samples), (BACKWARD, offset - forward_samples),
-                                       (OPTIMIZER, samples + 1)], notes, trained=len(trains), output_cache=cache)
+    return StepRun(persistent, lives, [*phases, (OPTIMIZER, samples + 1)], notes, trained=len(trains),
+                   output_cache=cache)
 
 
 def _workspaces(forward: GemmCount, backward: GemmCount) -> tuple[list[int], Optional[str]]:
@@ -177,9 +200,10 @@ def _device_of(model: nn.Module, inputs: Any) -> str:
 
 
 def _forward(model: nn.Module, args: tuple, kwargs: dict, lifetimes: Lifetimes, loss_fn: Optional[Callable],
-             target: str, autocast: Optional[torch.dtype]) -> tuple[torch.Tensor, bool]:
-    """The forward and the loss, with the model's output dropped after it (garbage cycles collected):
-    (the loss, whether the output carried a key/value cache)."""
+             target: str, autocast: Optional[torch.dtype], accumulation: int = 1) -> tuple[torch.Tensor, bool]:
+    """The forward and the loss (divided by ``accumulation`` where it is over 1), with the model's
+    output dropped after it (garbage cycles collected): (the loss, whether the output carried a
+    key/value cache)."""
     region = torch.autocast(target, dtype=autocast) if autocast is not None else contextlib.nullcontext()
     # the collection below looks only at the objects made since the forward began (gc.freeze sets the
     # older ones aside): a full one costs tens of milliseconds once transformers is imported, more
@@ -196,6 +220,8 @@ def _forward(model: nn.Module, args: tuple, kwargs: dict, lifetimes: Lifetimes, 
             except Exception as error:
                 raise ForwardError(f"the forward raised {type(error).__name__}: {error}") from error
             loss = (loss_fn or default_loss)(output)
+            if accumulation > 1 and isinstance(loss, torch.Tensor):
+                loss = loss / accumulation
         cache = _has_cache(output)
         del output
         gc.collect()

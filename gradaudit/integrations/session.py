@@ -235,11 +235,13 @@ class TrainingSession:
         if checkpoints_itself(model):
             raise GradauditError("fit_memory may install a checkpoint plan, which replaces the model's own activation "
                                  "checkpointing, which this run turns on: turn it off or drop fit_memory")
-        fitted = fit(model, inputs, memory=self.options.fit_memory, optimizer=optimizer)
+        # what the callback can install is the model's part of a remedy: the trainer's batch stays as it is
+        fitted = fit(model, inputs, memory=self.options.fit_memory, optimizer=optimizer, split_batch=False)
         if not fitted.fits and fitted.remedy is None:
             raise GradauditError(f"fit_memory: a training step on the first batch peaks at {human_bytes(fitted.peak_bytes)}, "
                                  f"over {human_bytes(fitted.memory)}, and no trim or checkpoint plan brings it within: "
-                                 f"see gradaudit.fit for the breakdown (a smaller batch, fewer trained parameters)")
+                                 f"see gradaudit.fit for the breakdown and whether smaller micro-batches with gradient "
+                                 f"accumulation fit (a smaller batch, fewer trained parameters)")
         return fitted
 
     def _write(self, report: Report, title: str) -> None:

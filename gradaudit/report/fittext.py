@@ -15,19 +15,27 @@ _LABELS = {"parameters": "parameters", "buffers": "buffers", "inputs": "inputs (
 
 def render(fit: Any, *, quiet: bool = False) -> str:
     where = f"{fit.target} (on meta)" if fit.device == "meta" else fit.target
-    lines = [f"gradaudit fit: {fit.model}, one training step on {where} with {fit.optimizer}, "
+    micro = f" ({fit.accumulation} micro-batches accumulated)" if fit.accumulation > 1 else ""
+    lines = [f"gradaudit fit: {fit.model}, one training step{micro} on {where} with {fit.optimizer}, "
              f"{human_bytes(fit.memory)} of memory"]
-    verdict = "fits" if fit.fits else "does not fit"
-    lines.append(f"peak {human_bytes(fit.peak_bytes)} ({fit.peak_bytes} bytes) in the {fit.peak_phase}: {verdict}"
-                 + (f", {human_bytes(fit.memory - fit.peak_bytes)} to spare" if fit.fits else
-                    f" by {human_bytes(fit.peak_bytes - fit.memory)}"))
+    verdict = (f"fits, {human_bytes(fit.margin)} to spare" if fit.fits else
+               f"does not fit by {human_bytes(-fit.margin)}")
+    headroom = ""
+    if fit.headroom_given:
+        headroom = f", and {human_bytes(fit.headroom)} of headroom beside it (as given)"
+    elif fit.headroom:
+        headroom = (f", and {human_bytes(fit.headroom)} of headroom beside it (what the CUDA caching allocator "
+                    f"would reserve beyond the peak)")
+    lines.append(f"peak {human_bytes(fit.peak_bytes)} ({fit.peak_bytes} bytes) in the {fit.peak_phase}{headroom}: "
+                 f"{verdict}")
     if fit.reserved_bytes is not None:
+        by_default = "" if fit.headroom_given else "; the headroom is what it adds to the peak"
         lines.append(f"the CUDA caching allocator would reserve about {human_bytes(fit.reserved_bytes)} "
-                     f"(an estimate: its rules replayed over two steps; fits compares the allocated peak)")
+                     f"(an estimate: its rules replayed over two steps{by_default})")
     if quiet:  # one line: the verdict, and what the other lines would add, in short
+        with_headroom = f" with {human_bytes(fit.headroom)} of headroom" if fit.headroom else ""
         line = (f"gradaudit fit: {fit.model}: peak {human_bytes(fit.peak_bytes)} in the {fit.peak_phase} of "
-                f"{human_bytes(fit.memory)}: {verdict}" + (f", {human_bytes(fit.memory - fit.peak_bytes)} to spare"
-                                                          if fit.fits else f" by {human_bytes(fit.peak_bytes - fit.memory)}"))
+                f"{human_bytes(fit.memory)}{with_headroom}: {verdict}")
         if fit.reserved_bytes is not None:
             line += f"; about {human_bytes(fit.reserved_bytes)} reserved"
         if fit.remedy is not None:
@@ -41,17 +49,22 @@ def render(fit: Any, *, quiet: bool = False) -> str:
         lines.append(f"  {_LABELS.get(category, category):<30} {human_bytes(nbytes):>10}")
     if fit.remedy is not None:
         remedy = fit.remedy
-        lines.append(f"remedy: {remedy.describe()}: peak {human_bytes(remedy.peak_bytes)}, "
+        beside = f" and {human_bytes(remedy.headroom)} of headroom" if remedy.headroom else ""
+        lines.append(f"remedy: {remedy.describe()}: peak {human_bytes(remedy.peak_bytes)}{beside}, "
+                     f"{human_bytes(fit.memory - remedy.peak_bytes - remedy.headroom)} to spare, "
                      f"+{100 * remedy.extra_compute:.1f}% compute (FLOPs recomputed per step)")
+        if remedy.loop_change():
+            lines.append(f"  in the training loop: {remedy.loop_change()}")
         if remedy.checkpointed:
             lines.append(f"  checkpoint {path_ranges(remedy.checkpointed)}")
-            if remedy.plan.selective:
-                lines.append(f"  of which op by op: {path_ranges(remedy.plan.selective)}")
-        lines.append("  apply it in Python: fit = gradaudit.fit(model, inputs, memory=...); "
-                     "fit.remedy.apply(model)")
+            if remedy.selective:
+                lines.append(f"  of which op by op: {path_ranges(remedy.selective)}")
+        if remedy.plan is not None:
+            lines.append("  apply it in Python: fit = gradaudit.fit(model, inputs, memory=...); "
+                         "fit.remedy.apply(model)")
     elif fit.remedy_searched:
-        lines.append("no remedy: neither trim nor any checkpoint plan of the repeated blocks brings the step "
-                     "within memory")
+        lines.append("no remedy: neither smaller micro-batches, trim nor any checkpoint plan of the repeated blocks "
+                     "brings the step within memory")
     for alternative in fit.alternatives:
         extra = f", +{100 * alternative.extra_compute:.1f}% compute" if alternative.extra_compute is not None else ""
         lines.append(f"beside it, {alternative.name}: peak {human_bytes(alternative.peak_bytes)}{extra} "
