@@ -666,7 +666,7 @@ def _cost_needs_a_real_device() -> str:
 
 def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[str, ...], peak: bool = True,
              html_path: Optional[str] = None, selective: bool = True, cost: str = Cost.FLOPS, trim: bool = False,
-             bitpack: bool = True, bound: str = Bound.HELD) -> int:
+             bitpack: bool = True, bound: str = Bound.HELD, loss_spec: Optional[str] = None) -> int:
     from . import loading
     from .auditing import check_patterns
     from .planning import BudgetError, plan
@@ -692,6 +692,9 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
     if bound == Bound.PEAK and not peak:
         raise ScanFailed("--bound peak chooses by measured peaks: it cannot run with --no-peak")
     budget = budgets[0]
+    loss = loading.load_object(loss_spec) if loss_spec else None
+    if loss is not None and not callable(loss):
+        raise ScanFailed(f"--loss {loss_spec} is not callable: give module:function taking the model's output")
     model, inputs, where = _prepare_for_target(options)
     if cost == Cost.TIME and where == "meta":  # --device auto, and the factory built it on meta
         raise ScanFailed(_cost_needs_a_real_device())
@@ -704,7 +707,7 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
                       measure_peak=peak and (len(budgets) == 1 or bound == Bound.PEAK), selective=selective,
                       cost=cost, bound=bound,
                       target=options.target if where == "meta" else None, trim=trim,
-                      bitpack=bitpack if trim else None, progress=options.progress)
+                      bitpack=bitpack if trim else None, loss=loss, progress=options.progress)
     except BudgetError as error:
         chosen, code = error.smallest_plan, EXIT_ERROR
     options.progress.done()
@@ -768,12 +771,15 @@ def _sweep(first: Any, budgets: Sequence[int], options: ScanOptions, out: Callab
 @click.option("--trim", is_flag=True, help="Plan the bytes that remain with gradaudit.trim installed: every "
               "figure is with trim and the plan (in Python plan(..., trim=True), whose apply installs trim too).")
 @click.option("--no-bitpack", is_flag=True, help="With --trim: trim(bitpack=False), drops only.")
+@click.option("--loss", "loss_spec", metavar="MODULE:FN", help="A function from the model's output to the scalar "
+              "loss the measured steps backpropagate (default: the output's loss, as Hugging Face models given "
+              "labels return, else the sum of its first tensor; as fit takes it).")
 @quiet_option
 @debug_option
 def plan_command(spec: str, budget: tuple[str, ...], model: dict[str, Any], blocks: tuple[str, ...],
                  json_path: Optional[str],
                  html_path: Optional[str], no_peak: bool, cost: str, bound: str, no_selective: bool,
-                 trim: bool, no_bitpack: bool, quiet: bool,
+                 trim: bool, no_bitpack: bool, loss_spec: Optional[str], quiet: bool,
                  debug: bool) -> None:
     """Choose which modules of the model built by SPEC to checkpoint (recompute in backward) so that
     autograd holds at most --budget after the forward, for the least extra compute.
@@ -795,7 +801,7 @@ def plan_command(spec: str, budget: tuple[str, ...], model: dict[str, Any], bloc
     options = ScanOptions(spec=spec, **model, html=None, json=json_path, quiet=quiet, progress=progress)
     _exit_with(lambda: _per_rank(options, lambda ranked, path: run_plan(
         ranked, budget, blocks, peak=not no_peak, html_path=path(html_path), cost=cost, selective=not no_selective,
-        trim=trim, bitpack=not no_bitpack, bound=bound)), progress, debug)
+        trim=trim, bitpack=not no_bitpack, bound=bound, loss_spec=loss_spec)), progress, debug)
 
 
 FIT_EXIT_CODES_HELP = """\b

@@ -257,14 +257,17 @@ class PeakTracker(StorageTracker):
         return current - sum(current_nbytes(cdata) or 0 for cdata in set(exclude) if cdata in self.live)
 
 
-def forward_backward(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[int, int]:
+def forward_backward(model: torch.nn.Module, args: tuple, kwargs: dict,
+                     loss_fn: Optional[Callable[[Any], torch.Tensor]] = None) -> tuple[int, int]:
     """(bytes held after the forward, peak bytes through forward and backward), outputs excluded
     from the held figure. CPU: a PeakTracker; CUDA: the caching allocator's counters.
 
     Held as ``held_bytes_after_forward`` counts it (parameters registered after the forward
     excluded: FSDP2's root keeps its gathered parameters); the peak counts every storage the step
-    makes, FSDP2's gathered parameters while they are allocated among them. Every output tensor that
-    requires grad is backpropagated with a gradient of ones (a ModelOutput's loss and logits alike)."""
+    makes, FSDP2's gathered parameters while they are allocated among them. With ``loss_fn``, the step
+    is a training loop's: the loss taken from the output (after the held figure), the output dropped,
+    the loss backpropagated; without, every output tensor that requires grad is backpropagated with a
+    gradient of ones (a ModelOutput's loss and logits alike)."""
     device = next((t.device for t in [*model.parameters(), *iter_tensors((args, kwargs))]), torch.device("cpu"))
     cuda = device.type == "cuda"
     tracker = None
@@ -281,7 +284,10 @@ def forward_backward(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple
         output = model(*args, **kwargs)
         wait_collectives(output)
         outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
-        del output
+        if loss_fn is None:
+            del output
+        else:  # kept for the loss; its tensors that need no grad are outputs too, not held
+            outputs = unique([*outputs, *iter_tensors(output)])
         gc.collect()
         # not held: the outputs' storages and those registered in the forward (FSDP2's kept gathered parameters)
         registered = [*model.parameters(), *model.buffers()]
@@ -292,9 +298,15 @@ def forward_backward(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple
         else:
             held = tracker.settle(storage_keys(outputs) | storage_keys(registered))
         del registered
-        if outputs:
+        if loss_fn is not None:
+            loss = loss_fn(output)
+            del output, outputs
+            gc.collect()
+            loss.backward()
+            del loss
+        elif outputs:
             torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-        del outputs
+        outputs = None
     finally:
         if tracker is not None:
             tracker.__exit__(None, None, None)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from .errors import GradauditError
 from .torchapi.distributed import local_of
 from .torchapi.modules import module_slots
 from .torchapi.storages import sparse_coo_parts, storage_key
@@ -275,3 +276,15 @@ def first_meta_parameter(parameters: Any) -> Optional[torch.Tensor]:
         if first is None:
             first = p
     return first
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss a training loop takes from a model's output when none is given: the output's ``loss``
+    (Hugging Face models given labels) when it has one, else the sum of its first tensor."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    first = next(iter_tensors(output), None)
+    if first is None:
+        raise GradauditError("the model's output holds no tensor to take a loss from: pass loss=fn(output) -> scalar")
+    return first.sum()

@@ -190,7 +190,8 @@ def test_a_budget_on_the_peak_chooses_the_cheapest_plan_whose_measured_peak_fits
     chosen = plan(model, x, budget, bound="peak")
     assert chosen.bound == "peak" and chosen.fits and chosen.peak_bytes <= budget < chosen.unplanned_peak_bytes
     with chosen.apply(model):  # the peak it reports is one step's, as the tracker measures it again
-        assert forward_backward(model, (x,), {})[1] == chosen.peak_bytes
+        # (the loss a loop would take by default from a plain tensor output: its sum)
+        assert forward_backward(model, (x,), {}, lambda out: out.sum())[1] == chosen.peak_bytes
     # the frontier point just cheaper than the chosen one peaks above the budget
     index = chosen.frontier.index((chosen.held_bytes, chosen.extra_flops))
     assert index > 0
@@ -1449,3 +1450,29 @@ def test_cli_plans_on_top_of_trim(tmp_path, monkeypatch):
     assert data["trim"] is None and len(data["checkpointed"]) == 4
     refused = run("--budget", "1MiB", "--no-bitpack")
     assert refused.exit_code == 2 and "--no-bitpack is an option of --trim" in refused.stderr
+
+
+def test_the_plans_step_is_the_training_loops_and_its_peaks_are_fits(tiny_hf_model):
+    # a Hugging Face model given labels: the step backpropagates the output's loss (as fit does and
+    # a training loop does), not every output with ones (the logits too, which no loop does); the
+    # planned and unplanned peaks are then fit's peak less what is alive throughout (parameters,
+    # buffers, the batch; plain SGD keeps no state and its step allocates nothing)
+    model = tiny_hf_model("llama", num_hidden_layers=4, use_cache=False).train()
+    ids = torch.randint(0, 100, (2, 64), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+
+    def rise(fitted):
+        throughout = ("parameters", "buffers", "inputs", "optimizer_state", "workspaces")
+        return fitted.peak_bytes - sum(fitted.breakdown[c] for c in throughout)
+
+    unplanned = gradaudit.fit(model, batch, memory="1GiB", optimizer=torch.optim.SGD)
+    chosen = gradaudit.plan(model, batch, unplanned.breakdown["activations"] // 2)
+    assert chosen.checkpointed
+    with chosen.apply(model):
+        planned = gradaudit.fit(model, batch, memory="1GiB", optimizer=torch.optim.SGD)
+    assert (chosen.peak_bytes, chosen.unplanned_peak_bytes) == (rise(planned), rise(unplanned))
+    # a loss of the caller's own: the logits' sum (what the old step's ones amounted to for them)
+    logits_sum = lambda output: output.logits.sum()  # noqa: E731
+    own = gradaudit.plan(model, batch, unplanned.breakdown["activations"] // 2, loss=logits_sum)
+    fitted = gradaudit.fit(model, batch, memory="1GiB", optimizer=torch.optim.SGD, loss=logits_sum)
+    assert own.unplanned_peak_bytes == rise(fitted) != chosen.unplanned_peak_bytes

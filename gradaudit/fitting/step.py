@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..errors import ForwardError, GradauditError, NothingRequiresGradError
-from ..tensors import iter_tensors, split_inputs, storage_key, strided_parts, unique
+from ..tensors import default_loss, iter_tensors, split_inputs, storage_key, strided_parts, unique
 from . import optimizers
 from .lifetimes import Life, Lifetimes
 from .workspaces import GemmCount, workspaces
@@ -58,18 +58,6 @@ class StepRun:
     notes: list[str] = field(default_factory=list)
     trained: int = 0  # parameters with a gradient
     output_cache: bool = False  # the forward returned a key/value cache (Hugging Face use_cache=True)
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """The output's ``loss`` (Hugging Face models given labels) when it has one, else the sum of its
-    first tensor."""
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    first = next(iter_tensors(output), None)
-    if first is None:
-        raise GradauditError("the model's output holds no tensor to take a loss from: pass loss=fn(output) -> scalar")
-    return first.sum()
 
 
 def phase_names(accumulation: int) -> list[tuple[str, str]]:

@@ -20,18 +20,20 @@ from .solve import Point
 
 
 def step_figures(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
-                 applied: Callable[[], Any]) -> tuple[int, int]:
+                 applied: Callable[[], Any], loss: Optional[Callable[[Any], Any]] = None) -> tuple[int, int]:
     """(held after the forward less the outputs, peak through forward and backward) of one step
     with ``applied()`` in force (a plan's or a baseline's checkpointing), measured on the model's
     device: the storage tracker on CPU and meta (where it follows the meta tensors the step would
-    allocate), the allocator on CUDA. Left as found."""
+    allocate), the allocator on CUDA. The step is a training loop's: ``loss`` (default: the output's
+    loss, else the sum of its first tensor, as ``fit`` takes it) taken from the output, the output
+    dropped, the loss backpropagated. Left as found."""
     from ..measure import forward_backward
-    from ..tensors import split_inputs
+    from ..tensors import default_loss, split_inputs
 
     args, kwargs = split_inputs(inputs)
     with as_audited(model, inputs, trainable, frozen, target):
         with applied():
-            return forward_backward(model, args, kwargs)
+            return forward_backward(model, args, kwargs, loss or default_loss)
 
 
 class PeakProbes:
@@ -41,13 +43,14 @@ class PeakProbes:
 
     def __init__(self, model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
                  block_paths: Sequence[str], bitpack: Optional[bool], own_checkpointing: Sequence[str],
-                 progress: Callable[[str], None]) -> None:
+                 progress: Callable[[str], None], loss: Optional[Callable[[Any], Any]] = None) -> None:
         self._model = weakref.ref(model)
         self._inputs, self._trainable, self._frozen, self._target = inputs, trainable, frozen, target
         self._block_paths = tuple(block_paths)  # the chain's blocks, in order
         self._bitpack = bitpack
         self._own_checkpointing = tuple(own_checkpointing)  # checkpointed_now: turned off for every step
         self._progress = progress
+        self._loss = loss  # what the step backpropagates (None: step_figures' default)
         self._measured: dict[Any, tuple[int, int]] = {}  # (held, peak) of each step run, by what was applied
 
     def peak(self, point: Optional[Point]) -> int:
@@ -76,5 +79,5 @@ class PeakProbes:
             self._progress(f"measuring the peak of a step ({what})")
             with own_checkpointing_off(self._own_checkpointing):
                 self._measured[key] = step_figures(model, self._inputs, self._trainable, self._frozen, self._target,
-                                                   applied)
+                                                   applied, self._loss)
         return self._measured[key][1]

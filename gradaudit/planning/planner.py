@@ -68,6 +68,7 @@ def plan(
     cost: Union[str, Cost] = Cost.FLOPS,
     trim: Optional[bool] = None,
     bitpack: Optional[bool] = None,
+    loss: Optional[Callable[[Any], torch.Tensor]] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> Plan:
     """Choose which modules of ``model`` to checkpoint so that autograd holds at most ``budget``
@@ -95,6 +96,9 @@ def plan(
         model: with trim installed on it, as True (with its bitpack); without, as False. trim=False
         on a trimmed model raises GradauditError (its figures would be wrong for it).
     bitpack: trim's option (default True, or the installed handle's); only with trim.
+    loss: a callable from the model's output to the scalar loss that the measured steps backpropagate,
+        as a training loop does (default: the output's ``loss`` when it has one, as Hugging Face
+        models given labels do, else the sum of its first tensor; as ``fit`` takes it).
 
     Raises BudgetError when no plan of the blocks fits (its ``smallest`` says how low they go).
     The model is left as found; ``Plan.apply(model)`` checkpoints the chosen modules.
@@ -140,7 +144,7 @@ def plan(
         notes += note
         frontier = Frontier(chain, points, costs, fixed)
         probes = PeakProbes(model, inputs, trainable, frozen, report.target, [b.path for b in chain.blocks], bitpack,
-                            now, say)
+                            now, say, loss)
         chosen = frontier.cheapest(budget_bytes, 0, probes.peak if bound == Bound.PEAK else None)
         result = Plan(model=type(model).__name__, device=report.device, target=report.target,
                       unplanned_held_bytes=chain.held(()), step_flops=step_flops, blocks=frontier.blocks(),
