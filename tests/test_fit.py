@@ -735,3 +735,89 @@ def test_fits_leaves_the_headroom_free_by_default_the_allocators_reserve_on_cuda
     assert cpu.headroom == 0 and cpu.reserved_bytes is None
     assert gradaudit.fit(llama, batch, memory=cpu.peak_bytes, optimizer="sgd", headroom="1KiB",
                          remedy=False).margin == -1024
+
+
+class _Wide(nn.Module):
+    """16 -> 256 -> 4: the ReLU's result (64 x 256 fp32, 64 KiB) is the one activation the step makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 256), nn.Linear(256, 4)
+
+    def forward(self, x):
+        hidden = torch.relu(self.up(x))  # the line the attribution names
+        return self.down(hidden)
+
+
+def test_the_bytes_at_the_peak_are_attributed_to_op_module_and_source_line():
+    import inspect
+
+    torch.manual_seed(0)
+    model, x = _Wide(), torch.randn(64, 16)
+    fitted = gradaudit.fit(model, (x,), memory="1GiB", optimizer=torch.optim.SGD)
+    lines, first = inspect.getsourcelines(_Wide.forward)
+    line = first + next(i for i, text in enumerate(lines) if "the line the attribution names" in text)
+    relu = {"bytes": 64 * 256 * 4, "category": "activations", "op": "relu", "module": "",
+            "source": f"tests/test_fit.py:{line}", "phase": "forward"}
+    attribution = fitted.attribution
+    assert relu in attribution["largest"]
+    # every activation alive at the peak is the ReLU's result, made in the model's own forward
+    assert attribution["activations_by_module"] == [{"name": "", "bytes": fitted.breakdown["activations"]}]
+    assert fitted.breakdown["activations"] == 64 * 256 * 4
+    # the largest are largest first, and never more than the step made
+    sizes = [row["bytes"] for row in attribution["largest"]]
+    assert sizes == sorted(sizes, reverse=True) and sum(sizes) <= fitted.peak_bytes
+    temporaries = attribution["temporaries_by_op"]
+    assert sum(row["bytes"] for row in temporaries) == fitted.breakdown["temporaries"]
+    assert fitted.to_dict()["attribution"] == attribution
+    from gradaudit.report import fittext
+
+    text = fittext.render(fitted)
+    assert f"64 KiB  activations held for backward: relu (tests/test_fit.py:{line}), forward" in text
+
+
+def test_a_submodules_activations_are_its_own_and_a_checkpoints_recomputation_is_attributed(tiny_hf_model):
+    model = tiny_hf_model("llama", num_hidden_layers=2, use_cache=False).train()
+    batch = padded_batch(100)
+    fitted = gradaudit.fit(model, batch, memory="1GiB", optimizer=torch.optim.SGD)
+    modules = {row["name"] for row in fitted.attribution["activations_by_module"]}
+    assert any(name.startswith("model.layers.1.") for name in modules)
+    assert all(row["source"] is None or row["source"].startswith("transformers/")
+               for row in fitted.attribution["largest"])
+    # checkpointed, its layers' forward runs again in backward: what that makes is theirs, made in backward
+    hf_checkpointing(model)
+    try:
+        fitted = gradaudit.fit(model, batch, memory="1GiB", optimizer=torch.optim.SGD)
+    finally:
+        hf_checkpointing(model, on=False)
+    recomputed = [row for row in fitted.attribution["largest"] if row["phase"] == "backward" and row["module"]]
+    assert recomputed and all(row["module"].startswith("model.layers.") for row in recomputed)
+
+
+def test_levers_gradaudit_does_not_apply_are_named_with_the_bytes_they_would_save(transformers, llama):
+    from gradaudit.fitting.levers import LOSS_OPS
+
+    # AdamW on the small Llama: two float32 moments per trained parameter, alive throughout the step
+    batch = padded_batch(100)
+    plain = gradaudit.fit(llama, batch, memory="1GiB", optimizer=torch.optim.AdamW)
+    assert plain.fits and plain.levers == []  # named only where the step does not fit
+    tight = gradaudit.fit(llama, batch, memory=plain.peak_bytes - 1, optimizer=torch.optim.AdamW, remedy=False)
+    levers = {lever.name: lever for lever in tight.levers}
+    assert levers["optimizer state offloaded to the CPU"].saves_bytes == tight.breakdown["optimizer_state"]
+    # every tensor of this Llama has fewer than 4096 elements: bitsandbytes keeps their state in 32 bits
+    assert "8-bit optimizer state" not in levers and tight.to_dict()["levers"][0]["name"] in levers
+    # a Qwen2 of a 1000-token vocabulary on 2 x 128 tokens: its embedding's moments go to 8 bits, and the
+    # loss's log-softmax and its gradients are the largest storages at the peak (on a CUDA target the
+    # cuBLAS workspaces, 65 MiB, would outweigh them at this size)
+    qwen = _qwen2_on_meta(transformers, "fp32")
+    tokens = padded_batch(1000, sequence=128)
+    fitted = gradaudit.fit(qwen, tokens, memory=1, optimizer=torch.optim.AdamW, remedy=False)
+    levers = {lever.name: lever for lever in fitted.levers}
+    moments = [p.numel() * 4 for p in qwen.parameters() for _ in range(2)]  # exp_avg, exp_avg_sq
+    assert levers["8-bit optimizer state"].saves_bytes == sum(n * 3 // 4 for n in moments if n >= 4096 * 4) > 0
+    assert levers["optimizer state offloaded to the CPU"].saves_bytes == fitted.breakdown["optimizer_state"]
+    loss = levers["a loss that never holds the whole logits"]
+    rows = [row for row in fitted.attribution["largest"] if row["op"] in LOSS_OPS]
+    assert loss.saves_bytes == sum(row["bytes"] for row in rows) >= fitted.peak_bytes // 10
+    assert {row["op"] for row in rows} >= {"_log_softmax", "_log_softmax_backward_data"}
+    assert all(row["bytes"] == 2 * 128 * 1000 * 4 for row in rows if row["op"] == "_log_softmax")

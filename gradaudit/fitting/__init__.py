@@ -13,7 +13,7 @@ from torch import nn
 
 from ..errors import GradauditError
 from .result import Figures, Fit, figures
-from .step import CATEGORIES, run_step
+from .step import CATEGORIES, STATE, run_step
 
 __all__ = ["fit", "Fit", "CATEGORIES"]
 
@@ -121,9 +121,16 @@ def fit(
                  memory=memory_bytes, peak_bytes=step.peak_bytes, breakdown=step.breakdown,
                  peak_phase=step.peak_phase, timeline=step.timeline, trained_parameters=run.trained,
                  reserved_bytes=step.reserved_bytes, notes=notes, accumulation=accumulation,
-                 headroom=headroom_of(step), headroom_given=fixed_headroom is not None, _run=run)
+                 headroom=headroom_of(step), headroom_given=fixed_headroom is not None,
+                 attribution=step.attribution, _run=run)
     _searchable(result, model, builder, name, loss, trainable, frozen, target, on_meta, autocast, inputs, memo,
                 headroom_of)
+    if not result.fits:
+        from .levers import other_levers
+        from .result import allocated
+
+        result.levers = other_levers([allocated(n, target) for n in run.persistent.get(STATE, ())],
+                                     step.peak_bytes, step.attribution)
     if remedy and not result.fits and step.floor_bytes + headroom_of(step) > memory_bytes:
         from ..report.units import human_bytes
 

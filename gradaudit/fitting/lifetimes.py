@@ -24,13 +24,18 @@ from ..torchapi.storages import storage_id
 @dataclass
 class Life:
     """One storage: its size, the sample (op count) from which it is alive and the one from which it
-    is not (None: alive when the tracking ended), and the category it is put in afterwards."""
+    is not (None: alive when the tracking ended), the category it is put in afterwards, and what made
+    it: the op, the module whose forward was running ("" outside any submodule's) and the user's
+    source line (None where no line of the user's called the op: backward, the optimizer's step)."""
 
     key: int
     nbytes: int
     born: int
     died: Optional[int] = None
     category: str = ""
+    op: str = ""
+    module: str = ""
+    source: Optional[str] = None
 
 
 class Lifetimes(TorchDispatchMode):
@@ -39,10 +44,14 @@ class Lifetimes(TorchDispatchMode):
     completes, sample n is taken: a storage made by op n is alive in it; one freed before op n+1
     completes is not alive in sample n+1."""
 
-    def __init__(self, exclude: Iterable[int], counts: Callable[[torch.device], bool]) -> None:
+    def __init__(self, exclude: Iterable[int], counts: Callable[[torch.device], bool],
+                 where: Optional[Callable[[], tuple[str, Optional[str]]]] = None) -> None:
+        """``where()``: (the module running, the user's source line) when an op makes a storage."""
         super().__init__()
         self.exclude = set(exclude)
         self.counts = counts
+        self.where = where
+        self._op = ""
         self.samples = 0
         self.live: dict[int, Life] = {}
         self.lives: list[Life] = []
@@ -56,6 +65,7 @@ class Lifetimes(TorchDispatchMode):
         if is_gemm(packet):
             self.gemms.cublas += 1
             self.gemms.cublaslt += uses_cublaslt(packet, args)
+        self._op = str(packet).removeprefix("aten.")
         for t in op_leaves(out):
             if isinstance(t, torch.Tensor):
                 for part in strided_parts(t):
@@ -76,6 +86,7 @@ class Lifetimes(TorchDispatchMode):
 
     def _resized(self, storage: Any) -> None:
         """A storage resized in place: emptied, it is freed now; filled, it is made now."""
+        self._op = "FSDP2 all-gather buffer"
         key = storage_id(storage)
         if storage.nbytes() == 0:
             self._freed(key, None)
@@ -89,7 +100,9 @@ class Lifetimes(TorchDispatchMode):
         key = storage_id(storage)
         if key in self.live or key in self.exclude or not self.counts(storage.device):
             return
-        life = Life(key, storage.nbytes(), self.samples)
+        life = Life(key, storage.nbytes(), self.samples, op=self._op)
+        if self.where is not None:
+            life.module, life.source = self.where()
         self.live[key] = life
         self.lives.append(life)
         # the storage's Python object lives exactly as long as the storage (torch keeps it while the

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from .allocator import rounded
-from .step import CATEGORIES, GRADIENTS, INPUTS, StepRun
+from .step import ACTIVATIONS, CATEGORIES, GRADIENTS, INPUTS, TEMPORARIES, StepRun
 
 if TYPE_CHECKING:
     from .remedy import Remedy
@@ -38,6 +38,38 @@ class Figures:
     # batch, and every gradient (all alive at once when backward ends)
     floor_bytes: int = 0
     reserved_bytes: Optional[int] = None  # on CUDA, what the caching allocator would reserve (an estimate)
+    attribution: dict[str, Any] = field(default_factory=dict)  # what made the bytes at the peak (attribute)
+
+
+LARGEST = 10  # the storages, modules and ops an attribution lists
+
+
+def attribute(lives: list[Any], sample: int, phase_of: list[str], size: Any) -> dict[str, Any]:
+    """What made the bytes the step made that are alive in ``sample`` (1-based; the peak's): the
+    largest storages (bytes as ``size`` counts them, category, op, module, the user's line, the phase
+    that made it), the activations summed by module and the temporaries by op and module, largest
+    first, ``LARGEST`` of each."""
+    alive = [life for life in lives if life.born <= sample and (life.died is None or sample < life.died)]
+    alive.sort(key=lambda life: -size(life.nbytes))
+
+    def made_in(life: Any) -> str:
+        return phase_of[min(max(life.born, 1), len(phase_of)) - 1] if phase_of else ""
+
+    largest = [{"bytes": size(life.nbytes), "category": life.category, "op": life.op, "module": life.module,
+                "source": life.source, "phase": made_in(life)} for life in alive[:LARGEST]]
+
+    def summed(category: str, key: Any) -> list[dict[str, Any]]:
+        totals: dict[Any, int] = {}
+        for life in alive:
+            if life.category == category:
+                totals[key(life)] = totals.get(key(life), 0) + size(life.nbytes)
+        return [{"name": name, "bytes": nbytes} for name, nbytes in
+                sorted(totals.items(), key=lambda item: -item[1])[:LARGEST]]
+
+    return {"largest": largest,
+            "activations_by_module": summed(ACTIVATIONS, lambda life: life.module),
+            "temporaries_by_op": summed(TEMPORARIES, lambda life: f"{life.op} in {life.module or 'the model'}"
+                                        if life.module or life.source else f"{life.op} ({made_in(life)})")}
 
 
 def figures(run: StepRun, target: str) -> Figures:
@@ -68,8 +100,9 @@ def figures(run: StepRun, target: str) -> Figures:
         from .allocator import reserved_estimate
 
         reserved = reserved_estimate([n for c in CATEGORIES for n in run.persistent.get(c, ())], run.lives, samples)
+    attribution = attribute(run.lives, worst + 1, phase_of, lambda n: allocated(n, target)) if samples else {}
     return Figures(totals[worst] if samples else sum(steady.values()), at(worst) if samples else steady,
-                   phase_of[worst] if samples else "", timeline, floor, reserved)
+                   phase_of[worst] if samples else "", timeline, floor, reserved, attribution)
 
 
 @dataclass
@@ -96,6 +129,10 @@ class Fit:
     # CUDA the caching allocator's estimated reserve beyond the peak (reserved_bytes - peak_bytes)
     headroom: int = 0
     headroom_given: bool = False
+    # what made the bytes at the peak that the step made (fitting.result.attribute): the largest storages,
+    # the activations by module, the temporaries by op and module
+    attribution: dict[str, Any] = field(default_factory=dict)
+    levers: list[Any] = field(default_factory=list)  # where it does not fit: changes named, not applied (levers.py)
     remedy: Optional["Remedy"] = None  # the cheapest change whose step fits (None: fits as it is, or nothing does)
     remedy_searched: bool = False  # whether a remedy was looked for (only when it does not fit)
     alternatives: list[Any] = field(default_factory=list)  # what users otherwise try, measured beside the remedy
@@ -150,8 +187,10 @@ class Fit:
             "margin": self.margin,
             "allocator": self.allocator,
             "breakdown": dict(self.breakdown),
+            "attribution": self.attribution,
             "trained_parameters": self.trained_parameters,
             "remedy": self.remedy.to_dict() if self.remedy is not None else None,
+            "levers": [lever.to_dict() for lever in self.levers],
             "remedy_searched": self.remedy_searched,
             "alternatives": [a.to_dict() for a in self.alternatives],
             "timeline": list(self.timeline),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -32,6 +33,8 @@ import torch
 from torch import nn
 
 from ..errors import ForwardError, GradauditError, NothingRequiresGradError
+from ..module_tracker import ModuleTracker
+from ..sites import user_source_line
 from ..tensors import default_loss, iter_tensors, split_inputs, storage_key, strided_parts, unique
 from . import optimizers
 from .lifetimes import Life, Lifetimes
@@ -110,11 +113,18 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
         if trains and trains is leaves:
             notes.append(f"no parameter trains: the optimizer steps the {len(leaves)} input tensor(s) that require "
                          f"grad, as adversarial and style-transfer loops do")
-        lifetimes = Lifetimes(seen, counts)
+        # what made each storage: the module whose forward runs (a checkpoint's recomputation in
+        # backward too) and the user's line, found up to this frame (beyond it: the caller of fit)
+        tracker, stop = ModuleTracker(model), sys._getframe()
+
+        def where() -> tuple[str, Optional[str]]:
+            return tracker.stack[-1][0], user_source_line(sys._getframe(1), stop)
+
+        lifetimes = Lifetimes(seen, counts, where)
         phases: list[tuple[str, int]] = []
         held: set[int] = set()  # lives alive when a forward ends, by identity (a later storage may take a key)
         losses: set[int] = set()  # the lives of each micro-batch's loss
-        with applied():
+        with applied(), tracker:
             for forward_name, backward_name in phase_names(accumulation):
                 start = lifetimes.samples
                 loss, cache = _forward(model, args, kwargs, lifetimes, loss_fn, target, autocast, accumulation)

@@ -47,6 +47,7 @@ def render(fit: Any, *, quiet: bool = False) -> str:
     lines.append("at that peak:")
     for category, nbytes in fit.breakdown.items():
         lines.append(f"  {_LABELS.get(category, category):<30} {human_bytes(nbytes):>10}")
+    lines += _attribution(fit.attribution)
     if fit.remedy is not None:
         remedy = fit.remedy
         beside = f" and {human_bytes(remedy.headroom)} of headroom" if remedy.headroom else ""
@@ -69,6 +70,37 @@ def render(fit: Any, *, quiet: bool = False) -> str:
         extra = f", +{100 * alternative.extra_compute:.1f}% compute" if alternative.extra_compute is not None else ""
         lines.append(f"beside it, {alternative.name}: peak {human_bytes(alternative.peak_bytes)}{extra} "
                      f"({'fits' if alternative.fits else 'does not fit'})")
+    if fit.levers:
+        lines.append("other levers, named but not applied or measured by gradaudit:")
+        for lever in fit.levers:
+            lines.append(f"  {lever.name}: about {human_bytes(lever.saves_bytes)} less at that peak ({lever.how}; "
+                         f"assumes {lever.assumes})")
     lines.append(f"counted: {fit.allocator}")
     lines += [f"note: {note}" for note in fit.notes]
     return "\n".join(lines)
+
+
+SHOWN = 5  # rows of each attribution list in the terminal (the JSON and HTML have more)
+
+
+def _attribution(attribution: dict[str, Any]) -> list[str]:
+    """The largest storages the step made alive at the peak, and the activations by module."""
+    lines = []
+    largest = attribution.get("largest") or []
+    if largest:
+        lines.append("largest storages the step made, alive at that peak:")
+        for row in largest[:SHOWN]:
+            lines.append(f"  {human_bytes(row['bytes']):>10}  {made_by(row)}")
+    modules = attribution.get("activations_by_module") or []
+    if modules:
+        lines.append("activations held at that peak, by module:")
+        for row in modules[:SHOWN]:
+            lines.append(f"  {human_bytes(row['bytes']):>10}  {row['name'] or 'the model (outside its submodules)'}")
+    return lines
+
+
+def made_by(row: dict[str, Any]) -> str:
+    """One storage of an attribution, in words: its category, the op that made it, where and when."""
+    where = f" in {row['module']}" if row["module"] else ""
+    line = f" ({row['source']})" if row["source"] else ""
+    return f"{_LABELS.get(row['category'], row['category'])}: {row['op']}{where}{line}, {row['phase']}"
