@@ -8,7 +8,7 @@ timing.py measures) and prices any plan in FLOPs and seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -100,8 +100,32 @@ def counting() -> Any:
     from torch.utils.flop_counter import FlopCounterMode
 
     mode = FlopCounterMode(display=False)
-    mode.flop_registry = _EveryOp(mode.flop_registry)
+    registry = _EveryOp(mode.flop_registry)
+    for op, formula in list(registry.items()):
+        if "scaled_dot_product" in str(op):
+            registry[op] = _query_heads_for_grouped(formula)
+    mode.flop_registry = registry
     return mode
+
+
+def _query_heads_for_grouped(formula: Callable[..., int]) -> Callable[..., int]:
+    """An attention op's FLOP formula that counts grouped-query attention (fewer key/value heads than
+    query heads, as the kernels take them with ``enable_gqa``) as the kernel computes it, every
+    key/value head broadcast to its query heads: torch 2.11's formulas refuse the shapes (later ones
+    count them so). Its tensors are laid out (batch, heads, sequence, features)."""
+
+    def count(*args: Any, **kwargs: Any) -> int:
+        try:
+            return formula(*args, **kwargs)
+        except AssertionError:
+            shaped = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+            heads = max((a.shape[1] for a in shaped), default=0)
+            if not shaped or any(heads % a.shape[1] for a in shaped):
+                raise
+            return formula(*(torch.empty(a.shape[0], heads, *a.shape[2:], dtype=a.dtype, device="meta")
+                             if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args), **kwargs)
+
+    return count
 
 
 def count_flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,

@@ -142,19 +142,31 @@ def checkpointing_off() -> Iterator[None]:
         else:
             yield  # checkpoint calls the function between the two steps; nothing else happens
 
-    class Reentrant:
-        @staticmethod
-        def apply(function: Any, preserve_rng_state: Any, *args: Any) -> Any:
-            if getattr(function, KEEP_CHECKPOINTING, False):
-                return reentrant.apply(function, preserve_rng_state, *args)
-            return function(*args)
+    def plain_apply(function: Any, preserve_rng_state: Any, *args: Any) -> Any:
+        if getattr(function, KEEP_CHECKPOINTING, False):
+            return reentrant.apply(function, preserve_rng_state, *args)
+        return function(*args)
 
-    setattr(_CHECKPOINT, _GENERATOR_NAME, plain_generator)
+    with _checkpoint_replaced(plain_generator, plain_apply):
+        yield
+
+
+@contextlib.contextmanager
+def _checkpoint_replaced(generator: Callable[..., Any], apply: Callable[..., Any]) -> Iterator[None]:
+    """torch.utils.checkpoint's non-reentrant generator and its reentrant Function's ``apply``
+    replaced while in force (it looks both up in its module at each call)."""
+    original, reentrant = getattr(_CHECKPOINT, _GENERATOR_NAME), _CHECKPOINT.CheckpointFunction
+
+    class Reentrant:
+        pass
+
+    Reentrant.apply = staticmethod(apply)
+    setattr(_CHECKPOINT, _GENERATOR_NAME, generator)
     _CHECKPOINT.CheckpointFunction = Reentrant
     try:
         yield
     finally:
-        setattr(_CHECKPOINT, _GENERATOR_NAME, generator)
+        setattr(_CHECKPOINT, _GENERATOR_NAME, original)
         _CHECKPOINT.CheckpointFunction = reentrant
 
 
@@ -197,18 +209,11 @@ def recomputing_under(select: Callable[[Any], bool]) -> Iterator[None]:
         # the generator calls its function only to recompute (checkpoint runs the forward itself)
         return generator(under(function), *rest, **keywords)
 
-    class Reentrant:
-        @staticmethod
-        def apply(function: Any, preserve_rng_state: Any, *args: Any) -> Any:
-            return reentrant.apply(under(function), preserve_rng_state, *args)
+    def apply_under(function: Any, preserve_rng_state: Any, *args: Any) -> Any:
+        return reentrant.apply(under(function), preserve_rng_state, *args)
 
-    setattr(_CHECKPOINT, _GENERATOR_NAME, generator_under)
-    _CHECKPOINT.CheckpointFunction = Reentrant
-    try:
+    with _checkpoint_replaced(generator_under, apply_under):
         yield
-    finally:
-        setattr(_CHECKPOINT, _GENERATOR_NAME, generator)
-        _CHECKPOINT.CheckpointFunction = reentrant
 
 
 # The device type a checkpoint records the autocast state of (at the forward) and restores it for (in
