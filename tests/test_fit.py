@@ -782,8 +782,8 @@ def test_a_submodules_activations_are_its_own_and_a_checkpoints_recomputation_is
     fitted = gradaudit.fit(model, batch, memory="1GiB", optimizer=torch.optim.SGD)
     modules = {row["name"] for row in fitted.attribution["activations_by_module"]}
     assert any(name.startswith("model.layers.1.") for name in modules)
-    assert all(row["source"] is None or row["source"].startswith("transformers/")
-               for row in fitted.attribution["largest"])
+    # (a line of transformers' own code; relative to the working directory where a venv lies inside it)
+    assert all(row["source"] is None or "transformers/" in row["source"] for row in fitted.attribution["largest"])
     # checkpointed, its layers' forward runs again in backward: what that makes is theirs, made in backward
     hf_checkpointing(model)
     try:
