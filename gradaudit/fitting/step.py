@@ -129,7 +129,9 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
                 start = lifetimes.samples
                 loss, cache = _forward(model, args, kwargs, lifetimes, loss_fn, target, autocast, accumulation)
                 held |= {id(life) for life in lifetimes.live.values()}
-                losses |= {id(life) for life in lifetimes.live.values() if life.key == storage_key(loss)}
+                loss_life = lifetimes.live.get(storage_key(loss))
+                if loss_life is not None:
+                    losses.add(id(loss_life))
                 if not phases:
                     forward_gemms = dataclasses.replace(lifetimes.gemms)
                 middle = lifetimes.samples
