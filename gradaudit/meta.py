@@ -340,13 +340,23 @@ def _dropout_arguments(func: Any, args: tuple, kwargs: dict) -> Optional[tuple[A
 TARGETS = ("cpu", "cuda")
 
 
-class GroupedMmOnMeta(TorchDispatchMode):
-    """``_grouped_mm`` (mixture of experts) in float32 or float16 on meta. Its meta kernel accepts
-    bfloat16 only (the condition of CUDA's fused kernel); the CPU kernel, and CUDA's fallback for other
-    dtypes (a loop of matrix products, in aten/native/cuda/GroupedBlas.cpp since torch 2.10), take
-    them. The output is theirs (GroupedMMUtils.h, create_grouped_gemm_output_tensor): the meta kernel's
-    shape, each row padded to a multiple of 16 bytes (checked against the CPU kernel: a 10 x 6 float32
-    output has row stride 8). Dispatched below autograd, so the node and its saves are a real run's."""
+class DeviceKernelsOnMeta(TorchDispatchMode):
+    """Where a meta kernel returns other than the device's kernel would, the device's answer.
+    Dispatched below autograd, so the node and its saves are a real run's.
+
+    - ``_grouped_mm`` (mixture of experts) in float32 or float16. Its meta kernel accepts bfloat16
+      only (the condition of CUDA's fused kernel); the CPU kernel, and CUDA's fallback for other
+      dtypes (a loop of matrix products, in aten/native/cuda/GroupedBlas.cpp since torch 2.10), take
+      them. The output is theirs (GroupedMMUtils.h, create_grouped_gemm_output_tensor): the meta
+      kernel's shape, each row padded to a multiple of 16 bytes (checked against the CPU kernel: a
+      10 x 6 float32 output has row stride 8).
+    - ``convolution`` of a channels-last input or weight: the meta kernel returns a contiguous
+      output, the CPU's oneDNN and CUDA's cuDNN a channels-last one (ConvUtils.h:
+      ``mkldnn_conv_use_channels_last``, ``cudnn_conv_suggest_memory_format``: channels-last when
+      either operand suggests it). What follows then differs: SegFormer's depthwise convolution on a
+      transposed sequence, flattened and transposed back, feeds its Linear a contiguous input on the
+      CPU and on an H100 (``AddmmBackward0``), a strided one on meta (``MmBackward0``, the same bytes).
+    """
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -355,7 +365,26 @@ class GroupedMmOnMeta(TorchDispatchMode):
             shape = func(*as_bf16, *args[2:], **kwargs).shape
             dtype = kwargs.get("out_dtype") or args[0].dtype
             return torch.empty_strided(shape, _grouped_mm_strides(shape, dtype), dtype=dtype, device="meta")
+        if func is _CONVOLUTION:
+            out = func(*args, **kwargs)
+            layout = _channels_last_of(args[:2]) if out.device.type == "meta" else None
+            if layout is not None and not out.is_contiguous(memory_format=layout):
+                return torch.empty(out.shape, dtype=out.dtype, device="meta", memory_format=layout)
+            return out
         return func(*args, **kwargs)
+
+
+_CONVOLUTION = torch.ops.aten.convolution.default
+
+
+def _channels_last_of(operands: Any) -> Optional[torch.memory_format]:
+    """The channels-last format either of a convolution's input and weight suggests, if any."""
+    for t in operands:
+        if isinstance(t, torch.Tensor) and t.dim() in (4, 5):
+            layout = suggest_memory_format(t)
+            if layout in (torch.channels_last, torch.channels_last_3d):
+                return layout
+    return None
 
 
 _GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None)
@@ -409,7 +438,7 @@ def standing_for(target: str, also: Any = None) -> Iterator[Emulation]:
             stack.enter_context(cuda_autocast_without_cuda())
             # a checkpointed block recomputed in backward runs under the forward's CUDA autocast
             stack.enter_context(checkpoint_meta_as("cuda"))
-        stack.enter_context(GroupedMmOnMeta())
+        stack.enter_context(DeviceKernelsOnMeta())
         # above the kernels: it sees what they return (values carried through masks and positions)
         values = stack.enter_context(KnownValues())
         stack.enter_context(LiteralsOnMeta())

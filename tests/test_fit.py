@@ -418,9 +418,69 @@ def test_a_fit_for_cuda_estimates_what_the_allocator_reserves():
                          loss=lambda output: output.sum()).reserved_bytes is None
 
 
-# -- what max_memory_allocated counts besides the step's tensors: cuBLAS's workspaces ----------------
+# -- what max_memory_allocated counts besides the step's tensors: unsplit blocks, workspaces ----------
 
 MIB = 1 << 20
+
+
+def test_the_allocator_hands_out_a_whole_block_where_a_mib_or_less_would_remain():
+    from gradaudit.fitting.allocator import CachingAllocator
+
+    allocator = CachingAllocator()
+    allocator.malloc(11 * MIB)  # a 12 MiB segment (11 MiB rounded up to 2 MiB); 1 MiB would remain: not split
+    assert (allocator.allocated, allocator.requested) == (12 * MIB, 11 * MIB)
+    handle = allocator.malloc(9 * MIB)  # a 20 MiB segment, 11 MiB remain (more than 1 MiB): split
+    assert (allocator.allocated, allocator.requested) == (21 * MIB, 20 * MIB)
+    allocator.malloc(10 * MIB + 512)  # 10 MiB + 512 B from the 11 MiB free block: 1 MiB - 512 B would remain
+    assert allocator.allocated == 32 * MIB and allocator.requested == 30 * MIB + 512
+    allocator.free(handle)
+    assert (allocator.allocated, allocator.requested) == (23 * MIB, 21 * MIB + 512)
+
+
+def test_parameters_moved_to_the_gpu_are_counted_as_the_allocator_hands_them_out():
+    """Measured on an H100 (torch 2.11.0+cu130, benchmarks/gpu_check.py, section gaps): a Llama of 8
+    layers, 1024 wide, 2816 intermediate, 32,000 vocabulary, in fp32, built on the CPU and moved with
+    .to("cuda"): memory_allocated rose by 650,187,776 B for 622,924,800 B of storages. The replay gives
+    the same: each 2816 x 1024 fp32 weight (11 MiB) takes a 12 MiB segment whole (24 of them), each
+    embedding (32,000 x 1024 x 4 B = 125 MiB) a 126 MiB one, and the rest splits cleanly."""
+    transformers = pytest.importorskip("transformers")
+    from gradaudit.fitting.allocator import CachingAllocator
+
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                                      num_attention_heads=16, num_key_value_heads=4, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    order = []  # Module._apply's order (.to() and loading): a module's children first, then its own tensors
+
+    def walk(module):
+        for child in module.children():
+            walk(child)
+        order.extend(t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None)
+
+    walk(model)
+    allocator = CachingAllocator()
+    for nbytes in {id(t): t.untyped_storage().nbytes() for t in order}.values():
+        allocator.malloc(nbytes)
+    assert allocator.requested == 622_924_800
+    assert allocator.allocated == 650_187_776 == 622_924_800 + 24 * MIB + 2 * MIB
+
+
+def test_a_cuda_fit_counts_the_blocks_the_allocator_leaves_unsplit():
+    # one weight of 2816 x 1024 fp32 = 11 MiB: its gradient and AdamW's two moments are 11 MiB too, and
+    # each takes a 12 MiB block whole; on the CPU nothing is rounded
+    model = nn.Linear(1024, 2816, bias=False).to("meta")
+    on_cuda = gradaudit.fit(model, torch.empty(8, 1024, device="meta"), memory="1GiB", target="cuda",
+                            optimizer="adamw", loss=lambda output: output.sum())
+    assert on_cuda.breakdown["parameters"] == 11 * MIB and on_cuda.breakdown["optimizer_state"] == 22 * MIB
+    # the weight, its gradient, the two moments and an 11 MiB temporary of the optimizer alive at the peak
+    assert on_cuda.breakdown["unsplit_blocks"] == 5 * MIB
+    assert on_cuda.peak_bytes == sum(on_cuda.breakdown.values())
+    from gradaudit.report import fittext
+
+    assert "allocator blocks left unsplit" in fittext.render(on_cuda)
+    on_cpu = gradaudit.fit(model, torch.empty(8, 1024, device="meta"), memory="1GiB", target="cpu",
+                           optimizer="adamw", loss=lambda output: output.sum())
+    assert "unsplit_blocks" not in on_cpu.breakdown
 
 
 def _linear_stack(bias=True):

@@ -342,7 +342,7 @@ def test_autocast_on_meta_gives_each_op_the_cpu_dtype(name):
 def test_float32_grouped_mm_on_meta_has_the_cpu_kernels_layout():
     # the meta kernel accepts bfloat16 only; the CPU kernel (and CUDA's fallback) take float32 and
     # pad each output row to 16 bytes: a 10 x 6 float32 output has row stride 8 (9*8 + 6 = 78 floats)
-    from gradaudit.meta import GroupedMmOnMeta
+    from gradaudit.meta import DeviceKernelsOnMeta
 
     offs = torch.tensor([2, 5, 8, 10], dtype=torch.int32)
     cases = [(torch.randn(10, 16), torch.randn(4, 6, 16).transpose(-2, -1), offs),  # padded rows
@@ -350,8 +350,50 @@ def test_float32_grouped_mm_on_meta_has_the_cpu_kernels_layout():
              (torch.randn(4, 10, 16), torch.randn(4, 6, 16).transpose(-2, -1), None)]
     for x, w, o in cases:
         on_cpu = torch._grouped_mm(x, w, offs=o)
-        with GroupedMmOnMeta():
+        with DeviceKernelsOnMeta():
             on_meta = torch._grouped_mm(x.to("meta"), w.to("meta"), offs=None if o is None else o.to("meta"))
         assert (on_meta.shape, on_meta.stride(), on_meta.dtype) == (on_cpu.shape, on_cpu.stride(), on_cpu.dtype)
         assert on_meta.untyped_storage().nbytes() == on_cpu.untyped_storage().nbytes()
     assert on_cpu.stride() == (80, 8, 1)
+
+
+@pytest.mark.parametrize("operand", ["input", "weight", "neither"])
+def test_a_convolution_on_meta_returns_the_layout_the_cpu_kernel_returns(operand):
+    # oneDNN (and cuDNN) answer a channels-last input or weight with a channels-last output; the meta
+    # kernel with a contiguous one, which changes what later views and matrix products do
+    from gradaudit.meta import DeviceKernelsOnMeta
+
+    x, w = torch.randn(2, 8, 6, 6), torch.randn(4, 8, 3, 3)
+    if operand == "input":
+        x = x.contiguous(memory_format=torch.channels_last)
+    if operand == "weight":
+        w = w.contiguous(memory_format=torch.channels_last)
+    on_cpu = nn.functional.conv2d(x, w, padding=1)
+    with DeviceKernelsOnMeta():
+        on_meta = nn.functional.conv2d(x.to("meta"), w.to("meta"), padding=1)
+    assert (on_meta.shape, on_meta.stride()) == (on_cpu.shape, on_cpu.stride())
+    assert on_cpu.is_contiguous(memory_format=torch.channels_last) == (operand != "neither")
+
+
+def test_segformer_on_meta_is_audited_as_on_the_cpu():
+    """SegFormer's depthwise convolution takes a transposed sequence viewed as an image (channels-last
+    strides); its output, flattened and transposed back, is contiguous on the CPU and on a GPU, so the
+    Linear after it is one AddmmBackward0 (seen on an H100, torch 2.11): on meta too."""
+    transformers = pytest.importorskip("transformers")
+
+    def build(device):
+        torch.manual_seed(0)
+        config = transformers.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                                              num_attention_heads=[1, 2], decoder_hidden_size=32, num_labels=3)
+        with torch.device(device):
+            return transformers.SegformerForSemanticSegmentation(config).train()
+
+    batch = {"pixel_values": torch.randn(2, 3, 64, 64), "labels": torch.randint(0, 3, (2, 64, 64))}
+
+    def saves(report):
+        return sorted((t.node, t.attr, tuple(t.shape), t.held) for t in report.tensors)
+
+    on_cpu = gradaudit.audit(build("cpu"), batch)
+    on_meta = gradaudit.audit(build("meta"), batch)
+    assert on_meta.saved_bytes == on_cpu.saved_bytes and saves(on_meta) == saves(on_cpu)
+    assert sum(t.node == "AddmmBackward0" for t in on_meta.tensors) > sum(t.node == "MmBackward0" for t in on_meta.tensors)

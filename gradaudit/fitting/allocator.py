@@ -52,6 +52,12 @@ class CachingAllocator:
 
     def __init__(self) -> None:
         self.reserved = 0
+        # what torch.cuda.memory_allocated counts: the sizes of the blocks handed out, a block not
+        # split (1 MiB or less would remain in the large pool, under 512 bytes in the small one)
+        # whole; and the rounded requests beside it
+        self.allocated = 0
+        self.requested = 0
+        self._requests: dict[tuple[int, int], int] = {}
         self._segments = 0
         self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # small? -> (size, seg, offset)
         self._starts: dict[tuple[int, int], _Block] = {}  # (segment, offset) -> block
@@ -93,6 +99,9 @@ class CachingAllocator:
             block.size = size
         block.free = False
         self._add(block)
+        self.allocated += block.size
+        self.requested += size
+        self._requests[(block.segment, block.offset)] = size
         return block.segment, block.offset
 
     def free(self, handle: Optional[tuple[int, int]]) -> None:
@@ -100,6 +109,8 @@ class CachingAllocator:
             return
         block = self._starts[handle]
         self._remove(block)
+        self.allocated -= block.size
+        self.requested -= self._requests.pop(handle)
         block.free = True
         after = self._starts.get((block.segment, block.offset + block.size))
         if after is not None and after.free:
@@ -112,10 +123,14 @@ class CachingAllocator:
         self._add(block)
 
 
-def reserved_estimate(persistent: Iterable[int], lives: Iterable[object], samples: int, repeats: int = 2) -> int:
-    """The bytes the allocator reserves by the end of ``repeats`` steps (reserved never falls, so it is
-    the peak): the persistent storages allocated first, then each step's allocations and frees in
-    sample order (a sample's frees before its allocations)."""
+def replay(persistent: Iterable[int], lives: Iterable[object], samples: int,
+           repeats: int = 2) -> tuple[int, list[int]]:
+    """The step's allocations replayed through the allocator: the persistent storages allocated first,
+    in the order given (parameters one after another, as ``.to("cuda")`` or loading a checkpoint
+    makes them), then ``repeats`` steps' allocations and frees in sample order (a sample's frees
+    before its allocations). Returns the bytes reserved by the end (reserved never falls, so it is
+    the peak), and for each sample 1..``samples`` of the last step the bytes the allocator hands out
+    beyond the rounded requests alive then (blocks left unsplit), which ``memory_allocated`` counts."""
     allocator = CachingAllocator()
     for nbytes in persistent:
         allocator.malloc(nbytes)
@@ -126,13 +141,17 @@ def reserved_estimate(persistent: Iterable[int], lives: Iterable[object], sample
         births.setdefault(life.born, []).append(life)
         if life.died is not None:
             deaths.setdefault(life.died, []).append(life)
+    unsplit: list[int] = []
     for _ in range(repeats):
         handles: dict[int, Optional[tuple[int, int]]] = {}
+        unsplit = []
         for sample in range(1, samples + 2):
             for life in deaths.get(sample, ()):
                 allocator.free(handles.pop(id(life), None))
             for life in births.get(sample, ()):
                 handles[id(life)] = allocator.malloc(life.nbytes)
+            if sample <= samples:
+                unsplit.append(allocator.allocated - allocator.requested)
         for handle in handles.values():  # what outlives the step (the loss) is gone before the next
             allocator.free(handle)
-    return allocator.reserved
+    return allocator.reserved, unsplit

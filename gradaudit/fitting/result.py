@@ -72,13 +72,25 @@ def attribute(lives: list[Any], sample: int, phase_of: list[str], size: Any) -> 
                                         if life.module or life.source else f"{life.op} ({made_in(life)})")}
 
 
+UNSPLIT = "unsplit_blocks"  # on CUDA: what the caching allocator hands out beyond the requests (allocator.py)
+
+
 def figures(run: StepRun, target: str) -> Figures:
-    """The step's peak, breakdown and timeline as the target's allocator counts them."""
+    """The step's peak, breakdown and timeline as the target's allocator counts them (on CUDA, the
+    blocks it leaves unsplit included, as ``torch.cuda.memory_allocated`` counts them)."""
+    from .allocator import replay
     from .lifetimes import sweep
 
     steady = {c: sum(allocated(n, target) for n in run.persistent.get(c, ())) for c in CATEGORIES}
     samples = sum(count for _, count in run.phases)
     rows = sweep(run.lives, samples, CATEGORIES, lambda n: allocated(n, target))
+    categories = CATEGORIES
+    reserved = None
+    if target == "cuda":
+        reserved, unsplit = replay([n for c in CATEGORIES for n in run.persistent.get(c, ())], run.lives, samples)
+        steady[UNSPLIT] = 0
+        rows.append(unsplit)
+        categories = (*CATEGORIES, UNSPLIT)
     totals = [sum(steady.values()) + sum(row[i] for row in rows) for i in range(samples)]
     phase_of = []
     for phase, count in run.phases:
@@ -86,7 +98,7 @@ def figures(run: StepRun, target: str) -> Figures:
     worst = max(range(samples), key=totals.__getitem__) if samples else 0
 
     def at(i: int) -> dict[str, int]:
-        return {c: steady[c] + rows[k][i] for k, c in enumerate(CATEGORIES)}
+        return {c: steady[c] + rows[k][i] for k, c in enumerate(categories)}
 
     step = max(1, -(-samples // TIMELINE_POINTS))
     timeline = []
@@ -95,11 +107,6 @@ def figures(run: StepRun, target: str) -> Figures:
         timeline.append({"sample": i + 1, "phase": phase_of[i], **at(i)})
     floor = sum(steady.values()) - steady[INPUTS] + sum(allocated(life.nbytes, target) for life in run.lives
                                                         if life.category == GRADIENTS)
-    reserved = None
-    if target == "cuda":
-        from .allocator import reserved_estimate
-
-        reserved = reserved_estimate([n for c in CATEGORIES for n in run.persistent.get(c, ())], run.lives, samples)
     attribution = attribute(run.lives, worst + 1, phase_of, lambda n: allocated(n, target)) if samples else {}
     return Figures(totals[worst] if samples else sum(steady.values()), at(worst) if samples else steady,
                    phase_of[worst] if samples else "", timeline, floor, reserved, attribution)

@@ -16,7 +16,8 @@ from .units import human_bytes, path_ranges
 
 # one colour per category, in the order they are stacked (what is there all along at the bottom)
 COLOURS = {"parameters": "#8a96a3", "buffers": "#b4bcc6", "inputs": "#c9a66b", "optimizer_state": "#7d5ba6",
-           "workspaces": "#6b6b6b", "gradients": "#c0392b", "activations": "#2a5db0", "temporaries": "#56a6c9"}
+           "workspaces": "#6b6b6b", "gradients": "#c0392b", "activations": "#2a5db0", "temporaries": "#56a6c9",
+           "unsplit_blocks": "#9a9a9a"}
 
 
 def timeline_chart(timeline: Sequence[dict[str, Any]], memory: int, categories: Sequence[str], top_bytes: int,
@@ -59,21 +60,23 @@ def render(fit: Any, *, title: Optional[str] = None) -> str:
     """The fit as one HTML document (a string; the caller decides where it goes)."""
     from ..fitting import CATEGORIES
 
+    # on CUDA the allocator's unsplit blocks are a category of their own, last
+    categories = (*CATEGORIES, *(c for c in fit.breakdown if c not in CATEGORIES))
     remedy = fit.remedy
     highest = max([fit.memory, fit.peak_bytes] + ([remedy.peak_bytes] if remedy is not None else []))
     charts = [{"name": "the step as it is", "peak": fit.peak_bytes,
-               "chart": timeline_chart(fit.timeline, fit.memory, CATEGORIES, highest)}]
+               "chart": timeline_chart(fit.timeline, fit.memory, categories, highest)}]
     if remedy is not None and remedy.timeline:
         charts.append({"name": f"with the remedy: {remedy.describe()}", "peak": remedy.peak_bytes,
-                       "chart": timeline_chart(remedy.timeline, fit.memory, CATEGORIES, highest)})
+                       "chart": timeline_chart(remedy.timeline, fit.memory, categories, highest)})
     context = {
         "title": title or f"gradaudit fit: {fit.model}",
         "fit": fit,
         "charts": charts,
-        "legend": [{"category": c, "colour": COLOURS[c]} for c in CATEGORIES],
+        "legend": [{"category": c, "colour": COLOURS[c]} for c in categories],
         "breakdown": [{"category": c, "bytes": fit.breakdown.get(c, 0),
                        "remedied": remedy.breakdown.get(c, 0) if remedy is not None else None}
-                      for c in CATEGORIES],
+                      for c in categories],
         "ranges": path_ranges(remedy.checkpointed) if remedy is not None else "",
         "css": Markup(_load_template("report.css")),
     }

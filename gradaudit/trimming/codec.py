@@ -107,12 +107,20 @@ def pack_bits(mask: torch.Tensor, inverted: bool = False) -> torch.Tensor:
         return packed
     padded = torch.zeros((packed.numel() * 8,), dtype=torch.uint8, device=mask.device)
     padded[:count] = mask.view(torch.uint8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
+    weights = _BIT_WEIGHTS.get(mask.device)
+    if weights is None:
+        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
+        if type(weights) is torch.Tensor and weights.device.type == "cuda":
+            # kept per GPU: a tensor built from a Python list there is a blocking copy from the host,
+            # which per save stalled every trimmed step (benchmarks/gpu_check.py on an H100). Never
+            # a fake or meta one: it would outlive the mode that made it
+            _BIT_WEIGHTS[mask.device] = weights
     torch.sum(padded.view(-1, 8) * weights, dim=1, dtype=torch.uint8, out=packed)
     return packed.bitwise_not_() if inverted else packed
 
 
 _TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
 def _bit_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
