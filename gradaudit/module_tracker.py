@@ -61,6 +61,8 @@ class ModuleTracker:
         elif boundary is None:
             def pre(module: nn.Module, args: Any) -> None:
                 stack.append(entry)
+                if self.timeline is not None and not compiling():
+                    self.timeline.append((sequence_number(), entry))
         else:
             def pre(module: nn.Module, args: Any) -> None:
                 boundary(args)

@@ -850,8 +850,12 @@ def test_a_submodules_activations_are_its_own_and_a_checkpoints_recomputation_is
         fitted = gradaudit.fit(model, batch, memory="1GiB", optimizer=torch.optim.SGD)
     finally:
         hf_checkpointing(model, on=False)
-    recomputed = [row for row in fitted.attribution["largest"] if row["phase"] == "backward" and row["module"]]
+    largest = fitted.attribution["largest"]
+    # silu runs only in a forward: made in backward, it is the recomputation's, in the layer's MLP
+    recomputed = [row for row in largest if row["phase"] == "backward" and row["op"] == "silu"]
     assert recomputed and all(row["module"].startswith("model.layers.") for row in recomputed)
+    # backward's own ops are named by the module that made their node: lm_head's weight gradient
+    assert any(row["category"] == "gradients" and row["module"] == "lm_head" for row in largest)
 
 
 def test_levers_gradaudit_does_not_apply_are_named_with_the_bytes_they_would_save(transformers, llama):
@@ -878,6 +882,43 @@ def test_levers_gradaudit_does_not_apply_are_named_with_the_bytes_they_would_sav
     assert levers["optimizer state offloaded to the CPU"].saves_bytes == fitted.breakdown["optimizer_state"]
     loss = levers["a loss that never holds the whole logits"]
     rows = [row for row in fitted.attribution["largest"] if row["op"] in LOSS_OPS]
-    assert loss.saves_bytes == sum(row["bytes"] for row in rows) >= fitted.peak_bytes // 10
+    # every storage of the loss's ops alive at the peak, not only those among the ten largest
+    assert loss.saves_bytes == fitted.attribution["loss_bytes"] >= sum(row["bytes"] for row in rows)
+    assert loss.saves_bytes >= fitted.peak_bytes // 10
     assert {row["op"] for row in rows} >= {"_log_softmax", "_log_softmax_backward_data"}
     assert all(row["bytes"] == 2 * 128 * 1000 * 4 for row in rows if row["op"] == "_log_softmax")
+
+
+def test_activations_at_the_peak_are_summed_per_repeated_block(llama, monkeypatch):
+    from gradaudit.fitting import result
+    from gradaudit.fitting.result import block_of
+
+    monkeypatch.setattr(result, "LARGEST", 1000)  # every module listed, to sum them independently
+    fitted = gradaudit.fit(llama, padded_batch(100), memory="1GiB", remedy=False)
+    attribution = fitted.attribution
+    by_block = {row["name"]: row["bytes"] for row in attribution["activations_by_block"]}
+    layers = [name for name in by_block if name.startswith("model.layers.")]
+    repeated, = [row for row in attribution["repeated_blocks"] if row["name"] == "model.layers"]
+    assert repeated["blocks"] == len(layers) == llama.config.num_hidden_layers
+    assert repeated["bytes"] == sum(by_block[name] for name in layers)
+    assert repeated["largest_block"] == max(by_block[name] for name in layers)
+    # each block's figure is the sum of its modules' (the by-module list names every module here)
+    by_module = attribution["activations_by_module"]
+    for name in layers:
+        assert by_block[name] == sum(row["bytes"] for row in by_module if block_of(row["name"]) == name) > 0
+    assert block_of("encoder.block.2.layer.0.DenseReluDense") == "encoder.block.2" and block_of("lm_head") == "lm_head"
+
+
+def test_backward_temporaries_are_named_by_the_module_whose_forward_made_their_node():
+    # the peak falls in backward: the second Linear's mm makes the 64 x 4096 float32 gradient of the
+    # ReLU's result (64*4096*4 = 1 MiB) while that result is still held, and threshold_backward makes
+    # another of that size: the ops run in no module's forward, but their nodes were made in "2" and "1"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 4096), nn.ReLU(), nn.Linear(4096, 16))
+    fitted = gradaudit.fit(model, (torch.randn(64, 16),), memory="1GiB", optimizer="sgd",
+                           loss=lambda output: output.sum())
+    assert fitted.peak_phase == "backward"
+    temporaries = {row["name"]: row["bytes"] for row in fitted.attribution["temporaries_by_op"]}
+    assert temporaries["mm in 2 (backward)"] == temporaries["threshold_backward in 1 (backward)"] == 64 * 4096 * 4
+    made = {(row["op"], row["module"], row["phase"]) for row in fitted.attribution["largest"]}
+    assert {("mm", "2", "backward"), ("threshold_backward", "1", "backward"), ("relu", "1", "forward")} <= made

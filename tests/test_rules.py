@@ -8,7 +8,7 @@ from torch import nn
 
 import gradaudit
 from gradaudit.rules.registry import all_rules
-from tests.fixtures.rule_models import (FIXTURES, CustomFunctionWaste, DropoutMLP, EagerAttention,
+from tests.fixtures.rule_models import (FIXTURES, CustomFunctionWaste, DropoutMLP, EagerAttention, LanguageModelLoss,
                                         InputGradMLP, LastTokenHead)
 from tests.rule_harness import actual, audit_fixture, expected, expected_details
 
@@ -58,7 +58,9 @@ def test_findings_carry_a_pasteable_fix():
     (EagerAttention, "GA801", None, 2 * 2 * 12 * 12 * 4 - 2 * 2 * 12 * 4),
     # GELU keeps its input, body's 8x32 float32 output: 8*32*4 = 1024 bytes, in module "act"
     (InputGradMLP, "GA501", "act", 8 * 32 * 4),
-], ids=["dropout-mask", "view-keeps-base", "attention", "input-gradient-per-module"])
+    # float32 log-probabilities of 2*8 positions over 20,000 classes: 2*8*20000*4 = 1,280,000 bytes
+    (LanguageModelLoss, "GA702", None, 2 * 8 * 20000 * 4),
+], ids=["dropout-mask", "view-keeps-base", "attention", "input-gradient-per-module", "loss-log-probabilities"])
 def test_finding_bytes(fixture, code, module, expected):
     finding, = [f for f in audit_fixture(fixture).findings if f.code == code]
     assert finding.bytes == expected
@@ -227,3 +229,14 @@ def test_sdpa_with_attention_dropout_names_the_cause_not_sdpa(family, tiny_hf_co
     assert finding.bytes == held_bytes_after_forward(build(0.1), ids) - held_bytes_after_forward(build(0.0), ids) > 0
     assert not [f for f in gradaudit.audit(build(0.0), ids).findings if f.code == "GA801"]
     assert not [f for f in gradaudit.audit(build(0.1).eval(), ids).findings if f.code == "GA801"]
+
+
+def test_a_loss_over_a_large_vocabulary_names_the_cast_and_a_small_one_is_not_flagged():
+    report = audit_fixture(LanguageModelLoss)
+    finding, = [f for f in report.findings if f.code == "GA702"]
+    assert "16 positions over 20,000 classes" in finding.message and "from logits cast to float32" in finding.message
+    assert finding.rewrite and finding.severity == "waste"
+    # 16,384 classes or fewer: the rule stays silent (a classifier's head is not a vocabulary)
+    head = nn.Linear(16, 1000)
+    small = gradaudit.audit(nn.Sequential(head, nn.LogSoftmax(-1)), torch.randn(4, 16))
+    assert not [f for f in small.findings if f.code == "GA702"]

@@ -126,10 +126,11 @@ def _trigger(code: str):
         return EagerAttention(), torch.randn(2, 8, 16), False
     if code == "GA000":
         return Apply(SavesInputToo), torch.randn(8, 32), True
-    if code in ("GA001", "GA002", "GA202", "GA302"):
-        from tests.fixtures.rule_models import GatherAndPow, NormBiasOnly, PoolingHead
+    if code in ("GA001", "GA002", "GA202", "GA302", "GA702"):
+        from tests.fixtures.rule_models import GatherAndPow, LanguageModelLoss, NormBiasOnly, PoolingHead
 
-        fixture = {"GA001": GatherAndPow, "GA002": GatherAndPow, "GA202": NormBiasOnly, "GA302": PoolingHead}[code]
+        fixture = {"GA001": GatherAndPow, "GA002": GatherAndPow, "GA202": NormBiasOnly, "GA302": PoolingHead,
+                   "GA702": LanguageModelLoss}[code]
         model, inputs, _ = fixture.build()
         return model, inputs, False
     return None

@@ -52,12 +52,12 @@ def other_levers(state_sizes: list[int], peak_bytes: int, attribution: dict[str,
             "the state and the optimizer's step on the CPU (host memory and a copy of each gradient over "
             "PCIe per step)",
             "DeepSpeed ZeRO-Offload (offload_optimizer), or torchao's CPUOffloadOptimizer"))
-    loss = sum(row["bytes"] for row in attribution.get("largest", []) if row["op"] in LOSS_OPS)
+    loss = attribution.get("loss_bytes", 0)
     if loss >= LOSS_SHARE * peak_bytes:
         levers.append(Lever(
             "a loss that never holds the whole logits", loss,
-            "the loss's log-softmax held for backward and backward's gradients of it, alive at the peak among "
-            "the largest storages, not made: a fused kernel recomputes them block by block",
+            "the loss's log-softmax held for backward and backward's gradients of it, alive at the peak, not "
+            "made: a fused kernel recomputes them block by block",
             "a fused linear-cross-entropy (Liger Kernel's LigerFusedLinearCrossEntropyLoss, Apple's "
             "cut-cross-entropy), or the loss over chunks of the sequence"))
     return levers

@@ -5,10 +5,12 @@ target's allocator (``allocated``: what CUDA's caching allocator hands out for a
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from .allocator import rounded
+from .levers import LOSS_OPS
 from .step import ACTIVATIONS, CATEGORIES, GRADIENTS, INPUTS, TEMPORARIES, StepRun
 
 if TYPE_CHECKING:
@@ -42,6 +44,28 @@ class Figures:
 
 
 LARGEST = 10  # the storages, modules and ops an attribution lists
+_BLOCK = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")  # the outermost "<container>.<index>" of a module path
+
+
+def block_of(module: str) -> str:
+    """The outermost numbered block a module belongs to ("model.layers.3.mlp.down_proj" ->
+    "model.layers.3"), or the module itself."""
+    match = _BLOCK.match(module)
+    return f"{match.group(1)}.{match.group(2)}" if match else module
+
+
+def repeated_blocks(alive: list[Any], size: Any) -> list[dict[str, Any]]:
+    """The activations alive then, per container of numbered blocks ("model.layers"): how many of its
+    blocks hold any, their bytes in all and the most one block holds; largest first."""
+    blocks: dict[str, dict[str, int]] = {}
+    for life in alive:
+        match = _BLOCK.match(life.module) if life.category == ACTIVATIONS else None
+        if match:
+            per = blocks.setdefault(match.group(1), {})
+            per[match.group(2)] = per.get(match.group(2), 0) + size(life.nbytes)
+    rows = [{"name": name, "blocks": len(per), "bytes": sum(per.values()), "largest_block": max(per.values())}
+            for name, per in blocks.items()]
+    return sorted(rows, key=lambda row: -row["bytes"])[:LARGEST]
 
 
 def attribute(lives: list[Any], sample: int, phase_of: list[str], size: Any) -> dict[str, Any]:
@@ -68,8 +92,14 @@ def attribute(lives: list[Any], sample: int, phase_of: list[str], size: Any) -> 
 
     return {"largest": largest,
             "activations_by_module": summed(ACTIVATIONS, lambda life: life.module),
-            "temporaries_by_op": summed(TEMPORARIES, lambda life: f"{life.op} in {life.module or 'the model'}"
-                                        if life.module or life.source else f"{life.op} ({made_in(life)})")}
+            "activations_by_block": summed(ACTIVATIONS, lambda life: block_of(life.module)),
+            "repeated_blocks": repeated_blocks(alive, size),
+            # every storage of the loss's ops alive then (its log-softmax and backward's gradients of it)
+            "loss_bytes": sum(size(life.nbytes) for life in alive if life.op in LOSS_OPS),
+            # by op, module and phase (backward's ops by the module whose forward made their node)
+            "temporaries_by_op": summed(TEMPORARIES, lambda life: f"{life.op} in {life.module or 'the model'} "
+                                        f"({made_in(life)})" if life.module or life.source
+                                        else f"{life.op} ({made_in(life)})")}
 
 
 UNSPLIT = "unsplit_blocks"  # on CUDA: what the caching allocator hands out beyond the requests (allocator.py)
@@ -161,8 +191,10 @@ class Fit:
     def allocator(self) -> str:
         """What ``peak_bytes`` counts, in words."""
         if self.target == "cuda":
-            return ("bytes allocated by PyTorch's CUDA caching allocator (each storage rounded up to 512 B), as "
-                    "torch.cuda.max_memory_allocated reports, cuBLAS's workspaces included; the allocator reserves "
+            return ("bytes allocated by PyTorch's CUDA caching allocator (each storage rounded up to 512 B, and "
+                    "whole blocks where it leaves one unsplit, its rules replayed with the parameters allocated "
+                    "one after another as loading does), as torch.cuda.max_memory_allocated reports, cuBLAS's "
+                    "workspaces included; the allocator reserves "
                     "more (whole segments, cached free blocks: reserved_bytes estimates it by replaying its rules), "
                     "and the CUDA context and cuDNN's per-call convolution workspaces are not counted: give them "
                     "headroom (by default the headroom is what the allocator reserves beyond the peak), or set "

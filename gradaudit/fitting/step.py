@@ -39,6 +39,7 @@ from ..tensors import default_loss, iter_tensors, split_inputs, storage_key, str
 from . import optimizers
 from .lifetimes import Life, Lifetimes
 from .workspaces import GemmCount, workspaces
+from ..torchapi.autograd import current_node, node_sequence_number
 from ..torchapi.distributed import local_of
 from ..torchapi.optimizers import fused_optimizers_on_meta
 
@@ -114,11 +115,19 @@ def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str
             notes.append(f"no parameter trains: the optimizer steps the {len(leaves)} input tensor(s) that require "
                          f"grad, as adversarial and style-transfer loops do")
         # what made each storage: the module whose forward runs (a checkpoint's recomputation in
-        # backward too) and the user's line, found up to this frame (beyond it: the caller of fit)
+        # backward too) and the user's line, found up to this frame (beyond it: the caller of fit).
+        # In backward, the module whose forward made the node running then (the tracker's timeline
+        # of which module ran from which node's sequence number on)
         tracker, stop = ModuleTracker(model), sys._getframe()
+        tracker.timeline = []
 
         def where() -> tuple[str, Optional[str]]:
-            return tracker.stack[-1][0], user_source_line(sys._getframe(1), stop)
+            module = tracker.stack[-1][0]
+            if len(tracker.stack) == 1:
+                node = current_node()
+                if node is not None:
+                    module = tracker.running_at(node_sequence_number(node))[0]
+            return module, user_source_line(sys._getframe(1), stop)
 
         lifetimes = Lifetimes(seen, counts, where)
         phases: list[tuple[str, int]] = []

@@ -92,6 +92,10 @@ def _attribution(attribution: dict[str, Any]) -> list[str]:
         lines.append("largest storages the step made, alive at that peak:")
         for row in largest[:SHOWN]:
             lines.append(f"  {human_bytes(row['bytes']):>10}  {made_by(row)}")
+    for row in (attribution.get("repeated_blocks") or [])[:SHOWN]:
+        if row["blocks"] > 1:
+            lines.append(f"activations in {row['name']}: {human_bytes(row['bytes'])} in {row['blocks']} blocks, "
+                         f"at most {human_bytes(row['largest_block'])} in one")
     modules = attribution.get("activations_by_module") or []
     if modules:
         lines.append("activations held at that peak, by module:")

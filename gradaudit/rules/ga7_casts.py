@@ -1,4 +1,5 @@
-"""GA7xx: dtype casts: autocast's per-step copy of a frozen weight saved for backward."""
+"""GA7xx: dtypes: autocast's per-step copy of a frozen weight saved for backward; a loss holding float32
+log-probabilities over a large vocabulary."""
 
 from __future__ import annotations
 
@@ -60,3 +61,89 @@ def frozen_weight_cast_copy_saved(ctx: RuleContext):
             yield Flag(node, [weight], f"{weight.module or 'model'} saves a {weight.dtype} copy of its frozen "
                                        f"weight ({shape_text(weight)}) made by a dtype cast this step",
                        bytes=sum(ctx.freed_by_storage([weight.index]).values()))
+
+
+LARGE_VOCABULARY = 16384  # classes from which a loss's log-probabilities are worth not holding
+
+
+@rule("GA702", "loss-log-probabilities-held-in-float32",
+      fix="Compute the loss in chunks, or with a fused linear cross-entropy, so no B x L x V log-probabilities are held",
+      fix_code="""
+        # the loss over chunks of the sequence, each recomputed in backward: nothing of size V is held
+        hidden = model.model(input_ids, attention_mask=mask).last_hidden_state[:, :-1]
+        targets = labels[:, 1:]
+        def chunk_loss(h, y):
+            return F.cross_entropy(model.lm_head(h).float().flatten(0, 1), y.flatten(),
+                                   ignore_index=-100, reduction="sum")
+        loss = sum(checkpoint(chunk_loss, h, y, use_reentrant=False)
+                   for h, y in zip(hidden.split(512, 1), targets.split(512, 1))) / (targets != -100).sum()
+        # or a fused kernel: Liger Kernel's LigerFusedLinearCrossEntropyLoss, cut-cross-entropy
+      """, fix_safe=False)
+def loss_log_probabilities_held_in_float32(ctx: RuleContext):
+    """A loss over a large vocabulary holds float32 log-probabilities of every position for backward.
+
+    What it flags:
+        A ``log_softmax`` (``cross_entropy``'s first half) whose float32 result over more than
+        16,384 classes autograd keeps: in a language model's loss, batch x sequence x vocabulary
+        floats. Where its input was a cast (``logits.float()``, as Hugging Face's losses do, or
+        autocast), the message says so: the 16-bit logits were copied to float32 first.
+    Why it costs memory:
+        ``log_softmax``'s gradient reads its result, so the whole B x L x V float32 tensor stays until
+        backward: 9.3 GiB for a batch of 4 x 4096 over Qwen2's 151,936 tokens, often the largest single
+        allocation of a fine-tuning step. A loss computed over chunks of the sequence, each recomputed in
+        backward, or a fused linear cross-entropy kernel, never holds it.
+    Example:
+        class OutputLayerAndLoss(nn.Module):     # a language model's last layer over 20,000 tokens
+            def __init__(self):
+                super().__init__()
+                self.lm_head = nn.Linear(16, 20000)
+            def forward(self, hidden, labels):
+                return F.cross_entropy(self.lm_head(hidden).float().flatten(0, 1), labels.flatten())
+        batch = (torch.randn(2, 8, 16), torch.randint(0, 20000, (2, 8)))
+        report = gradaudit.audit(OutputLayerAndLoss(), batch)   # 2 x 8 x 20,000 floats: 1,280,000 B
+    Fix:
+        Compute the loss over chunks of the sequence under ``torch.utils.checkpoint`` (each chunk's
+        logits and log-probabilities are made again in backward), or use a fused linear
+        cross-entropy (Liger Kernel, cut-cross-entropy), which computes the gradient chunk by chunk.
+        ``gradaudit.fit`` names the same change among its levers with the bytes at the step's peak.
+    Fix safety:
+        Not bit-identical: the chunks sum in another order (differences at rounding level); a chunked
+        loss recomputes the output layer in backward (one more matrix product per chunk).
+    Known limits:
+        Only a loss computed inside the audited call is seen (a Hugging Face model given ``labels``,
+        or a function that returns the loss); one computed by the caller afterwards is not. The bytes
+        are the result's storage; the 16-bit logits the model returns are the caller's.
+    """
+    for node in ctx.nodes_named("LogSoftmaxBackward0"):
+        result = ctx.saved(node).get("result")
+        if (result is None or result.dtype != "float32" or not result.shape or result.shape[-1] <= LARGE_VOCABULARY
+                or result.managed_by != Manager.AUTOGRAD or result.storage_kind != StorageKind.ACTIVATION):
+            continue
+        upcast = _cast_before(ctx, node)
+        positions = result.numel // result.shape[-1]
+        # the loss's other saves of the same storage (nll_loss keeps it too) go with it
+        sharing = [t for t in ctx.held() if t.storage_id == result.storage_id and t.storage_id >= 0]
+        yield Flag(node, sharing or [result],
+                   f"{result.module or 'the model'}'s loss holds float32 log-probabilities of {positions:,} positions "
+                   f"over {result.shape[-1]:,} classes ({shape_text(result)})"
+                   + (", from logits cast to float32" if upcast else ""),
+                   bytes=ctx.storages[result.storage_id].nbytes if result.storage_id >= 0 else 0)
+
+
+# nodes that only reshape or copy what they are given: a cast before them is the loss input's
+_SHAPE_ONLY = ("View", "UnsafeView", "Slice", "Clone", "Transpose", "Permute", "Select", "Expand", "AsStrided",
+               "Reshape", "Squeeze", "Unsqueeze")
+
+
+def _cast_before(ctx: RuleContext, node, depth: int = 6) -> bool:
+    """Whether ``node``'s input came from a dtype cast (``ToCopyBackward0``), through reshapes only."""
+    for _ in range(depth):
+        inputs = [i for i in node.next_ids if i is not None]
+        if len(inputs) != 1:
+            return False
+        node = ctx.nodes[inputs[0]]
+        if node.name == "ToCopyBackward0":
+            return True
+        if not node.name.rstrip("0123456789").removesuffix("Backward").startswith(_SHAPE_ONLY):
+            return False
+    return False

@@ -157,6 +157,11 @@ def pop_node_creation_hook() -> None:
     _AUTOGRAD._pop_node_creation_hook()
 
 
+def current_node() -> Any:
+    """The autograd node whose backward runs on this thread, or None."""
+    return torch._C._current_autograd_node()
+
+
 def in_backward() -> bool:
     """Whether an autograd graph task is running on this thread."""
     return torch._C._current_graph_task_id() != -1
