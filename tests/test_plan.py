@@ -1476,3 +1476,34 @@ def test_the_plans_step_is_the_training_loops_and_its_peaks_are_fits(tiny_hf_mod
     own = gradaudit.plan(model, batch, unplanned.breakdown["activations"] // 2, loss=logits_sum)
     fitted = gradaudit.fit(model, batch, memory="1GiB", optimizer=torch.optim.SGD, loss=logits_sum)
     assert own.unplanned_peak_bytes == rise(fitted) != chosen.unplanned_peak_bytes
+
+
+class _TwoHeads(nn.Module):
+    """A body of blocks, a small head and a wide one: the loss may read either."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = mlp_stack(4, 64)
+        self.small = nn.Linear(64, 8)
+        self.wide = nn.Linear(64, 4096)
+
+    def forward(self, x):
+        h = self.blocks(x)
+        return self.small(h), self.wide(h)
+
+
+def test_the_steps_flops_are_the_training_loops_the_loss_backpropagated_not_every_output():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, x = _TwoHeads(), torch.randn(32, 64)
+    on_small = plan(model, x, "1GiB", loss=lambda out: out[0].sum())
+    on_both = plan(model, x, "1GiB", loss=lambda out: out[0].sum() + out[1].sum())
+    # the wide head's backward, two matrix products of 2 * 32 * 64 * 4096 FLOPs (its input's gradient
+    # and its weight's), is in the step only when the loss reads the wide head
+    wide_backward = 2 * (2 * 32 * 64 * 4096)
+    assert on_both.step_flops - on_small.step_flops >= wide_backward
+    # the step with the small head's loss: torch's own count of that loop's matrix products is within it
+    with FlopCounterMode(display=False) as counter:
+        model(x)[0].sum().backward()
+    model.zero_grad(set_to_none=True)
+    assert counter.get_total_flops() <= on_small.step_flops < counter.get_total_flops() + wide_backward

@@ -129,20 +129,22 @@ def _query_heads_for_grouped(formula: Callable[..., int]) -> Callable[..., int]:
 
 
 def count_flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
-                paths: Sequence[str]) -> tuple[dict[str, tuple[int, int]], int]:
+                paths: Sequence[str], loss: Optional[Callable[[Any], torch.Tensor]] = None
+                ) -> tuple[dict[str, tuple[int, int]], int]:
     """(forward FLOPs, of which in ops a selective checkpoint keeps) of each module in ``paths`` (all its calls) and the
-    FLOPs of one whole step (forward and backward), as torch.utils.flop_counter counts them plus one
-    per element for the ops it has no formula for; the model is left as found."""
-    from ..tensors import iter_tensors, split_inputs, unique
+    FLOPs of one whole step as a training loop runs it (the forward, ``loss`` of its output, or the
+    default loss, and that loss's backward), as torch.utils.flop_counter counts them plus one per
+    element for the ops it has no formula for; the model is left as found."""
+    from ..tensors import default_loss, split_inputs
 
     args, kwargs = split_inputs(inputs)
     with as_audited(model, inputs, trainable, frozen, target):
         with counting() as forward:
-            output = model(*args, **kwargs)
-        outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
+            value = (loss or default_loss)(model(*args, **kwargs))
         with counting() as backward:
-            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-        del output, outputs
+            if value.requires_grad:
+                value.backward()
+        del value
     counts = forward.get_flop_counts()
     root = type(model).__name__
     per_module = {}

@@ -115,7 +115,7 @@ def plan(
         audited = _audit(run, paths, bitpack, say)
         report, now = audited.report, audited.now
         _refuse_opaque(report)
-        flops, step_flops, nanoseconds, step_seconds = _block_costs(run, report, paths, now, cost, say)
+        flops, step_flops, nanoseconds, step_seconds = _block_costs(run, report, paths, now, cost, say, loss)
         ran, graphless, calls = _blocks_that_ran(report, paths)
         chain = build_chain(report, ran, calls, {path: (nanoseconds.get(path, 0), 0) if nanoseconds is not None
                                                  else flops.get(path, (0, 0)) for path in ran}, bitpack)
@@ -213,21 +213,21 @@ def _refuse_opaque(report: Any) -> None:
 
 
 def _block_costs(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], cost: Cost,
-                 say: Callable[[str], None]) -> tuple[dict[str, tuple[int, int]], int, Optional[dict[str, int]],
-                                                      Optional[float]]:
+                 say: Callable[[str], None], loss: Optional[Callable[[Any], torch.Tensor]] = None
+                 ) -> tuple[dict[str, tuple[int, int]], int, Optional[dict[str, int]], Optional[float]]:
     """(each block's FLOPs and those a selective checkpoint keeps, one step's FLOPs, with cost="time"
     each block's forward nanoseconds and one step's seconds, else None and None), on the audit's
-    target device."""
+    target device; the step is the training loop's: ``loss`` (or the default loss) backpropagated."""
     target = report.target
     say("counting FLOPs")
     with own_checkpointing_off(now):
-        flops, step_flops = count_flops(run.model, run.inputs, run.trainable, run.frozen, target, paths)
+        flops, step_flops = count_flops(run.model, run.inputs, run.trainable, run.frozen, target, paths, loss)
     if cost != Cost.TIME:
         return flops, step_flops, None, None
     say(f"timing the forward of {len(paths)} blocks and a step on {report.device} "
         f"({timing.REPEATS} runs each, after a warm-up)")
     with own_checkpointing_off(now), as_audited(run.model, run.inputs, run.trainable, run.frozen, target):
-        nanoseconds, step_nanoseconds = timing.measure(run.model, run.inputs, paths)
+        nanoseconds, step_nanoseconds = timing.measure(run.model, run.inputs, paths, loss=loss)
     return flops, step_flops, nanoseconds, step_nanoseconds / 1e9
 
 

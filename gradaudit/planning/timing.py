@@ -17,14 +17,14 @@ found afterwards: gradients, buffers, RNG state).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from ..errors import GradauditError
 from ..records import Cost
-from ..tensors import iter_tensors, split_inputs, unique
+from ..tensors import default_loss, iter_tensors, split_inputs
 
 REPEATS = 5  # timed runs per figure (odd: the median is one of them)
 
@@ -67,12 +67,13 @@ def _median(values: list[int]) -> int:
     return sorted(values)[len(values) // 2]
 
 
-def measure(model: nn.Module, inputs: Any, paths: Sequence[str],
-            repeats: int = REPEATS) -> tuple[dict[str, int], int]:
+def measure(model: nn.Module, inputs: Any, paths: Sequence[str], repeats: int = REPEATS,
+            loss: Optional[Callable[[Any], torch.Tensor]] = None) -> tuple[dict[str, int], int]:
     """(forward nanoseconds of each module in ``paths``, all its calls in one forward; nanoseconds
-    of one whole step, forward and backward), each the median of ``repeats`` runs after a warm-up
-    step. Gradients are cleared before each step (as ``zero_grad`` does), so every step allocates
-    them as a training step would; the caller puts the model's own back."""
+    of one whole step as a training loop runs it: the forward, ``loss`` of its output (or the
+    default loss) and its backward), each the median of ``repeats`` runs after a warm-up step.
+    Gradients are cleared before each step (as ``zero_grad`` does), so every step allocates them as a
+    training step would; the caller puts the model's own back."""
     args, kwargs = split_inputs(inputs)
     tensors = list(iter_tensors(inputs))
     leaves = [t for t in tensors if t.is_leaf and t.requires_grad]
@@ -83,11 +84,9 @@ def measure(model: nn.Module, inputs: Any, paths: Sequence[str],
     def step() -> None:
         for t in [*parameters, *leaves]:
             t.grad = None
-        output = model(*args, **kwargs)
-        outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
-        del output
-        if outputs:
-            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        value = (loss or default_loss)(model(*args, **kwargs))
+        if value.requires_grad:
+            value.backward()
 
     # per block: the start of each call in progress (a stack: a module may call itself) and the
     # nanoseconds of the forward being timed
