@@ -17,6 +17,7 @@ Sections, each writing ``OUT_DIR/<section>.json`` as it goes and printing a tabl
   LoRA model. Models are built on the CPU and moved, as loading a checkpoint allocates them.
 - gaps: what the allocator counts beyond the tensors (parameters built on the GPU and moved there),
   cuDNN's per-call convolution workspaces, and SegFormer's audit on meta against the GPU's.
+- fitcuda: ``fit`` of the model on the GPU against ``fit`` on meta for CUDA.
 - profile: cProfile of trimmed steps. determinism: trimmed gradients against plain ones with
   deterministic kernels (run it with CUBLAS_WORKSPACE_CONFIG=:4096:8).
 - trim: held bytes after the forward, peak bytes through forward+backward and step time, plain
@@ -725,6 +726,44 @@ def determinism(out: Path, budget: Budget) -> None:
     write(out, "determinism", rows)
 
 
+# -------------------------------------------------------------------------------------------- fitcuda
+
+def fitcuda(out: Path, budget: Budget) -> None:
+    """``fit`` of a model on the GPU itself (its step followed there, backward on autograd's device
+    thread) against ``fit`` of the same model on meta for CUDA, and the time each took."""
+    rows = []
+    for name, build, make_batch, optimizer_name, loss_kind in FIT_CASES:
+        if budget.left() < 0:
+            break
+        row: dict = {"case": name}
+        try:
+            loss_fn = _loss(loss_kind)
+            t0 = time.perf_counter()
+            on_meta = gradaudit.fit(build("meta"), make_batch("meta"), memory="80GiB", target="cuda",
+                                    optimizer=optimizer_name, loss=loss_fn, remedy=False)
+            row["meta_s"] = time.perf_counter() - t0
+            fresh()
+            model = build("cpu").to(DEVICE)
+            t0 = time.perf_counter()
+            on_gpu = gradaudit.fit(model, make_batch(DEVICE), memory="80GiB", optimizer=optimizer_name, loss=loss_fn,
+                                   remedy=False)
+            row["gpu_s"] = time.perf_counter() - t0
+            row.update(meta_peak=on_meta.peak_bytes, gpu_peak=on_gpu.peak_bytes, meta=dict(on_meta.breakdown),
+                       gpu=dict(on_gpu.breakdown), equal=on_meta.peak_bytes == on_gpu.peak_bytes,
+                       notes=on_gpu.notes[:4])
+            del model
+            print(f"| {name} | {on_meta.peak_bytes:,} | {on_gpu.peak_bytes:,} | {row['equal']} | "
+                  f"{row['meta_s']:.1f} s | {row['gpu_s']:.1f} s |", flush=True)
+            if not row["equal"]:
+                print("   meta", row["meta"], "\n   gpu ", row["gpu"], flush=True)
+        except Exception as error:  # noqa: BLE001
+            row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            print(f"| {name} | error: {row['error']} |", flush=True)
+            traceback.print_exc(limit=6)
+        rows.append(row)
+        write(out, "fitcuda", rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -736,7 +775,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sections = args.sections.split(",")
-    unknown = set(sections) - {"facts", "zoo", "fit", "trim", "gaps", "profile", "determinism"}
+    unknown = set(sections) - {"facts", "zoo", "fit", "trim", "gaps", "profile", "determinism", "fitcuda"}
     if unknown:
         parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
     start = time.monotonic()
@@ -751,7 +790,7 @@ def main() -> None:
                 zoo(args.out, share)
             elif section == "fit":
                 fit(args.out, share)
-            elif section in ("gaps", "profile", "determinism"):
+            elif section in ("gaps", "profile", "determinism", "fitcuda"):
                 globals()[section](args.out, share)
             else:
                 trim_section(args.out, share, args.repeats, args.small)
