@@ -21,6 +21,7 @@ import click
 
 from .errors import ForwardError, GradauditError
 from .records import Bound, Cost
+from . import sizes
 
 EXIT_OK, EXIT_THRESHOLD, EXIT_ERROR = 0, 1, 2
 
@@ -202,7 +203,7 @@ def run_scan(options: ScanOptions) -> int:
                          (options.dot, "--dot"), (options.memory_viz, "--memory-viz")):
         if path:
             _check_writable(path, option)
-    limit = loading.parse_size(options.max_reclaimable) if options.max_reclaimable else None
+    limit = sizes.parse_size(options.max_reclaimable) if options.max_reclaimable else None
     # before the model is built (which can take minutes): a typo must not quietly change the gate
     from .rules.registry import check_codes
 
@@ -682,7 +683,7 @@ def run_plan(options: ScanOptions, budget_texts: Sequence[str], blocks: tuple[st
         _check_writable(options.json, "--json")
     if html_path:
         _check_writable(html_path, "--html")
-    budgets = [loading.parse_size(text) for text in budget_texts]
+    budgets = [sizes.parse_size(text) for text in budget_texts]
     if len(budgets) > 1 and html_path:
         raise ScanFailed("--html draws one plan: give one --budget (several make a sweep table)")
     if cost == Cost.TIME and options.device == "meta":
@@ -832,8 +833,8 @@ def run_fit(options: ScanOptions, memory_text: str, optimizer: str, loss_spec: O
         _check_writable(html_path, "--html")
     if memory_viz_path:
         _check_writable(memory_viz_path, "--memory-viz")
-    memory = loading.parse_size(memory_text)
-    headroom = loading.parse_size(headroom_text) if headroom_text is not None else None
+    memory = sizes.parse_size(memory_text)
+    headroom = sizes.parse_size(headroom_text) if headroom_text is not None else None
     loss = loading.load_object(loss_spec) if loss_spec else None
     if loss is not None and not callable(loss):
         raise ScanFailed(f"--loss {loss_spec} is not callable: give module:function taking the model's output")

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .errors import GradauditError, LoadError
-from .sizes import parse_size  # noqa: F401  (loading.parse_size, as before)
 
 _DOTTED_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 
 import pytest
 import torch
@@ -922,3 +923,14 @@ def test_backward_temporaries_are_named_by_the_module_whose_forward_made_their_n
     assert temporaries["mm in 2 (backward)"] == temporaries["threshold_backward in 1 (backward)"] == 64 * 4096 * 4
     made = {(row["op"], row["module"], row["phase"]) for row in fitted.attribution["largest"]}
     assert {("mm", "2", "backward"), ("threshold_backward", "1", "backward"), ("relu", "1", "forward")} <= made
+
+
+@pytest.mark.parametrize("argument, value, message", [
+    ("memory", [1], "memory must be bytes (an int) or a size such as '8GiB'"),
+    ("memory", -5, "memory must not be negative"),
+    ("headroom", 1.5, "headroom must be bytes (an int) or a size such as '8GiB'"),
+])
+def test_a_memory_or_headroom_that_is_no_size_is_refused_by_name(argument, value, message):
+    options = {"memory": "1GiB", argument: value}
+    with pytest.raises(GradauditError, match=re.escape(message)):
+        gradaudit.fit(nn.Linear(4, 4), torch.randn(2, 4), **options)

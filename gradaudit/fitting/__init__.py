@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..errors import GradauditError
-from .result import Figures, Fit, figures
+from .result import Figures, Fit, Live, figures
 from .step import CATEGORIES, STATE, run_step
 
 __all__ = ["fit", "Fit", "CATEGORIES"]
@@ -71,14 +71,14 @@ def fit(
     model's weights never change.
     """
     from ..auditing import _target, meta_inputs, runs_on_meta
-    from ..planning.result import parse_budget
+    from ..sizes import as_bytes
     from ..tensors import first_meta_parameter, iter_tensors
     from . import optimizers
 
     if not isinstance(model, nn.Module):
         raise GradauditError(f"fit() needs a torch.nn.Module, got {type(model).__name__}")
-    memory_bytes = parse_budget(memory)
-    fixed_headroom = None if headroom is None else parse_budget(headroom)
+    memory_bytes = as_bytes(memory, "memory")
+    fixed_headroom = None if headroom is None else as_bytes(headroom, "headroom")
 
     def headroom_of(step: Figures) -> int:
         """What ``step`` needs beside its peak: the headroom given, else the allocator's reserve."""
@@ -122,7 +122,7 @@ def fit(
                  peak_phase=step.peak_phase, timeline=step.timeline, trained_parameters=run.trained,
                  reserved_bytes=step.reserved_bytes, notes=notes, accumulation=accumulation,
                  headroom=headroom_of(step), headroom_given=fixed_headroom is not None,
-                 attribution=step.attribution, _run=run)
+                 attribution=step.attribution, live=Live(run=run))
     _searchable(result, model, builder, name, loss, trainable, frozen, target, on_meta, autocast, inputs, memo,
                 headroom_of)
     if not result.fits:

@@ -52,9 +52,9 @@ def search(fit: Any, dimension: str) -> tuple[int, Optional[int], int]:
     """(the largest size that fits, its step's peak (None for 0), the inputs' own size)."""
     if dimension not in DIMENSIONS:
         raise GradauditError(f"largest() scales 'batch' or 'seq', not {dimension!r}")
-    if fit._largest is None:
+    if fit.live.size_search is None:
         raise GradauditError("this Fit cannot search sizes: its model is gone; fit again")
-    peak_of_inputs, inputs = fit._largest
+    peak_of_inputs, inputs = fit.live.size_search
     axis = DIMENSIONS[dimension]
     size = size_of(inputs, axis)
     # the step's peak and what it needs with its headroom, by size
@@ -97,4 +97,4 @@ def search(fit: Any, dimension: str) -> tuple[int, Optional[int], int]:
 def remember(fit: Any, run_peak: Callable[[Any], tuple[int, int]], inputs: Any) -> None:
     """Let ``fit.largest`` measure steps on other inputs: ``run_peak(inputs)`` gives a step's peak and
     its headroom."""
-    fit._largest = (run_peak, inputs)
+    fit.live.size_search = (run_peak, inputs)

@@ -191,12 +191,11 @@ def search(model: nn.Module, inputs: Any, memory: int, measure: Measure, *, trai
         except GradauditError as error:
             notes.append(f"no checkpoint plan{' with trim' if trim else ''}: {error}")
             continue
-        frontier = planned._frontier
         measured: dict[int, Any] = {}
 
-        def figures_at(index: int, planned: Any = planned, frontier: Any = frontier, measured: dict = measured) -> Any:
+        def figures_at(index: int, planned: Any = planned, measured: dict = measured) -> Any:
             if index not in measured:
-                at = planned._at(frontier.points[index], memory)
+                at = planned.on_frontier(index, memory)
                 say(f"measuring a step: {len(at.checkpointed)} of {len(at.blocks)} blocks checkpointed"
                     f"{' with trim' if trim else ''}")
 
@@ -209,12 +208,12 @@ def search(model: nn.Module, inputs: Any, memory: int, measure: Measure, *, trai
                 measured[index] = (at, measure(applied))
             return measured[index]
 
-        index = by_peak(list(range(len(frontier.points))), memory, lambda i: needed(figures_at(i)[1]), 0)
+        index = by_peak(list(range(planned.frontier_size())), memory, lambda i: needed(figures_at(i)[1]), 0)
         if index is not None:
             at, step = figures_at(index)
             found.append((at.extra_flops, step.peak_bytes, Remedy(at, step.peak_bytes, step.breakdown, step.timeline,
                                                                   headroom=needed(step) - step.peak_bytes)))
-        if every and not trim and frontier.chain.blocks:
+        if every and not trim and planned.blocks:
             every_block = _every_block(model, planned, measure, memory, needed)
     alternatives = [every_block] if every_block is not None else []
     if not found:

@@ -143,6 +143,17 @@ def figures(run: StepRun, target: str) -> Figures:
 
 
 @dataclass
+class Live:
+    """What a ``Fit`` keeps of the step beside its figures: the step's storages and their lives
+    (``run``, which ``report.memory_viz`` exports) and a measurer of the step on other inputs
+    (``size_search``: (a function from inputs to (peak, headroom), the inputs fitted), which
+    ``Fit.largest`` scales). Either is None where the fit keeps none."""
+
+    run: Any = None
+    size_search: Optional[tuple[Any, Any]] = None
+
+
+@dataclass
 class Fit:
     """Will one training step fit in ``memory`` bytes on the target device, and if not, what is the
     cheapest change that makes it."""
@@ -173,8 +184,8 @@ class Fit:
     remedy: Optional["Remedy"] = None  # the cheapest change whose step fits (None: fits as it is, or nothing does)
     remedy_searched: bool = False  # whether a remedy was looked for (only when it does not fit)
     alternatives: list[Any] = field(default_factory=list)  # what users otherwise try, measured beside the remedy
-    _largest: Any = field(default=None, repr=False, compare=False)
-    _run: Any = field(default=None, repr=False, compare=False)  # the step's storages (memory_viz export)
+    # not the fit's data: what it keeps of the live step (the step's storages, a measurer of other sizes)
+    live: "Live" = field(default_factory=lambda: Live(), repr=False, compare=False)
 
     @property
     def fits(self) -> bool:

@@ -40,7 +40,7 @@ class CallbackOptions:
     @classmethod
     def checked(cls, report: Any, trim: Any, plan_budget: Any, fail_on_waste: Any,
                 fit_memory: Any = None) -> "CallbackOptions":
-        from ..planning.result import parse_budget
+        from ..sizes import as_bytes
 
         if report is not None and not isinstance(report, (str, os.PathLike)):
             raise GradauditError(f"report must be a path ending in .html (or None for no report), not {report!r}")
@@ -51,8 +51,8 @@ class CallbackOptions:
         for name, value in (("trim", trim), ("fail_on_waste", fail_on_waste)):
             if not isinstance(value, bool):
                 raise GradauditError(f"{name} must be True or False, not {value!r}")
-        budget = parse_budget(plan_budget) if plan_budget is not None else None
-        memory = parse_budget(fit_memory) if fit_memory is not None else None
+        budget = as_bytes(plan_budget) if plan_budget is not None else None
+        memory = as_bytes(fit_memory, "memory") if fit_memory is not None else None
         if memory is not None and (trim or budget is not None):
             raise GradauditError("fit_memory chooses trim and the checkpoint plan itself (the cheapest change that "
                                  "makes the step fit): give fit_memory, or trim/plan_budget, not both")

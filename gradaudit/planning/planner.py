@@ -26,7 +26,8 @@ from .conditions import (CACHE_NOTE, as_audited, cache_off, checkpointed_now, ch
 from .costs import Costs, count_flops
 from .frontier import Frontier
 from .peaks import PeakProbes
-from .result import Baseline, Plan, budget_error, parse_budget
+from .result import Baseline, Plan, budget_error
+from ..sizes import as_bytes
 from .solve import Chain, solve
 from ..torchapi.checkpoint import checkpointing_off
 
@@ -172,7 +173,7 @@ def _checked_arguments(model: Any, inputs: Any, budget: Any, bound: Any, measure
     if not isinstance(model, nn.Module):
         raise GradauditError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
     cost = timing.check_cost(cost, runs_on_meta(first_meta_parameter(model.parameters()), list(iter_tensors(inputs))))
-    budget_bytes = parse_budget(budget)
+    budget_bytes = as_bytes(budget)
     if bound not in tuple(Bound):
         raise GradauditError(f"bound must be {str(Bound.HELD)!r} or {str(Bound.PEAK)!r}, not {bound!r}")
     bound = Bound(bound)

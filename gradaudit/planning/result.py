@@ -13,7 +13,7 @@ from torch import nn
 
 from ..errors import GradauditError
 from ..records import Bound, Cost
-from ..sizes import parse_size
+from ..sizes import as_bytes
 from .apply import FULL_POLICY, SELECTIVE_POLICY, PlanHandle
 from .conditions import checkpointing_off_call, checkpoints_itself
 from .solve import Point
@@ -112,7 +112,7 @@ class Plan:
         again, its peak is not measured), except with ``bound="peak"``, which measures the peaks
         its bisection probes (steps already measured are not run again). Raises BudgetError when
         nothing fits."""
-        budget_bytes = parse_budget(budget)
+        budget_bytes = as_bytes(budget)
         return self._for(budget_bytes, 0)
 
     def sweep(self, budgets: Sequence[Union[int, str]], measure_peak: bool = False) -> list["Plan"]:
@@ -123,7 +123,7 @@ class Plan:
         plan's gives way to the next point that peaks no higher (points further on hold less, so
         they fit the budget too; that costs more recompute than the budget alone asks). A budget
         nothing fits gives the least plan (``fits`` False)."""
-        wanted = [parse_budget(b) for b in budgets]
+        wanted = [as_bytes(b) for b in budgets]
         points, peak_of = self._frontier.points, self._probes.peak
         peaks = measure_peak or self.bound == Bound.PEAK
         found: dict[int, Plan] = {}
@@ -146,6 +146,18 @@ class Plan:
             found[budget_bytes] = chosen
             start = index
         return [found[b] for b in wanted]
+
+    def frontier_size(self) -> int:
+        """How many plans the frontier this plan was chosen from holds (0 when it keeps none): from
+        the first, which checkpoints least, to the last, which holds least."""
+        return len(self._frontier.points) if self._frontier is not None else 0
+
+    def on_frontier(self, index: int, budget: Union[int, str]) -> "Plan":
+        """The plan at the frontier's ``index``-th point (see ``frontier_size``), for ``budget``: instant,
+        nothing runs again (with ``bound="peak"`` its peak is measured)."""
+        if not 0 <= index < self.frontier_size():
+            raise GradauditError(f"the frontier holds {self.frontier_size()} plans; there is none at {index}")
+        return self._at(self._frontier.points[index], as_bytes(budget))
 
     def _for(self, budget_bytes: int, start: int) -> "Plan":
         point = self._frontier.cheapest(budget_bytes, start, self._probes.peak if self.bound == Bound.PEAK else None)
@@ -238,17 +250,6 @@ class Plan:
         return (f"<gradaudit.Plan {self.model}: checkpoint {len(self.checkpointed)}{selective} of {len(self.blocks)} "
                 f"blocks, holds {self.held_bytes} of budget {self.budget} bytes{' with trim' if self.trimmed else ''}, "
                 f"+{100 * self.extra_compute:.1f}% {'time' if self.cost == Cost.TIME else 'compute'}>")
-
-
-def parse_budget(budget: Any) -> int:
-    """A budget as bytes: an int as it is, a size such as '8GiB' parsed; anything else, or a negative
-    figure, refused."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
-        raise GradauditError(f"budget must be bytes (an int) or a size such as '8GiB', not {budget!r}")
-    budget_bytes = parse_size(budget) if isinstance(budget, str) else budget
-    if budget_bytes < 0:
-        raise GradauditError(f"budget must not be negative, got {budget_bytes}")
-    return budget_bytes
 
 
 def budget_error(least: "Plan", blocks: int) -> "BudgetError":

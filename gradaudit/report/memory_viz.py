@@ -61,7 +61,7 @@ def fit_snapshot(fit: Any) -> dict[str, Any]:
     names its category and the phase that made it."""
     from ..fitting.result import allocated
 
-    run, target = fit._run, fit.target
+    run, target = fit.live.run, fit.target
     if run is None:
         raise ValueError("this Fit keeps no step to export (made by another version of gradaudit)")
     events, key = [], 0
