@@ -225,7 +225,7 @@ def audit(
     if verify and on_meta:
         raise GradauditError("verify=True needs real values; it cannot run on the meta device "
                              "(audit on CPU or GPU, or drop verify)")
-    target = _target(target, on_meta, ([first_parameter] if first_parameter is not None else []) + input_tensors)
+    target = resolve_target(target, on_meta, ([first_parameter] if first_parameter is not None else []) + input_tensors)
     state = ModelState(model, tree)
     try:
         apply_trainable(model, trainable, frozen, tree)
@@ -342,7 +342,7 @@ def trimmed_now(model: nn.Module) -> bool:
     return trimming is not None and trimming.is_trimmed(model)
 
 
-def _target(target: Optional[str], on_meta: bool, tensors: Sequence[torch.Tensor]) -> str:
+def resolve_target(target: Optional[str], on_meta: bool, tensors: Sequence[torch.Tensor]) -> str:
     """The device type the audit stands for: ``target`` (checked), else the device the audit runs on
     (CPU for the meta device)."""
     running = "meta" if on_meta else (tensors[0].device.type if tensors else "cpu")

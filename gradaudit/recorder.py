@@ -30,7 +30,7 @@ from . import torchapi
 from .meta import SdpaChoice, emulated_sdpa, sdpa_arguments, sdpa_backend
 from .module_tracker import ModuleTracker
 from .records import NEEDED, AttentionCall, Leaf, Manager
-from .sites import _constructed, _user_frame, construction_site, short_path, user_source_line
+from .sites import constructed, user_frame, construction_site, short_path, user_source_line
 from .sites import noting_construction  # noqa: F401  (recorder.noting_construction, as before the move)
 from .tensors import flatten, iter_tensors, storage_key, tensor_attributes, unique
 from .torchapi.autograd import (NO_SEQUENCE, called_from_autograd, caller_frame, manager_of, node_scalars,
@@ -335,7 +335,7 @@ class Recorder:
         self._built: dict[str, str] = {}
         self._short_paths: dict[str, str] = {}  # file name -> short_path(), for this recording's cwd
         self._cwd: Optional[str] = None
-        if _constructed:
+        if constructed:
             for path, module in self._named_modules:
                 site = construction_site(module)
                 if site is not None:
@@ -352,7 +352,7 @@ class Recorder:
     def _site_from(self, frame: Any) -> NodeSite:
         """``_site`` for the op whose innermost Python frame is ``frame``."""
         path, cls = self.tracker.stack[-1]
-        frame = _user_frame(frame, self._caller)
+        frame = user_frame(frame, self._caller)
         if frame is None:
             return NodeSite(path, cls, self._built.get(path))
         filename = frame.f_code.co_filename

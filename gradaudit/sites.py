@@ -76,11 +76,11 @@ def user_source_line(frame: Any = None, stop: Any = None) -> Optional[str]:
     """
     if frame is None:
         frame = sys._getframe(1)
-    frame = _user_frame(frame, stop)
+    frame = user_frame(frame, stop)
     return None if frame is None else f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
-def _user_frame(frame: Any, stop: Any) -> Any:
+def user_frame(frame: Any, stop: Any) -> Any:
     """The innermost frame from ``frame`` outwards, before ``stop``, that ``_is_internal`` does not
     rule out; None if there is none (``user_source_line``'s walk, run for every node recorded)."""
     known = _internal_cache
@@ -98,14 +98,14 @@ def _user_frame(frame: Any, stop: Any) -> Any:
 # Where modules were constructed: id(module) -> (weak reference, "file:line" or None). Noted only
 # while ``noting_construction()`` runs (the command line builds its model inside it); a model built
 # before ``audit()`` has none, and its modules' sites are unknown.
-_constructed: dict[int, tuple[weakref.ref, Optional[str]]] = {}
+constructed: dict[int, tuple[weakref.ref, Optional[str]]] = {}
 _CONSTRUCTORS = ("__init__", "__post_init__")
 
 
 def _forget(key: int, ref: weakref.ref) -> None:
-    entry = _constructed.get(key)
+    entry = constructed.get(key)
     if entry is not None and entry[0] is ref:
-        del _constructed[key]
+        del constructed[key]
 
 
 def _constructing(frame: Any, module: nn.Module) -> bool:
@@ -129,7 +129,7 @@ def construction_line(module: nn.Module, frame: Any) -> Optional[str]:
 
 def construction_site(module: nn.Module) -> Optional[str]:
     """Where ``module`` was constructed, when noted by ``noting_construction()``; else None."""
-    entry = _constructed.get(id(module))
+    entry = constructed.get(id(module))
     if entry is not None and entry[0]() is module:
         return entry[1]
     return None
@@ -153,14 +153,14 @@ def noting_construction() -> Iterator[None]:
     def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         key = id(self)
-        entry = _constructed.get(key)
+        entry = constructed.get(key)
         if entry is not None and entry[0]() is self:
             return  # Module.__init__ run again on a built module: it was constructed where first seen
         try:
             ref = weakref.ref(self, lambda ref, key=key: _forget(key, ref))
         except TypeError:  # a subclass with __slots__ and no __weakref__: cannot be followed
             return
-        _constructed[key] = (ref, construction_line(self, sys._getframe(1)))
+        constructed[key] = (ref, construction_line(self, sys._getframe(1)))
 
     __init__._gradaudit_noting = True  # type: ignore[attr-defined]
     nn.Module.__init__ = __init__  # type: ignore[method-assign]

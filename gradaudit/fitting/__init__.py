@@ -70,7 +70,7 @@ def fit(
     as it is (left exactly as found, like an audit); the optimizer steps on meta stand-ins, so the
     model's weights never change.
     """
-    from ..auditing import _target, meta_inputs, runs_on_meta
+    from ..auditing import resolve_target, meta_inputs, runs_on_meta
     from ..sizes import as_bytes
     from ..tensors import first_meta_parameter, iter_tensors
     from . import optimizers
@@ -105,7 +105,7 @@ def fit(
     tensors = list(iter_tensors(inputs))
     on_meta = runs_on_meta(first_meta_parameter(model.parameters()), tensors)
     first = next(iter(model.parameters()), None)
-    target = _target(target, on_meta, ([first] if first is not None else []) + tensors)
+    target = resolve_target(target, on_meta, ([first] if first is not None else []) + tensors)
     say = progress or (lambda step: None)
     say("running a training step (forward, backward, optimizer step)")
     memo: dict = {}  # the optimizer's stand-in step, stepped once for every run of this fit

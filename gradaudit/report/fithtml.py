@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 from markupsafe import Markup
 
-from .html import _load_template, environment
+from .html import load_template, environment
 from .units import human_bytes, path_ranges
 
 # one colour per category, in the order they are stacked (what is there all along at the bottom)
@@ -78,6 +78,6 @@ def render(fit: Any, *, title: Optional[str] = None) -> str:
                        "remedied": remedy.breakdown.get(c, 0) if remedy is not None else None}
                       for c in categories],
         "ranges": path_ranges(remedy.checkpointed) if remedy is not None else "",
-        "css": Markup(_load_template("report.css")),
+        "css": Markup(load_template("report.css")),
     }
     return environment().get_template("fit.html.j2").render(context)

@@ -39,14 +39,14 @@ def environment() -> jinja2.Environment:
     global _env
     if _env is None:
         _env = jinja2.Environment(
-            loader=jinja2.FunctionLoader(_load_template), autoescape=True,
+            loader=jinja2.FunctionLoader(load_template), autoescape=True,
             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
         )
         _env.filters["bytes"] = human_bytes
     return _env
 
 
-def _load_template(name: str) -> str:
+def load_template(name: str) -> str:
     try:  # installed: pyproject.toml ships the top-level templates/ folder as gradaudit.templates
         folder = resources.files("gradaudit.templates")
     except ModuleNotFoundError:  # a checkout on sys.path, not installed: templates/ beside gradaudit/
@@ -200,7 +200,7 @@ def render(report: Report, *, title: Optional[str] = None) -> str:
         "graph": graph_section(report),
         "held_count": len(heldset),
         "data": script_json({"columns": TENSOR_COLUMNS, "rows": tensor_rows(report)}),
-        "css": Markup(_load_template("report.css")),
-        "js": Markup(_load_template("report.js")),
+        "css": Markup(load_template("report.css")),
+        "js": Markup(load_template("report.js")),
     }
     return environment().get_template("report.html.j2").render(context)

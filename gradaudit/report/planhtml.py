@@ -11,7 +11,7 @@ from typing import Any, Optional
 from markupsafe import Markup
 
 from ..records import Bound, Cost
-from .html import _load_template, environment
+from .html import load_template, environment
 from .units import human_bytes, path_ranges, share, stands_for
 
 
@@ -66,6 +66,6 @@ def render(plan: Any, *, title: Optional[str] = None) -> str:
         "chosen": set(plan.checkpointed),
         "by_time": plan.cost == Cost.TIME,  # the cost is measured time (else FLOPs)
         "by_peak": plan.bound == Bound.PEAK,  # the budget bounds the peak (else the held bytes)
-        "css": Markup(_load_template("report.css")),
+        "css": Markup(load_template("report.css")),
     }
     return environment().get_template("plan.html.j2").render(context)
