@@ -934,3 +934,19 @@ def test_a_memory_or_headroom_that_is_no_size_is_refused_by_name(argument, value
     options = {"memory": "1GiB", argument: value}
     with pytest.raises(GradauditError, match=re.escape(message)):
         gradaudit.fit(nn.Linear(4, 4), torch.randn(2, 4), **options)
+
+
+def test_a_cuda_fit_says_where_cudnns_convolution_workspaces_are_left_out():
+    # two convolutions forward, and backward's convolution_backward for each: four calls; a step of
+    # Linear layers alone runs none, and its note says nothing of cuDNN
+    convolutional = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).to("meta")
+    fitted = gradaudit.fit(convolutional, torch.empty(2, 3, 16, 16, device="meta"), memory="1GiB", target="cuda",
+                           optimizer="sgd", loss=lambda output: output.sum())
+    note, = [n for n in fitted.notes if "cuDNN's convolution workspaces" in n]
+    assert "each of the step's 4 convolution calls" in note and "up to 163 MB" in note
+    linear = gradaudit.fit(_linear_stack(), torch.empty(4, 64, device="meta"), memory="1GiB", target="cuda",
+                           optimizer="sgd", loss=lambda output: output.sum())
+    assert not [n for n in linear.notes if "cuDNN" in n]
+    on_cpu = gradaudit.fit(convolutional, torch.empty(2, 3, 16, 16, device="meta"), memory="1GiB", target="cpu",
+                           optimizer="sgd", loss=lambda output: output.sum())
+    assert not [n for n in on_cpu.notes if "cuDNN" in n]

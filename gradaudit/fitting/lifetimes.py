@@ -15,7 +15,7 @@ import torch
 
 from ..measure import op_leaves
 from ..tensors import strided_parts
-from .workspaces import GemmCount, is_gemm, uses_cublaslt
+from .workspaces import GemmCount, is_convolution, is_gemm, uses_cublaslt
 from ..torchapi.dispatch import TorchDispatchMode, overload_packet
 from ..torchapi.fsdp import fsdp_storage_events
 from ..torchapi.storages import storage_id
@@ -65,6 +65,8 @@ class Lifetimes(TorchDispatchMode):
         if is_gemm(packet):
             self.gemms.cublas += 1
             self.gemms.cublaslt += uses_cublaslt(packet, args)
+        elif is_convolution(packet):
+            self.gemms.convolutions += 1
         self._op = str(packet).removeprefix("aten.")
         for t in op_leaves(out):
             if isinstance(t, torch.Tensor):
