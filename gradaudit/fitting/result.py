@@ -185,7 +185,7 @@ class Fit:
     remedy_searched: bool = False  # whether a remedy was looked for (only when it does not fit)
     alternatives: list[Any] = field(default_factory=list)  # what users otherwise try, measured beside the remedy
     # not the fit's data: what it keeps of the live step (the step's storages, a measurer of other sizes)
-    live: "Live" = field(default_factory=lambda: Live(), repr=False, compare=False)
+    live: Live = field(default_factory=Live, repr=False, compare=False)
 
     @property
     def fits(self) -> bool:
