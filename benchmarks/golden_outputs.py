@@ -39,6 +39,12 @@ COMMANDS: list[str] = [
     "explain GA101",
     "scan examples/does_not_exist.py:build --html {o}.html",
     "fit examples/resnet_surgical.py:build --memory lots",
+    "scan examples/parallel_llama.py:build --world-size 8 --device meta --target cuda --no-html",
+    "scan examples/parallel_llama.py:build --world-size 4 --rank 0 --rank 1 --device meta --target cuda --json -",
+    "plan examples/llama_probe.py:build --budget 4GiB --budget 8GiB --no-peak",
+    "scan examples/resnet_surgical.py:build --fail-on-waste --select GA1 --no-html",
+    "scan examples/resnet_surgical.py:build --max-reclaimable 1KiB --ignore GA2 --no-html -v",
+    "fit examples/llama_probe.py:build --memory 24GiB --device meta --target cuda --target-torch 2.11 --no-remedy",
 ]
 
 _CLOCK = re.compile(r"\b\d+(?:\.\d+)?(?: ?)(?:ms|s|min|seconds)\b")

@@ -91,7 +91,7 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         storages = self.storages
-        for t in op_leaves(out):
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 for part in local_parts(t):
                     storage = part.untyped_storage()
@@ -107,19 +107,6 @@ class StorageTracker(TorchDispatchMode):
             if cdata not in exclude:
                 total += current_nbytes(cdata) or 0
         return total
-
-
-def op_leaves(out: Any) -> Any:
-    """``tree_flatten(out)[0]`` for an op's output: a tensor, or a plain tuple or list of tensors
-    (and numbers, None) as they are; anything nested through pytree."""
-    if isinstance(out, torch.Tensor):
-        return (out,)
-    if type(out) in (tuple, list) and not any(isinstance(v, _NESTED) for v in out):
-        return out
-    return tree_flatten(out)[0]
-
-
-_NESTED = (tuple, list, dict)
 
 
 def held_bytes_after_forward(model: torch.nn.Module, inputs: Any, *, young_only: bool = False) -> int:

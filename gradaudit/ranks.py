@@ -121,30 +121,43 @@ def per_rank(build: Callable[[], Any], world_size: int, run: Callable[[Any, Any]
     ranks: which ranks (default: every rank). inputs: used where ``build`` returns only the model.
     same: a key per result; ranks whose keys are equal form one group (default: each its own).
     """
-    world_size, chosen = check_world(world_size, ranks)
+    size, _ = check_world(world_size, ranks)
+
+    def one(rank: int) -> T:
+        if progress:
+            progress(f"rank {rank} of {size}: building and running")
+        built = build()
+        model, batch = built if isinstance(built, tuple) and len(built) == 2 else (built, inputs)
+        if batch is None:
+            raise GradauditError("the factory returned no inputs: return (model, inputs), or pass inputs=")
+        return run(model, batch)
+
+    results = each_rank(world_size, one, ranks=ranks, device=device)
+    return RankResults(size, results,
+                       alike_ranks(list(results), None if same is None else lambda rank: same(results[rank])))
+
+
+def each_rank(world_size: int, run: Callable[[int], T], *, ranks: Optional[Sequence[int]] = None,
+              device: Optional[str] = None) -> dict[int, T]:
+    """``run(rank)`` once per rank (default: every rank), each inside its own ``fake_world``, in rank
+    order; what each returned, by rank."""
+    size, chosen = check_world(world_size, ranks)
     results: dict[int, T] = {}
     for rank in chosen:
-        if progress:
-            progress(f"rank {rank} of {world_size}: building and running")
-        with fake_world(world_size, rank, device=device):
-            built = build()
-            model, batch = built if isinstance(built, tuple) and len(built) == 2 else (built, inputs)
-            if batch is None:
-                raise GradauditError("the factory returned no inputs: return (model, inputs), or pass inputs=")
-            results[rank] = run(model, batch)
-            del model, batch, built
-    keys: dict[Any, list[int]] = {}
-    groups: list[list[int]] = []
-    for rank in chosen:
-        if same is None:
-            groups.append([rank])
-            continue
-        key = same(results[rank])
-        if key not in keys:
-            keys[key] = []
-            groups.append(keys[key])
-        keys[key].append(rank)
-    return RankResults(world_size, results, groups)
+        with fake_world(size, rank, device=device):
+            results[rank] = run(rank)
+    return results
+
+
+def alike_ranks(ranks: Sequence[int], key: Optional[Callable[[int], Any]]) -> list[list[int]]:
+    """``ranks`` in groups whose ``key(rank)`` are equal, each in rank order, groups in the order of
+    their first rank; with no key, each rank its own group."""
+    if key is None:
+        return [[rank] for rank in ranks]
+    groups: dict[Any, list[int]] = {}
+    for rank in ranks:
+        groups.setdefault(key(rank), []).append(rank)
+    return list(groups.values())
 
 
 def rank_list(ranks: Sequence[int]) -> str:

@@ -616,7 +616,6 @@ class Recorder:
         saves: list[LiveSave] = []
         order: list[Any] = []
         earlier: list[LiveNode] = []  # nodes from before the audited forward
-        boxes = self._boxes
         unknown_site = NodeSite("", type(self.model).__name__, None)
 
         def visit(node: Any) -> int:
@@ -662,33 +661,7 @@ class Recorder:
             edges = node.next_functions
             live.next_positions = [None if fn is None else visit(fn) for fn, _ in edges]  # final already
             live.edge_mask = [fn is not None for fn, _ in edges]
-            for attr, raw in raw_saved_slots(node):
-                packed = raw.data
-                if packed is None:
-                    continue  # an optional save that was not made
-                if isinstance(packed, Packed) and packed.index < len(boxes) and boxes[packed.index]() is packed:
-                    # self._owned(packed), inlined: asked for every save
-                    tensor, managed = packed.tensor, Manager.AUTOGRAD
-                    index = packed.index
-                    if site is None and index < len(self.pack_sites):
-                        live.site = self.pack_sites[index]
-                elif isinstance(packed, torch.Tensor):
-                    # saved while hooks were disabled: held plainly by autograd
-                    tensor, managed, index = packed, Manager.AUTOGRAD, -1
-                else:
-                    managed = manager_of(raw.unpack_hook)
-                    tensor, index = None, -1
-                    # save_on_cpu packs (device, tensor): the shape is readable without unpacking
-                    if isinstance(packed, tuple) and packed and isinstance(packed[-1], torch.Tensor):
-                        shadow = packed[-1]
-                        saves.append(LiveSave(index, cursor - 1, attr, None, managed, live.site,
-                                              tuple(shadow.shape), shadow.dtype))
-                        live.saves.append(len(saves) - 1)
-                        continue
-                saves.append(LiveSave(index, cursor - 1, attr, tensor, managed, live.site))
-                if region is not None:  # CheckpointFunction saves exactly the block's tensor inputs
-                    saves[-1].verdict, saves[-1].reason = NEEDED, region.reason()
-                live.saves.append(len(saves) - 1)
+            self._read_saves(live, cursor - 1, region, site is not None, saves)
         for live in earlier:
             live.next_positions = [
                 None if fn is None else positions.get(fn) for fn, _ in live.node.next_functions
@@ -700,6 +673,40 @@ class Recorder:
                          regions=list(self.regions), attributes_before=self.attributes_before,
                          calls=self.calls)
 
+
+    def _read_saves(self, live: LiveNode, position: int, region: Any, site_known: bool,
+                    saves: list[LiveSave]) -> None:
+        """Append the saves of node ``live`` (at ``position`` in the walk) to ``saves``: whose hooks hold
+        each (ours: its tensor and pack index, and the site of its pack where the node had none), with the
+        verdict a reentrant checkpoint's region gives its inputs."""
+        boxes = self._boxes
+        for attr, raw in raw_saved_slots(live.node):
+            packed = raw.data
+            if packed is None:
+                continue  # an optional save that was not made
+            if isinstance(packed, Packed) and packed.index < len(boxes) and boxes[packed.index]() is packed:
+                # self._owned(packed), inlined: asked for every save
+                tensor, managed = packed.tensor, Manager.AUTOGRAD
+                index = packed.index
+                if not site_known and index < len(self.pack_sites):
+                    live.site = self.pack_sites[index]
+            elif isinstance(packed, torch.Tensor):
+                # saved while hooks were disabled: held plainly by autograd
+                tensor, managed, index = packed, Manager.AUTOGRAD, -1
+            else:
+                managed = manager_of(raw.unpack_hook)
+                tensor, index = None, -1
+                # save_on_cpu packs (device, tensor): the shape is readable without unpacking
+                if isinstance(packed, tuple) and packed and isinstance(packed[-1], torch.Tensor):
+                    shadow = packed[-1]
+                    saves.append(LiveSave(index, position, attr, None, managed, live.site,
+                                          tuple(shadow.shape), shadow.dtype))
+                    live.saves.append(len(saves) - 1)
+                    continue
+            saves.append(LiveSave(index, position, attr, tensor, managed, live.site))
+            if region is not None:  # CheckpointFunction saves exactly the block's tensor inputs
+                saves[-1].verdict, saves[-1].reason = NEEDED, region.reason()
+            live.saves.append(len(saves) - 1)
 
 def _modules_named_by(function: Any) -> tuple[list[nn.Module], list[nn.Module]]:
     """Modules a checkpointed block function names: (the module it is, is bound to or is a

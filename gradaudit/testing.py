@@ -68,12 +68,11 @@ def assert_no_waste(
     if freed <= max_reclaimable_bytes:
         return report
     from .report.units import human_bytes
-    from .report.views import freed_parts
+    from .report.views import freed_parts, waste_findings_text
 
-    waste = report.waste_findings
     allowed = f"; allowed: {', '.join(allow)}" if allow else ""
     limit = f" (limit {human_bytes(max_reclaimable_bytes)})" if max_reclaimable_bytes else ""
     raise AssertionError(
         f"gradaudit: {report.model}: {human_bytes(freed)} ({freed} bytes) held for backward could be freed"
-        f"{limit}: {freed_parts(report)}; {len(waste)} waste finding{'s' if len(waste) != 1 else ''}"
-        f"{allowed}\n{format_findings(waste)}")
+        f"{limit}: {freed_parts(report)}; {waste_findings_text(report)}{allowed}\n"
+        f"{format_findings(report.waste_findings)}")

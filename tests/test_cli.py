@@ -404,10 +404,10 @@ def test_auto_device_follows_a_model_built_on_meta(runner):
 
 
 def test_progress_goes_to_stderr_and_is_cleared(runner, capsys):
-    from gradaudit.cli import Progress, ScanOptions, run_scan
+    from gradaudit.cli import CommandOptions, Progress, run_scan
 
     progress = Progress(enabled=True)
-    code = run_scan(ScanOptions(spec="models.py:build", html=None, quiet=True, progress=progress))
+    code = run_scan(CommandOptions(spec="models.py:build", html=None, quiet=True, progress=progress))
     captured = capsys.readouterr()
     assert code == 0
     assert "\rgradaudit: running the forward..." in captured.err

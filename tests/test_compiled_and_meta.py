@@ -174,13 +174,13 @@ def test_a_long_error_is_never_cut(tmp_path, monkeypatch):
 def test_a_long_error_on_a_terminal_wraps_to_its_width(monkeypatch, capsys):
     import sys
 
-    from gradaudit.cli import _fail
+    from gradaudit.cli import fail
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     monkeypatch.setenv("COLUMNS", "60")
     words = " ".join(f"word{i}" for i in range(40))
     with pytest.raises(SystemExit):
-        _fail(f"it failed: {words}\ndo this instead", debug=False)
+        fail(f"it failed: {words}\ndo this instead", debug=False)
     err = capsys.readouterr().err
     assert all(len(line) <= 60 for line in err.splitlines()) and len(err.splitlines()) > 3
     assert " ".join(err.split()) == f"gradaudit: error: it failed: {words} do this instead"

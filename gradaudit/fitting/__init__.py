@@ -11,9 +11,17 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..conditions import meta_inputs, resolve_target, runs_on_meta
 from ..errors import GradauditError
-from .result import Figures, Fit, Live, figures
-from .step import CATEGORIES, STATE, run_step
+from ..report.units import human_bytes
+from ..sizes import as_bytes
+from ..tensors import first_meta_parameter, iter_tensors
+from . import optimizers
+from .largest import search
+from .levers import other_levers
+from .remedy import Alternative, search_levers
+from .result import Figures, Fit, Live, allocated, figures
+from .step import CATEGORIES, STATE, Step
 
 __all__ = ["fit", "Fit", "CATEGORIES"]
 
@@ -70,29 +78,66 @@ def fit(
     as it is (left exactly as found, like an audit); the optimizer steps on meta stand-ins, so the
     model's weights never change.
     """
-    from ..auditing import resolve_target, meta_inputs, runs_on_meta
-    from ..sizes import as_bytes
-    from ..tensors import first_meta_parameter, iter_tensors
-    from . import optimizers
-
     if not isinstance(model, nn.Module):
         raise GradauditError(f"fit() needs a torch.nn.Module, got {type(model).__name__}")
     memory_bytes = as_bytes(memory, "memory")
-    fixed_headroom = None if headroom is None else as_bytes(headroom, "headroom")
+    headroom_of = _Headroom(None if headroom is None else as_bytes(headroom, "headroom"))
+    _check_options(autocast, accumulation)
+    builder, name = optimizers.resolve(optimizer)
+    inputs = meta_inputs(model, inputs)
+    tensors = list(iter_tensors(inputs))
+    on_meta = runs_on_meta(first_meta_parameter(model.parameters()), tensors)
+    first = next(iter(model.parameters()), None)
+    target = resolve_target(target, on_meta, ([first] if first is not None else []) + tensors)
+    step = Step(model, inputs, builder, name, loss, [trainable] if isinstance(trainable, str) else trainable,
+                [frozen] if isinstance(frozen, str) else frozen, target, on_meta, autocast, accumulation)
+    say = progress or (lambda text: None)
+    say("running a training step (forward, backward, optimizer step)")
+    run = step.run()
+    measured = figures(run, target)
+    notes = list(run.notes)
+    if run.output_cache:
+        notes.append("the forward returned a key/value cache (Hugging Face: the config's use_cache=True): training "
+                     "never reads it; model.config.use_cache = False may hold less")
+    result = Fit(model=type(model).__name__, device="meta" if on_meta else target, target=target, optimizer=name,
+                 memory=memory_bytes, peak_bytes=measured.peak_bytes, breakdown=measured.breakdown,
+                 peak_phase=measured.peak_phase, timeline=measured.timeline, trained_parameters=run.trained,
+                 reserved_bytes=measured.reserved_bytes, notes=notes, accumulation=accumulation,
+                 headroom=headroom_of(measured), headroom_given=headroom_of.given is not None,
+                 attribution=measured.attribution, live=Live(run=run))
+    result.live.size_search = (lambda scaled: _peak_and_headroom(step.on(scaled), headroom_of), inputs)
+    if result.fits:
+        return result
+    result.levers = other_levers([allocated(n, target) for n in run.persistent.get(STATE, ())],
+                                 measured.peak_bytes, measured.attribution)
+    if remedy and measured.floor_bytes + headroom_of(measured) > memory_bytes:
+        result.remedy_searched = True
+        result.notes.append(
+            f"no remedy: the parameters, buffers, optimizer state and gradients alone take "
+            f"{human_bytes(measured.floor_bytes)}, more than the memory, and neither smaller micro-batches, trim "
+            f"nor checkpointing reduces them (train fewer parameters, keep less optimizer state, or shard the model)")
+    elif remedy:
+        _search_remedy(result, step, memory_bytes, headroom_of, split_batch, say)
+    return result
 
-    def headroom_of(step: Figures) -> int:
-        """What ``step`` needs beside its peak: the headroom given, else the allocator's reserve."""
-        if fixed_headroom is not None:
-            return fixed_headroom
+
+class _Headroom:
+    """What a step needs beside its peak: the headroom given, else the caching allocator's reserve."""
+
+    def __init__(self, given: Optional[int]) -> None:
+        self.given = given
+
+    def __call__(self, step: Figures) -> int:
+        if self.given is not None:
+            return self.given
         return max(0, step.reserved_bytes - step.peak_bytes) if step.reserved_bytes is not None else 0
 
-    def needed(step: Figures) -> int:
-        return step.peak_bytes + headroom_of(step)
+    def needed(self, step: Figures) -> int:
+        """The step's peak and its headroom."""
+        return step.peak_bytes + self(step)
 
-    if isinstance(trainable, str):
-        trainable = [trainable]
-    if isinstance(frozen, str):
-        frozen = [frozen]
+
+def _check_options(autocast: Any, accumulation: Any) -> None:
     if autocast is not None and (not isinstance(autocast, torch.dtype) or not autocast.is_floating_point):
         raise GradauditError(f"autocast must be a floating dtype such as torch.bfloat16, not {autocast!r}")
     if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
@@ -100,90 +145,36 @@ def fit(
                              "forward and loss run under it, backward and the optimizer step after it closes)")
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         raise GradauditError(f"accumulation must be a whole number of micro-batches >= 1, not {accumulation!r}")
-    builder, name = optimizers.resolve(optimizer)
-    inputs = meta_inputs(model, inputs)
-    tensors = list(iter_tensors(inputs))
-    on_meta = runs_on_meta(first_meta_parameter(model.parameters()), tensors)
-    first = next(iter(model.parameters()), None)
-    target = resolve_target(target, on_meta, ([first] if first is not None else []) + tensors)
-    say = progress or (lambda step: None)
-    say("running a training step (forward, backward, optimizer step)")
-    memo: dict = {}  # the optimizer's stand-in step, stepped once for every run of this fit
-    run = run_step(model, inputs, builder=builder, optimizer_name=name, loss_fn=loss, trainable=trainable,
-                   frozen=frozen, target=target, on_meta=on_meta, autocast=autocast, memo=memo,
-                   accumulation=accumulation)
-    step = figures(run, target)
-    notes = list(run.notes)
-    if run.output_cache:
-        notes.append("the forward returned a key/value cache (Hugging Face: the config's use_cache=True): training "
-                     "never reads it; model.config.use_cache = False may hold less")
-    result = Fit(model=type(model).__name__, device="meta" if on_meta else target, target=target, optimizer=name,
-                 memory=memory_bytes, peak_bytes=step.peak_bytes, breakdown=step.breakdown,
-                 peak_phase=step.peak_phase, timeline=step.timeline, trained_parameters=run.trained,
-                 reserved_bytes=step.reserved_bytes, notes=notes, accumulation=accumulation,
-                 headroom=headroom_of(step), headroom_given=fixed_headroom is not None,
-                 attribution=step.attribution, live=Live(run=run))
-    _searchable(result, model, builder, name, loss, trainable, frozen, target, on_meta, autocast, inputs, memo,
-                headroom_of)
-    if not result.fits:
-        from .levers import other_levers
-        from .result import allocated
-
-        result.levers = other_levers([allocated(n, target) for n in run.persistent.get(STATE, ())],
-                                     step.peak_bytes, step.attribution)
-    if remedy and not result.fits and step.floor_bytes + headroom_of(step) > memory_bytes:
-        from ..report.units import human_bytes
-
-        result.remedy_searched = True
-        result.notes.append(
-            f"no remedy: the parameters, buffers, optimizer state and gradients alone take "
-            f"{human_bytes(step.floor_bytes)}, more than the memory, and neither smaller micro-batches, trim nor "
-            f"checkpointing reduces them (train fewer parameters, keep less optimizer state, or shard the model)")
-    elif remedy and not result.fits:
-        from .remedy import search_levers
-
-        def measure_with(step_inputs: Any, micro_batches: int) -> Callable[[Callable[[], Any]], Any]:
-            def measure(applied: Callable[[], Any]) -> Any:
-                return figures(run_step(model, step_inputs, builder=builder, optimizer_name=name, loss_fn=loss,
-                                        trainable=trainable, frozen=frozen, target=target, on_meta=on_meta,
-                                        autocast=autocast, applied=applied, memo=memo, accumulation=micro_batches),
-                               target)
-            return measure
-
-        result.remedy, result.alternatives, more = search_levers(
-            model, inputs, memory_bytes, measure_with, accumulation=accumulation, trainable=trainable, frozen=frozen,
-            target=target, say=say, needed=needed, split_batch=split_batch)
-        result.remedy_searched = True
-        result.notes += more
-        result.alternatives += _smaller_batch(result, say)
-        if result.remedy is not None and result.remedy.plan is not None:
-            result.notes += [n for n in result.remedy.plan.notes if n not in result.notes]
-    return result
 
 
-def _searchable(result: Fit, model: nn.Module, builder: Any, name: str, loss: Any, trainable: Any, frozen: Any,
-                target: str, on_meta: bool, autocast: Any, inputs: Any, memo: dict,
-                headroom_of: Callable[[Figures], int]) -> None:
-    """Let ``result.largest`` run the same step on scaled inputs. The Fit keeps the model alive for it,
-    as it keeps the inputs: ``gradaudit.fit(build(), batch).largest("batch")`` is a natural one-liner."""
-    from .largest import remember
+def _peak_and_headroom(step: Step, headroom_of: _Headroom) -> tuple[int, int]:
+    """``Fit.largest``'s measure: the peak of ``step`` (on scaled inputs) and its headroom. The Fit keeps
+    the model alive for it, as it keeps the inputs: ``gradaudit.fit(build(), batch).largest("batch")``
+    is a natural one-liner."""
+    measured = figures(step.run(), step.target)
+    return measured.peak_bytes, headroom_of(measured)
 
-    def peak_of(scaled_inputs: Any) -> tuple[int, int]:
-        run = run_step(model, scaled_inputs, builder=builder, optimizer_name=name, loss_fn=loss, trainable=trainable,
-                       frozen=frozen, target=target, on_meta=on_meta, autocast=autocast, memo=memo,
-                       accumulation=result.accumulation)
-        step = figures(run, target)
-        return step.peak_bytes, headroom_of(step)
 
-    remember(result, peak_of, inputs)
+def _search_remedy(result: Fit, step: Step, memory_bytes: int, headroom_of: _Headroom, split_batch: bool,
+                   say: Callable[[str], None]) -> None:
+    """The cheapest change whose measured step fits (``Fit.remedy``), the alternatives and their notes."""
+    def measure_with(step_inputs: Any, micro_batches: int) -> Callable[[Callable[[], Any]], Figures]:
+        on = step.on(step_inputs, micro_batches)
+        return lambda applied: figures(on.run(applied), step.target)
+
+    result.remedy, result.alternatives, more = search_levers(
+        step.model, step.inputs, memory_bytes, measure_with, accumulation=step.accumulation, trainable=step.trainable,
+        frozen=step.frozen, target=step.target, say=say, needed=headroom_of.needed, split_batch=split_batch)
+    result.remedy_searched = True
+    result.notes += more
+    result.alternatives += _smaller_batch(result, say)
+    if result.remedy is not None and result.remedy.plan is not None:
+        result.notes += [n for n in result.remedy.plan.notes if n not in result.notes]
 
 
 def _smaller_batch(result: Fit, say: Callable[[str], None]) -> list[Any]:
     """The largest batch that fits as it is, beside the remedy (none where the inputs have no batch
     to shrink or even one sample does not fit)."""
-    from .largest import search
-    from .remedy import Alternative
-
     say("searching the largest batch that fits as it is")
     try:
         n, peak, size = search(result, "batch")

@@ -6,7 +6,7 @@ On meta nothing is computed, so each measurement costs a forward and backward of
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -92,9 +92,3 @@ def search(fit: Any, dimension: str) -> tuple[int, Optional[int], int]:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low, measured[low][0] if low in measured else None, size
-
-
-def remember(fit: Any, run_peak: Callable[[Any], tuple[int, int]], inputs: Any) -> None:
-    """Let ``fit.largest`` measure steps on other inputs: ``run_peak(inputs)`` gives a step's peak and
-    its headroom."""
-    fit.live.size_search = (run_peak, inputs)

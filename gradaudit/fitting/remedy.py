@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from ..errors import GradauditError
+from ..planning.switches import own_checkpointing_off
 
 NO_PLAN = 2**62  # a budget every plan fits: the frontier is wanted, not a choice
 
@@ -177,7 +178,6 @@ def search(model: nn.Module, inputs: Any, memory: int, measure: Measure, *, trai
     """(the cheapest remedy of trim and checkpointing, None when nothing fits; "every block
     checkpointed" beside it, where ``every``; notes)."""
     from ..planning import plan as make_plan
-    from ..planning.conditions import own_checkpointing_off
     from ..planning.frontier import by_peak
 
     found: list[tuple[float, int, Remedy]] = []
@@ -225,8 +225,6 @@ def search(model: nn.Module, inputs: Any, memory: int, measure: Measure, *, trai
 def _every_block(model: nn.Module, planned: Any, measure: Measure, memory: int, needed: Needed) -> Alternative:
     """Checkpointing every block (Hugging Face's activation_checkpointing_enable()), measured."""
     from ..planning.apply import PlanHandle
-    from ..planning.conditions import own_checkpointing_off
-
     every = next(b for b in planned.baselines if b.name == "every block")
 
     def applied() -> Any:

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from ..tracking import Category, sweep
 from .allocator import rounded
 from .levers import LOSS_OPS
 from .step import ACTIVATIONS, CATEGORIES, GRADIENTS, INPUTS, TEMPORARIES, StepRun
@@ -102,14 +103,13 @@ def attribute(lives: list[Any], sample: int, phase_of: list[str], size: Any) -> 
                                         else f"{life.op} ({made_in(life)})")}
 
 
-UNSPLIT = "unsplit_blocks"  # on CUDA: what the caching allocator hands out beyond the requests (allocator.py)
+UNSPLIT = Category.UNSPLIT_BLOCKS  # on CUDA: what the caching allocator hands out beyond the requests (allocator.py)
 
 
 def figures(run: StepRun, target: str) -> Figures:
     """The step's peak, breakdown and timeline as the target's allocator counts them (on CUDA, the
     blocks it leaves unsplit included, as ``torch.cuda.memory_allocated`` counts them)."""
     from .allocator import replay
-    from .lifetimes import sweep
 
     steady = {c: sum(allocated(n, target) for n in run.persistent.get(c, ())) for c in CATEGORIES}
     samples = sum(count for _, count in run.phases)

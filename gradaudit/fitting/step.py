@@ -32,20 +32,21 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from ..conditions import as_audited
 from ..errors import ForwardError, GradauditError, NothingRequiresGradError
 from ..module_tracker import ModuleTracker
 from ..sites import user_source_line
 from ..tensors import default_loss, iter_tensors, split_inputs, storage_key, strided_parts, unique
-from . import optimizers
-from .lifetimes import Life, Lifetimes
-from .workspaces import GemmCount, workspaces
 from ..torchapi.autograd import current_node, node_sequence_number
 from ..torchapi.distributed import local_of
 from ..torchapi.optimizers import fused_optimizers_on_meta
+from ..tracking import Category, Life, Lifetimes
+from . import optimizers
+from .workspaces import GemmCount, workspaces
 
-PARAMETERS, BUFFERS, INPUTS, STATE = "parameters", "buffers", "inputs", "optimizer_state"
-GRADIENTS, ACTIVATIONS, TEMPORARIES = "gradients", "activations", "temporaries"
-WORKSPACES = "workspaces"  # on CUDA: cuBLAS's and cuBLASLt's, cached from the first step on (workspaces.py)
+PARAMETERS, BUFFERS, INPUTS, STATE = Category.PARAMETERS, Category.BUFFERS, Category.INPUTS, Category.OPTIMIZER_STATE
+GRADIENTS, ACTIVATIONS, TEMPORARIES = Category.GRADIENTS, Category.ACTIVATIONS, Category.TEMPORARIES
+WORKSPACES = Category.WORKSPACES  # on CUDA: cuBLAS's and cuBLASLt's, cached from the first step on (workspaces.py)
 # the order of a breakdown and of the timeline's rows: what is always there first
 CATEGORIES = (PARAMETERS, BUFFERS, INPUTS, STATE, WORKSPACES, GRADIENTS, ACTIVATIONS, TEMPORARIES)
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
@@ -62,6 +63,7 @@ class StepRun:
     notes: list[str] = field(default_factory=list)
     trained: int = 0  # parameters with a gradient
     output_cache: bool = False  # the forward returned a key/value cache (Hugging Face use_cache=True)
+    loss: Any = None
 
 
 def phase_names(accumulation: int) -> list[tuple[str, str]]:
@@ -74,126 +76,184 @@ def phase_names(accumulation: int) -> list[tuple[str, str]]:
             (f"{FORWARD} ({later})", f"{BACKWARD} ({later})")]
 
 
-def run_step(model: nn.Module, inputs: Any, *, builder: Any, optimizer_name: str, loss_fn: Optional[Callable],
-             trainable: Any, frozen: Any, target: str, on_meta: bool, autocast: Optional[torch.dtype],
-             applied: Callable[[], Any] = contextlib.nullcontext, memo: Optional[dict] = None,
-             accumulation: int = 1) -> StepRun:
-    """Run the step (``applied()`` in force around the forward and backward: a plan, trim) and
-    return its storages. The model is left as found. ``memo``: a dict kept across the runs of one fit,
-    where the optimizer's step is remembered by the gradients' layouts (a plan or trim does not
-    change them, so probing many plans steps the stand-ins once). ``accumulation``: micro-batches
-    (each ``inputs``) whose gradients add up before the optimizer steps."""
-    from ..planning.conditions import as_audited
+@dataclass
+class Step:
+    """One training step as fit runs it: the model and its inputs, how the loss is taken, what trains,
+    the optimizer, the target and the micro-batches. ``run`` runs it (levers applied, if any) and
+    returns its storages; ``on`` gives the same step on other inputs or micro-batches (the remedy's
+    smaller batches, ``Fit.largest``'s scaled ones).
 
-    args, kwargs = split_inputs(inputs)
-    device = "meta" if on_meta else _device_of(model, inputs)
+    The optimizer's step on stand-ins is remembered across the runs of one step and those ``on``
+    gives, by the gradients' layouts: a plan or trim does not change them, so probing many plans steps
+    the stand-ins once.
+    """
 
-    def counts(where: torch.device) -> bool:
-        return where.type == device
+    model: nn.Module
+    inputs: Any
+    builder: Any  # the optimizer's builder (optimizers.resolve)
+    optimizer_name: str
+    loss_fn: Optional[Callable[[Any], torch.Tensor]]
+    trainable: Any
+    frozen: Any
+    target: str
+    on_meta: bool
+    autocast: Optional[torch.dtype] = None
+    accumulation: int = 1  # micro-batches (each ``inputs``) whose gradients add up before the optimizer steps
+    optimizer_steps: dict = field(default_factory=dict, repr=False)  # gradients' layouts -> the step followed
 
-    persistent: dict[str, list[int]] = {c: [] for c in CATEGORIES}
-    seen: set[int] = set()
+    def on(self, inputs: Any, accumulation: Optional[int] = None) -> "Step":
+        """This step on other ``inputs`` (and ``accumulation``), sharing the optimizer steps remembered."""
+        return dataclasses.replace(self, inputs=inputs,
+                                   accumulation=self.accumulation if accumulation is None else accumulation)
 
-    def keep(category: str, tensors: Sequence[torch.Tensor]) -> None:
+    def run(self, applied: Callable[[], Any] = contextlib.nullcontext) -> StepRun:
+        """Run the step (``applied()`` in force around the forwards and backwards: a plan, trim) and
+        return its storages. The model is left as found."""
+        model = self.model
+        args, kwargs = split_inputs(self.inputs)
+        device = "meta" if self.on_meta else _device_of(model, self.inputs)
+        persistent = _Persistent(device)
+        notes: list[str] = []
+        with as_audited(model, self.inputs, self.trainable, self.frozen, self.target):
+            persistent.keep(PARAMETERS, list(model.parameters()))
+            persistent.keep(BUFFERS, list(model.buffers()))
+            inputs = unique(list(iter_tensors((args, kwargs))))
+            persistent.keep(INPUTS, inputs)
+            leaves = [t for t in inputs if t.is_leaf and t.requires_grad]
+            # what the optimizer steps: the parameters that train; where none does and inputs require grad
+            # (adversarial examples, style transfer), those inputs
+            trains = [p for p in model.parameters() if p.requires_grad] or leaves
+            if trains and trains is leaves:
+                notes.append(f"no parameter trains: the optimizer steps the {len(leaves)} input tensor(s) that "
+                             f"require grad, as adversarial and style-transfer loops do")
+            tracker, where = _attribution(model, sys._getframe())
+            gemms = GemmCount()  # the matrix products run (on CUDA they hold cuBLAS's workspaces)
+            lifetimes = Lifetimes(persistent.seen, persistent.counts, where, observe=gemms.count)
+            with applied(), tracker:
+                micro = _micro_batches(self, args, kwargs, lifetimes, gemms)
+            if self.target == "cuda":
+                persistent.sizes[WORKSPACES], note = _workspaces(micro.forward_gemms, gemms.minus(micro.forward_gemms))
+                notes += [note] if note else []
+            gradients = {id(p): p.grad for p in unique([*trains, *leaves]) if p.grad is not None}
+            _categorise(lifetimes.lives, {storage_key(g) for g in gradients.values()}, micro)
+            # every gradient is the step's (an input's too); the optimizer takes those of what it steps
+            layouts = [(p, gradients[id(p)]) for p in trains if id(p) in gradients]
+            carried = [life for life in lifetimes.lives if life.died is None]
+            state_notes, remembered, persistent.sizes[STATE], samples = self._optimizer_step(trains, layouts)
+            notes += state_notes
+            phases, output_cache = micro.phases, micro.output_cache
+            del micro, gradients, layouts
+        lives = list(lifetimes.lives)
+        # what the backward left alive (the gradients, the loss) stays alive through the optimizer step
+        offset = lifetimes.samples
+        for life in remembered:
+            life = dataclasses.replace(life)  # the remembered lives stay as they are: offset per run
+            life.born += offset
+            life.died = life.died + offset if life.died is not None else None
+            lives.append(life)
+        # the optimizer's step leaves the gradients alive; zero_grad(set_to_none=True) frees them after it
+        for life in carried:
+            if life.category == GRADIENTS:
+                life.died = offset + samples + 1
+        if not self.on_meta and device != "cpu":
+            notes.append(f"on {device}, the figures count storages as PyTorch's allocator is asked for them")
+        return StepRun(persistent.sizes, lives, [*phases, (OPTIMIZER, samples + 1)], notes, trained=len(trains),
+                       output_cache=output_cache)
+
+    def _optimizer_step(self, trains: Sequence[torch.Tensor],
+                        layouts: Sequence[tuple[Any, torch.Tensor]]) -> tuple[list[str], list[Life], list[int], int]:
+        """``_optimizer_step`` for these gradients' layouts, remembered."""
+        key = tuple((id(p), tuple(local_of(g).shape), local_of(g).stride(), g.dtype) for p, g in layouts)
+        if key not in self.optimizer_steps:
+            self.optimizer_steps[key] = _optimizer_step(self.model, trains, layouts, self.builder,
+                                                        self.optimizer_name, self.target)
+        return self.optimizer_steps[key]
+
+
+class _Persistent:
+    """The storages alive throughout the step, by category (each storage counted once, on the step's
+    device only)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.sizes: dict[str, list[int]] = {c: [] for c in CATEGORIES}
+        self.seen: set[int] = set()
+
+    def counts(self, where: torch.device) -> bool:
+        return where.type == self.device
+
+    def keep(self, category: str, tensors: Sequence[torch.Tensor]) -> None:
         for t in tensors:
             for part in strided_parts(t):
                 key = storage_key(part)
-                if key not in seen and counts(part.device):
-                    seen.add(key)
-                    persistent[category].append(part.untyped_storage().nbytes())
+                if key not in self.seen and self.counts(part.device):
+                    self.seen.add(key)
+                    self.sizes[category].append(part.untyped_storage().nbytes())
 
-    notes: list[str] = []
-    with as_audited(model, inputs, trainable, frozen, target):
-        keep(PARAMETERS, list(model.parameters()))
-        keep(BUFFERS, list(model.buffers()))
-        keep(INPUTS, unique(list(iter_tensors((args, kwargs)))))
-        leaves = [t for t in unique(list(iter_tensors((args, kwargs)))) if t.is_leaf and t.requires_grad]
-        # what the optimizer steps: the parameters that train; where none does and inputs require grad
-        # (adversarial examples, style transfer), those inputs
-        trains = [p for p in model.parameters() if p.requires_grad] or leaves
-        if trains and trains is leaves:
-            notes.append(f"no parameter trains: the optimizer steps the {len(leaves)} input tensor(s) that require "
-                         f"grad, as adversarial and style-transfer loops do")
-        # what made each storage: the module whose forward runs (a checkpoint's recomputation in
-        # backward too) and the user's line, found up to this frame (beyond it: the caller of fit).
-        # In backward, the module whose forward made the node running then (the tracker's timeline
-        # of which module ran from which node's sequence number on)
-        tracker, stop = ModuleTracker(model), sys._getframe()
-        tracker.timeline = []
 
-        def where() -> tuple[str, Optional[str]]:
-            module = tracker.stack[-1][0]
-            if len(tracker.stack) == 1:
-                node = current_node()
-                if node is not None:
-                    module = tracker.running_at(node_sequence_number(node))[0]
-            return module, user_source_line(sys._getframe(1), stop)
+def _attribution(model: nn.Module, stop: Any) -> tuple[ModuleTracker, Callable[[], tuple[str, Optional[str]]]]:
+    """What made each storage: the module whose forward runs (a checkpoint's recomputation in backward
+    too) and the user's line, found up to ``stop`` (fit's frame; beyond it: the caller of fit). In
+    backward, the module whose forward made the node running then (the tracker's timeline of which
+    module ran from which node's sequence number on). Returns the tracker, to be entered around the
+    micro-batches, and ``where``."""
+    tracker = ModuleTracker(model)
+    tracker.timeline = []
 
-        lifetimes = Lifetimes(seen, counts, where)
-        phases: list[tuple[str, int]] = []
-        held: set[int] = set()  # lives alive when a forward ends, by identity (a later storage may take a key)
-        losses: set[int] = set()  # the lives of each micro-batch's loss
-        with applied(), tracker:
-            for forward_name, backward_name in phase_names(accumulation):
-                start = lifetimes.samples
-                loss, cache = _forward(model, args, kwargs, lifetimes, loss_fn, target, autocast, accumulation)
-                held |= {id(life) for life in lifetimes.live.values()}
-                loss_life = lifetimes.live.get(storage_key(loss))
-                if loss_life is not None:
-                    losses.add(id(loss_life))
-                if not phases:
-                    forward_gemms = dataclasses.replace(lifetimes.gemms)
-                middle = lifetimes.samples
-                with lifetimes:
-                    loss.backward()
-                phases += [(forward_name, middle - start), (backward_name, lifetimes.samples - middle)]
-            lifetimes.close()
-        if target == "cuda":
-            persistent[WORKSPACES], note = _workspaces(forward_gemms, lifetimes.gemms.minus(forward_gemms))
-            notes += [note] if note else []
-        gradients = {}
-        for p in unique([*trains, *leaves]):
-            if p.grad is not None:
-                gradients[id(p)] = p.grad
-        grad_keys = {storage_key(g) for g in gradients.values()}
-        for life in lifetimes.lives:
-            if life.died is None and life.key in grad_keys:
-                life.category = GRADIENTS
-            elif id(life) in held and id(life) not in losses:
-                life.category = ACTIVATIONS
-            else:
-                life.category = TEMPORARIES
-        # every gradient is the step's (an input's too); the optimizer takes those of what it steps
-        layouts = [(p, gradients[id(p)]) for p in trains if id(p) in gradients]
-        carried = [life for life in lifetimes.lives if life.died is None]
-        key = tuple((id(p), tuple(local_of(g).shape), local_of(g).stride(), g.dtype) for p, g in layouts)
-        if memo is None or key not in memo:
-            found = _optimizer_step(model, trains, layouts, builder, optimizer_name, target)
-            if memo is not None:
-                memo[key] = found
+    def where() -> tuple[str, Optional[str]]:
+        module = tracker.stack[-1][0]
+        if len(tracker.stack) == 1:
+            node = current_node()
+            if node is not None:
+                module = tracker.running_at(node_sequence_number(node))[0]
+        return module, user_source_line(sys._getframe(1), stop)
+
+    return tracker, where
+
+
+@dataclass
+class _MicroBatches:
+    """What the forwards and backwards of the micro-batches left to categorise the lives by."""
+
+    held: set[int] = field(default_factory=set)  # lives alive when a forward ends, by identity
+    losses: set[int] = field(default_factory=set)  # the lives of each micro-batch's loss
+    forward_gemms: Optional[GemmCount] = None  # the first forward's matrix products (workspaces.py)
+    phases: list[tuple[str, int]] = field(default_factory=list)  # (phase, samples) in order
+    output_cache: bool = False  # the forward returned a key/value cache (Hugging Face use_cache=True)
+
+
+def _micro_batches(step: Step, args: tuple, kwargs: dict, lifetimes: Lifetimes, gemms: GemmCount) -> _MicroBatches:
+    """Each micro-batch's forward, loss and backward, followed by ``lifetimes`` (closed after them)."""
+    micro, loss = _MicroBatches(), None
+    for forward_name, backward_name in phase_names(step.accumulation):
+        start = lifetimes.samples
+        loss, micro.output_cache = _forward(step.model, args, kwargs, lifetimes, step.loss_fn, step.target,
+                                            step.autocast, step.accumulation)
+        micro.held |= {id(life) for life in lifetimes.live.values()}  # by identity: a later storage may take a key
+        loss_life = lifetimes.live.get(storage_key(loss))
+        if loss_life is not None:
+            micro.losses.add(id(loss_life))
+        if micro.forward_gemms is None:
+            micro.forward_gemms = dataclasses.replace(gemms)
+        middle = lifetimes.samples
+        with lifetimes:
+            loss.backward()
+        micro.phases += [(forward_name, middle - start), (backward_name, lifetimes.samples - middle)]
+    lifetimes.close()
+    micro.loss = loss  # the last micro-batch's: alive until the step's run lets go of it, as a training loop's
+    return micro
+
+
+def _categorise(lives: Sequence[Life], gradient_keys: set[int], micro: _MicroBatches) -> None:
+    """Each life's category: a gradient alive at the end, an activation held from a forward into its
+    backward (the loss aside), else a temporary."""
+    for life in lives:
+        if life.died is None and life.key in gradient_keys:
+            life.category = GRADIENTS
+        elif id(life) in micro.held and id(life) not in micro.losses:
+            life.category = ACTIVATIONS
         else:
-            found = memo[key]
-        state_notes, remembered, state_sizes, samples = found
-        optimizer_lives = [dataclasses.replace(life) for life in remembered]  # offset below, per run
-        notes += state_notes
-        del loss, gradients, layouts
-    persistent[STATE] = state_sizes
-    lives = list(lifetimes.lives)
-    # what the backward left alive (the gradients, the loss) stays alive through the optimizer step
-    offset = lifetimes.samples
-    for life in optimizer_lives:
-        life.born += offset
-        life.died = life.died + offset if life.died is not None else None
-    # the optimizer's step leaves the gradients alive; zero_grad(set_to_none=True) frees them after it
-    end = offset + samples + 1
-    for life in carried:
-        if life.category == GRADIENTS:
-            life.died = end
-    lives += optimizer_lives
-    if not on_meta and device != "cpu":
-        notes.append(f"on {device}, the figures count storages as PyTorch's allocator is asked for them")
-    return StepRun(persistent, lives, [*phases, (OPTIMIZER, samples + 1)], notes, trained=len(trains),
-                   output_cache=cache)
+            life.category = TEMPORARIES
 
 
 def _workspaces(forward: GemmCount, backward: GemmCount) -> tuple[list[int], Optional[str]]:

@@ -65,6 +65,14 @@ class GemmCount:
     cublaslt: int = 0
     convolutions: int = 0
 
+    def count(self, packet: Any, args: tuple) -> None:
+        """Count one op (``Lifetimes``' observer): its overload packet and arguments."""
+        if is_gemm(packet):
+            self.cublas += 1
+            self.cublaslt += uses_cublaslt(packet, args)
+        elif is_convolution(packet):
+            self.convolutions += 1
+
     def minus(self, other: "GemmCount") -> "GemmCount":
         return GemmCount(self.cublas - other.cublas, self.cublaslt - other.cublaslt,
                          self.convolutions - other.convolutions)

@@ -16,8 +16,9 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from ..auditing import audit
 from ..errors import GradauditError
-from ..planning.conditions import checkpoints_itself
+from ..planning.switches import checkpoints_itself
 from ..records import Report
 
 # every figure a callback logs is named with this prefix (W&B, TensorBoard, state.log_history)
@@ -183,8 +184,6 @@ class TrainingSession:
         raise on waste when asked, and install trim or the plan; with fit_memory, fit the whole step
         (``optimizer``: the trainer's, else AdamW) and install its remedy where it does not fit. Returns
         the figures to log."""
-        from ..auditing import audit
-
         if self.installed:
             raise GradauditError("gradaudit's callback is already active on a run: one callback serves one "
                                  "training run at a time")
@@ -297,12 +296,12 @@ def _modes(model: nn.Module, train_mode: bool) -> Iterator[None]:
 
 def _waste_message(report: Report, path: Optional[Path]) -> str:
     from ..report.units import human_bytes
+    from ..report.views import waste_findings_text
 
-    count = len(report.waste_findings)
     codes = sorted({f.code for f in report.waste_findings})
     where = f"; see {path}" if path is not None else ""
     return (f"fail_on_waste: the first batch's forward holds {human_bytes(report.reclaimable_with_all_fixes_bytes)} "
-            f"autograd does not need ({count} waste finding{'s' if count != 1 else ''}: {', '.join(codes)}){where}; "
+            f"autograd does not need ({waste_findings_text(report)}: {', '.join(codes)}){where}; "
             f"each finding names its fix (gradaudit explain CODE); trim=True applies the drops and bit-packing "
             f"among them while training")
 

@@ -32,6 +32,7 @@ from . import segments, timing  # noqa: F401  (planning.timing.REPEATS, planning
 from .apply import PlanHandle
 from .candidates import repeated_blocks
 from .planner import plan
-from .result import HELD_BOUND, PEAK_BOUND, PLAN_SCHEMA_VERSION, Baseline, BudgetError, Plan  # noqa: F401
+from .baselines import Baseline  # noqa: F401
+from .result import HELD_BOUND, PEAK_BOUND, PLAN_SCHEMA_VERSION, BudgetError, Plan  # noqa: F401
 
 __all__ = ["plan", "Plan", "PlanHandle", "BudgetError", "Baseline", "repeated_blocks"]

@@ -35,11 +35,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import flop_registry
 
+from ..conditions import trimmed_now
 from ..errors import GradauditError
 from ..tensors import flatten
 from ..torchapi.checkpoint import KEEP_CHECKPOINTING
 from ..torchapi.dispatch import function_modes, function_modes_entered, overload_packet
 from ..torchapi.modules import BATCH_NORM
+from .switches import cache_config
 
 _PLANNED: "weakref.WeakKeyDictionary[nn.Module, PlanHandle]" = weakref.WeakKeyDictionary()
 
@@ -240,8 +242,6 @@ class PlanHandle:
             self.trim_handle = install_trim(model, bitpack=trim)
         # a Hugging Face model asking for a key/value cache: off while checkpointed, as its own
         # gradient checkpointing trains (a checkpointed block passed a cache would fill it again)
-        from .conditions import cache_config
-
         self._cache_config = cache_config(model) if paths else None
         if self._cache_config is not None:
             self._cache_config.use_cache = False
@@ -282,8 +282,6 @@ class PlanHandle:
 
 def _trim_handle(model: nn.Module) -> Any:
     """The trim handle installed on ``model``, or None (without importing trim where nobody did)."""
-    from ..auditing import trimmed_now
-
     if not trimmed_now(model):
         return None
     from ..trimming.handle import handle_of

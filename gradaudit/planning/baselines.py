@@ -1,4 +1,4 @@
-"""What a user would otherwise pick, with the same figures as the plan: nothing, every block, every
+"""What a user would otherwise pick (``Baseline``), with the same figures as the plan: nothing, every block, every
 n-th block (``usual_baselines``, from the chain alone), and for a stack, sqrt(n) segments
 (``segments_baseline``: an audit with it in force, see segments.py).
 """
@@ -7,16 +7,33 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from torch import nn
 
+from ..auditing import audit
 from . import segments
 from .chain import held_by_report
-from .conditions import trimmed
 from .costs import Costs
-from .result import Baseline
 from .solve import Chain
+from .switches import trimmed
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A plan a user would otherwise pick, with the same figures as the chosen plan."""
+
+    name: str
+    checkpointed: tuple[str, ...]
+    held_bytes: int
+    extra_flops: int
+    peak_bytes: Optional[int] = None  # measured as Plan.peak_bytes is (None: not measured)
+    extra_seconds: Optional[float] = None  # with cost="time" (None otherwise)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "checkpointed": list(self.checkpointed), "held_bytes": self.held_bytes,
+                "extra_flops": self.extra_flops, "extra_seconds": self.extra_seconds, "peak_bytes": self.peak_bytes}
 
 
 def usual_baselines(chain: Chain, costs: Costs, budget: int) -> tuple[Baseline, ...]:
@@ -64,8 +81,6 @@ def segments_baseline(model: nn.Module, inputs: Any, trainable: Any, frozen: Any
     runs it in k segments): its held bytes from an audit with it in force, its recompute from the
     blocks of its checkpointed segments that build a graph; and what puts it in force (to measure
     its peak)."""
-    from ..auditing import audit
-
     count = segments.square_root_segments(len(children))
     applied = functools.partial(_in_segments, in_segments, count, model, bitpack)
     with applied() as ranges:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 from torch import nn
 
 from ..accounting import Accountant, counted, packed_bits_nbytes
+from ..auditing import audit
 from ..recorder import CHECKPOINT_INPUTS
 from ..records import HELD_KINDS, NOT_NEEDED, StorageKind
 from .apply import SELECTIVE_POLICY, PlanHandle
@@ -102,8 +103,6 @@ def audited_with(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, tar
                  watch: Sequence[str], checkpointed: dict[str, str], bitpack: Optional[bool]) -> tuple[Any, set[str]]:
     """An audit with ``checkpointed`` applied (path -> policy), and the selectively checkpointed
     paths whose cache had an entry changed in place (backward would raise)."""
-    from ..auditing import audit
-
     with PlanHandle(model, tuple(checkpointed), policies=checkpointed, keep_caches=True, trim=bitpack) as handle:
         report = audit(model, inputs, trainable=trainable, frozen=frozen, watch=watch, target=target)
         mutated = {path for path, caches in handle.caches.items()

@@ -13,9 +13,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .apply import kept_by_selective
-from .conditions import as_audited
+from ..conditions import as_audited
 from ..torchapi.dispatch import first_overload_schema
+from .apply import kept_by_selective
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from .baselines import usual_baselines
 from .costs import Costs
-from .result import Baseline
+from .baselines import Baseline
 from .solve import Chain, Point, cheapest_within
 
 
@@ -37,7 +37,7 @@ class Frontier:
                     extra_flops=self.costs.extra_flops(point.chosen, point.selective),
                     extra_seconds=self.costs.extra_seconds(point.chosen),
                     checkpointed=self.paths(point.chosen), selective=self.paths(point.selective),
-                    baselines=usual_baselines(self.chain, self.costs, budget) + self.fixed, _point=point)
+                    baselines=usual_baselines(self.chain, self.costs, budget) + self.fixed)
 
     def cheapest(self, budget: int, start: int = 0,
                  peak_of: Optional[Callable[[Point], int]] = None) -> Optional[Point]:

@@ -12,10 +12,12 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
+from ..conditions import as_audited
 from ..errors import GradauditError
+from ..tracking import forward_backward
 from .apply import SELECTIVE_POLICY, PlanHandle
-from .conditions import as_audited, own_checkpointing_off
-from .result import Baseline
+from .switches import own_checkpointing_off
+from .baselines import Baseline
 from .solve import Point
 
 
@@ -27,7 +29,6 @@ def step_figures(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, tar
     allocate), the allocator on CUDA. The step is a training loop's: ``loss`` (default: the output's
     loss, else the sum of its first tensor, as ``fit`` takes it) taken from the output, the output
     dropped, the loss backpropagated. Left as found."""
-    from ..measure import forward_backward
     from ..tensors import default_loss, split_inputs
 
     args, kwargs = split_inputs(inputs)

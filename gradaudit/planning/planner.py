@@ -14,22 +14,24 @@ import torch
 from torch import nn
 
 from .. import torchapi
+from ..auditing import audit
+from ..conditions import as_audited, meta_inputs, runs_on_meta
 from ..errors import GradauditError
-from ..values import is_assumption_note
 from ..records import Bound, Cost
+from ..sizes import as_bytes
+from ..torchapi.checkpoint import checkpointing_off
+from ..values import is_assumption_note
 from . import segments, timing
-from .baselines import segments_baseline, stack_runner
+from .baselines import Baseline, segments_baseline, stack_runner
 from .candidates import candidates, inside
 from .chain import add_selective, audited_with, build_chain, held_by_report
-from .conditions import (CACHE_NOTE, as_audited, cache_off, checkpointed_now, checkpointing_off_call,
-                         own_checkpointing_off, trim_options)
 from .costs import Costs, count_flops
 from .frontier import Frontier
 from .peaks import PeakProbes
-from .result import Baseline, Plan, budget_error
-from ..sizes import as_bytes
+from .result import Plan, PlanSearch, budget_error
 from .solve import Chain, solve
-from ..torchapi.checkpoint import checkpointing_off
+from .switches import (CACHE_NOTE, cache_off, checkpointed_now, checkpointing_off_call, own_checkpointing_off,
+                       trim_options)
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,6 @@ def plan(
     Raises BudgetError when no plan of the blocks fits (its ``smallest`` says how low they go).
     The model is left as found; ``Plan.apply(model)`` checkpoints the chosen modules.
     """
-    from ..auditing import meta_inputs
-
     with cache_off(model) as cache_was_on:  # (planned as Hugging Face's checkpointing trains: see CACHE_NOTE)
         inputs = meta_inputs(model, inputs)  # CPU token ids and masks beside a meta model keep their values
         budget_bytes, bound, cost = _checked_arguments(model, inputs, budget, bound, measure_peak, cost)
@@ -151,7 +151,8 @@ def plan(
                       unplanned_held_bytes=chain.held(()), step_flops=step_flops, blocks=frontier.blocks(),
                       frontier=frontier.entries(), optimal=optimal, notes=list(notes), replaces=tuple(now),
                       current_held_bytes=audited.current_held, cost=cost, step_seconds=step_seconds,
-                      trimmed=bitpack is not None, bitpack=bitpack, bound=bound, _frontier=frontier, _probes=probes,
+                      trimmed=bitpack is not None, bitpack=bitpack, bound=bound,
+                      search=PlanSearch(frontier, chosen if chosen is not None else points[-1], probes),
                       **frontier.at(chosen if chosen is not None else points[-1], budget_bytes))
         if measure_peak:
             _measure_peaks(result, probes, applying)
@@ -167,7 +168,6 @@ def _silent(step: str) -> None:
 def _checked_arguments(model: Any, inputs: Any, budget: Any, bound: Any, measure_peak: bool,
                        cost: Any) -> tuple[int, Bound, Cost]:
     """The budget in bytes, the bound and the cost, once every argument that needs no audit is checked."""
-    from ..auditing import runs_on_meta
     from ..tensors import first_meta_parameter, iter_tensors
 
     if not isinstance(model, nn.Module):
@@ -185,8 +185,6 @@ def _checked_arguments(model: Any, inputs: Any, budget: Any, bound: Any, measure
 def _audit(run: _Run, paths: Sequence[str], bitpack: Optional[bool], say: Callable[[str], None]) -> _Audited:
     """One audit watching the candidate blocks; where the model checkpoints itself, what it holds so,
     and a second audit with that turned off (the plan replaces it)."""
-    from ..auditing import audit
-
     say(f"auditing the forward ({len(paths)} candidate blocks)")
     report = audit(run.model, run.inputs, trainable=run.trainable, frozen=run.frozen, watch=paths, target=run.target)
     now = checkpointed_now(report)
@@ -317,7 +315,7 @@ def _segments(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], 
 
 def _measure_peaks(result: Plan, probes: PeakProbes, applying: dict[str, Callable[[], Any]]) -> None:
     """The measured peaks of the plan's step, the unplanned step's and each baseline's."""
-    result.peak_bytes = probes.peak(result._point)
+    result.peak_bytes = probes.peak(result.search.point)
     result.unplanned_peak_bytes = probes.peak(None)  # (the frontier's first point may recompute for free)
     result.baselines = tuple(dataclasses.replace(b, peak_bytes=probes.baseline_peak(b, applying.get(b.name)))
                              for b in result.baselines)

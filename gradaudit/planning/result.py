@@ -1,6 +1,6 @@
 """The plan, as data: ``Plan`` (which modules to checkpoint, what it holds and costs, the frontier
 it was chosen from, the baselines beside it; ``for_budget`` and ``sweep`` choose again from the same
-frontier), ``Baseline`` and ``BudgetError``.
+frontier, ``BudgetError``; the baselines are ``baselines.Baseline``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from ..errors import GradauditError
 from ..records import Bound, Cost
 from ..sizes import as_bytes
 from .apply import FULL_POLICY, SELECTIVE_POLICY, PlanHandle
-from .conditions import checkpointing_off_call, checkpoints_itself
+from .baselines import Baseline
+from .switches import checkpointing_off_call, checkpoints_itself
 from .solve import Point
 
 if TYPE_CHECKING:
@@ -40,19 +41,14 @@ class BudgetError(GradauditError):
 
 
 @dataclass(frozen=True)
-class Baseline:
-    """A plan a user would otherwise pick, with the same figures as the chosen plan."""
+class PlanSearch:
+    """Where a plan was found, which a ``Plan`` keeps beside its data: the frontier of plans it was
+    chosen from, its point on it, and the probes that measure a point's step's peak (running one step
+    each, once). ``for_budget``, ``sweep`` and ``on_frontier`` choose again from it."""
 
-    name: str
-    checkpointed: tuple[str, ...]
-    held_bytes: int
-    extra_flops: int
-    peak_bytes: Optional[int] = None  # measured as Plan.peak_bytes is (None: not measured)
-    extra_seconds: Optional[float] = None  # with cost="time" (None otherwise)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "checkpointed": list(self.checkpointed), "held_bytes": self.held_bytes,
-                "extra_flops": self.extra_flops, "extra_seconds": self.extra_seconds, "peak_bytes": self.peak_bytes}
+    frontier: "Frontier"
+    point: Point
+    probes: "PeakProbes"
 
 
 @dataclass
@@ -101,11 +97,8 @@ class Plan:
     # every figure above is with gradaudit.trim installed (with this bitpack option): apply installs it
     trimmed: bool = False
     bitpack: Optional[bool] = None  # trim's option; None without trim
-    # not part of the plan's data: the frontier it was chosen from and its point on it (for for_budget
-    # and sweep), and the live handle that measures the peak of a point's step
-    _frontier: Optional["Frontier"] = field(default=None, repr=False, compare=False)
-    _point: Optional[Point] = field(default=None, repr=False, compare=False)
-    _probes: Optional["PeakProbes"] = field(default=None, repr=False, compare=False)
+    # not part of the plan's data: where it was found, for for_budget and sweep (None: nowhere to look)
+    search: Optional["PlanSearch"] = field(default=None, repr=False, compare=False)
 
     def for_budget(self, budget: Union[int, str]) -> "Plan":
         """The plan for another budget, from the same audit and frontier: instant (nothing runs
@@ -124,7 +117,7 @@ class Plan:
         they fit the budget too; that costs more recompute than the budget alone asks). A budget
         nothing fits gives the least plan (``fits`` False)."""
         wanted = [as_bytes(b) for b in budgets]
-        points, peak_of = self._frontier.points, self._probes.peak
+        points, peak_of = self.search.frontier.points, self.search.probes.peak
         peaks = measure_peak or self.bound == Bound.PEAK
         found: dict[int, Plan] = {}
         start, ceiling = 0, None
@@ -133,11 +126,11 @@ class Plan:
                 chosen = self._for(budget_bytes, start)
             except BudgetError as error:
                 chosen = error.smallest_plan
-            index = points.index(chosen._point)
+            index = points.index(chosen.search.point)
             if peaks and ceiling is not None and chosen.fits:
                 while peak_of(points[index]) > ceiling and index + 1 < len(points):
                     index += 1
-                if index != points.index(chosen._point):
+                if index != points.index(chosen.search.point):
                     chosen = self._at(points[index], budget_bytes)
             if peaks:
                 chosen.peak_bytes = peak_of(points[index])
@@ -150,29 +143,31 @@ class Plan:
     def frontier_size(self) -> int:
         """How many plans the frontier this plan was chosen from holds (0 when it keeps none): from
         the first, which checkpoints least, to the last, which holds least."""
-        return len(self._frontier.points) if self._frontier is not None else 0
+        return len(self.search.frontier.points) if self.search is not None else 0
 
     def on_frontier(self, index: int, budget: Union[int, str]) -> "Plan":
         """The plan at the frontier's ``index``-th point (see ``frontier_size``), for ``budget``: instant,
         nothing runs again (with ``bound="peak"`` its peak is measured)."""
         if not 0 <= index < self.frontier_size():
             raise GradauditError(f"the frontier holds {self.frontier_size()} plans; there is none at {index}")
-        return self._at(self._frontier.points[index], as_bytes(budget))
+        return self._at(self.search.frontier.points[index], as_bytes(budget))
 
     def _for(self, budget_bytes: int, start: int) -> "Plan":
-        point = self._frontier.cheapest(budget_bytes, start, self._probes.peak if self.bound == Bound.PEAK else None)
-        other = self._at(point if point is not None else self._frontier.points[-1], budget_bytes)
+        frontier, probes = self.search.frontier, self.search.probes
+        point = frontier.cheapest(budget_bytes, start, probes.peak if self.bound == Bound.PEAK else None)
+        other = self._at(point if point is not None else frontier.points[-1], budget_bytes)
         if point is None:
-            raise budget_error(other, len(self._frontier.chain.blocks))
+            raise budget_error(other, len(frontier.chain.blocks))
         return other
 
     def _at(self, point: Point, budget_bytes: int) -> "Plan":
         """This plan's figures for another frontier point and budget."""
         peaks = self.bound == Bound.PEAK
         return dataclasses.replace(
-            self, **self._frontier.at(point, budget_bytes), notes=list(self.notes),
-            peak_bytes=self._probes.peak(point) if peaks else None,
-            unplanned_peak_bytes=self.unplanned_peak_bytes if peaks else None)
+            self, **self.search.frontier.at(point, budget_bytes), notes=list(self.notes),
+            peak_bytes=self.search.probes.peak(point) if peaks else None,
+            unplanned_peak_bytes=self.unplanned_peak_bytes if peaks else None,
+            search=dataclasses.replace(self.search, point=point))
 
     @property
     def fits(self) -> bool:

@@ -30,7 +30,7 @@ overstate a plan's bytes, never understate them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 # a frontier larger than this per state is thinned (the plan is then no longer proven optimal)
 FRONTIER_LIMIT = 50_000
@@ -135,75 +135,19 @@ def solve(chain: Chain) -> tuple[list[Point], bool]:
     and recompute, cheapest first. Returns (points, exact): ``exact`` is False when some storage
     had to be charged as always held or the frontier was thinned (then a point's bytes are still
     exact, but a cheaper plan under the same budget may exist)."""
-    n = len(chain.blocks)
     options = [block.options() for block in chain.blocks]
-    # local[i][x]: bytes only block i decides, x its option; pair[i][x][y]: decided by blocks i, i+1
-    local = [[0] * len(opts) for opts in options]
-    pair = [[[0] * len(options[i + 1]) for _ in options[i]] for i in range(n - 1)]
-    any_chosen = 0  # bytes held exactly when at least one block is checkpointed
-    constant = sum(chain.nbytes[s] for s in chain.outside)
-    chain.assumed = {}
-    # per storage: the blocks holding it whole under some option, and under which; the blocks
-    # holding copies of it under some option (copy ids per block and option); copies held outside
-    whole: dict[int, dict[int, set[int]]] = {}
-    copies: dict[int, dict[int, dict[int, set[int]]]] = {}
-    outside_copies: dict[int, set[int]] = {}
-    for i, opts in enumerate(options):
-        for x, (_, holds, packed) in enumerate(opts):
-            for s in holds:
-                whole.setdefault(s, {}).setdefault(i, set()).add(x)
-            for c in packed:
-                copies.setdefault(chain.bits[c][0], {}).setdefault(i, {}).setdefault(x, set()).add(c)
-    for c in chain.outside_packed:
-        outside_copies.setdefault(chain.bits[c][0], set()).add(c)
-
-    def cost(s: int, choice: dict[int, int]) -> int:
-        """Bytes storage ``s`` costs when each block it touches takes the option ``choice[i]``."""
-        if any(choice[i] in xs for i, xs in whole.get(s, {}).items()):
-            return chain.nbytes[s]
-        held = set(outside_copies.get(s, ()))
-        for i, per_option in copies.get(s, {}).items():
-            held |= per_option.get(choice[i], set())
-        return chain.bytes_of((), held)
-
-    for s in set(whole) | set(copies) | set(outside_copies):
-        if s in chain.outside:
-            continue
-        nbytes = chain.nbytes[s]
-        touched = sorted(set(whole.get(s, {})) | set(copies.get(s, {})))
-        holding = whole.get(s, {})
-        if any(len(holding.get(i, ())) == len(options[i]) for i in touched):  # held whole whatever it does
-            constant += nbytes
-        elif not touched:  # copies outside every block only
-            constant += cost(s, {})
-        elif len(touched) == 1:
-            i = touched[0]
-            for x in range(len(options[i])):
-                local[i][x] += cost(s, {i: x})
-        elif len(touched) == 2 and touched[1] == touched[0] + 1:
-            i = touched[0]
-            for x in range(len(options[i])):
-                for y in range(len(options[i + 1])):
-                    pair[i][x][y] += cost(s, {i: x, i + 1: y})
-        elif len(touched) == n and all(holding.get(i, set()) == set(range(1, len(options[i]))) for i in touched):
-            # passed to every block and held inside none: whole exactly when one is checkpointed
-            none = cost(s, dict.fromkeys(touched, KEEP))
-            constant += none
-            any_chosen += nbytes - none
-        else:
-            constant += nbytes
-            chain.assumed[s] = nbytes
+    charges = _charge(chain, options)
     exact = not chain.assumed
     # states: (option of the last block, any block checkpointed so far) -> frontier of
     # (flops, bytes, mask of checkpointed blocks, mask of the selective ones)
-    states: dict[tuple[int, bool], list[tuple[int, int, int, int]]] = {(KEEP, False): [(0, constant, 0, 0)]}
+    states: dict[tuple[int, bool], list[tuple[int, int, int, int]]] = {(KEEP, False): [(0, charges.constant, 0, 0)]}
     for i, opts in enumerate(options):
         grown: dict[tuple[int, bool], list[tuple[int, int, int, int]]] = {}
         for (last, seen), frontier in states.items():
             for x, (recompute, _, _) in enumerate(opts):
-                extra_bytes = local[i][x] + (pair[i - 1][last][x] if i > 0 else 0)
+                extra_bytes = charges.local[i][x] + (charges.pair[i - 1][last][x] if i > 0 else 0)
                 if x != KEEP and not seen:
-                    extra_bytes += any_chosen
+                    extra_bytes += charges.any_chosen
                 bit = (1 << i) if x != KEEP else 0
                 sbit = (1 << i) if x == SELECTIVE else 0
                 grown.setdefault((x, seen or x != KEEP), []).extend(
@@ -215,6 +159,96 @@ def solve(chain: Chain) -> tuple[list[Point], bool]:
             if len(states[key]) > FRONTIER_LIMIT:
                 exact = False
     final = _pareto(p for frontier in states.values() for p in frontier)
+    return _points(chain, final, exact), exact
+
+
+@dataclass
+class _Charges:
+    """What each storage costs, split by the blocks whose options decide it: ``local[i][x]`` the bytes
+    only block i decides (x its option), ``pair[i][x][y]`` those blocks i and i+1 decide together,
+    ``any_chosen`` the bytes held exactly when at least one block is checkpointed, ``constant`` the rest."""
+
+    local: list[list[int]]
+    pair: list[list[list[int]]]
+    any_chosen: int = 0
+    constant: int = 0
+
+
+def _charge(chain: Chain, options: Sequence[Sequence[Any]]) -> _Charges:
+    """Each storage's bytes charged to the blocks that decide them (``chain.assumed``: those charged as
+    always held, since more than two blocks, not all, decide them)."""
+    n = len(options)
+    charges = _Charges([[0] * len(opts) for opts in options],
+                       [[[0] * len(options[i + 1]) for _ in options[i]] for i in range(n - 1)],
+                       constant=sum(chain.nbytes[s] for s in chain.outside))
+    chain.assumed = {}
+    holders = _Holders(chain, options)
+    for s in holders.storages():
+        if s in chain.outside:
+            continue
+        nbytes = chain.nbytes[s]
+        touched = sorted(set(holders.whole.get(s, {})) | set(holders.copies.get(s, {})))
+        holding = holders.whole.get(s, {})
+        if any(len(holding.get(i, ())) == len(options[i]) for i in touched):  # held whole whatever it does
+            charges.constant += nbytes
+        elif not touched:  # copies outside every block only
+            charges.constant += holders.cost(s, {})
+        elif len(touched) == 1:
+            i = touched[0]
+            for x in range(len(options[i])):
+                charges.local[i][x] += holders.cost(s, {i: x})
+        elif len(touched) == 2 and touched[1] == touched[0] + 1:
+            i = touched[0]
+            for x in range(len(options[i])):
+                for y in range(len(options[i + 1])):
+                    charges.pair[i][x][y] += holders.cost(s, {i: x, i + 1: y})
+        elif len(touched) == n and all(holding.get(i, set()) == set(range(1, len(options[i]))) for i in touched):
+            # passed to every block and held inside none: whole exactly when one is checkpointed
+            none = holders.cost(s, dict.fromkeys(touched, KEEP))
+            charges.constant += none
+            charges.any_chosen += nbytes - none
+        else:
+            charges.constant += nbytes
+            chain.assumed[s] = nbytes
+    return charges
+
+
+class _Holders:
+    """Per storage: the blocks holding it whole under some option, and under which (``whole``); the
+    blocks holding copies of it under some option (``copies``: copy ids per block and option); the
+    copies held outside every block (``outside``)."""
+
+    def __init__(self, chain: Chain, options: Sequence[Sequence[Any]]) -> None:
+        self.chain = chain
+        self.whole: dict[int, dict[int, set[int]]] = {}
+        self.copies: dict[int, dict[int, dict[int, set[int]]]] = {}
+        self.outside: dict[int, set[int]] = {}
+        for i, opts in enumerate(options):
+            for x, (_, holds, packed) in enumerate(opts):
+                for s in holds:
+                    self.whole.setdefault(s, {}).setdefault(i, set()).add(x)
+                for c in packed:
+                    self.copies.setdefault(chain.bits[c][0], {}).setdefault(i, {}).setdefault(x, set()).add(c)
+        for c in chain.outside_packed:
+            self.outside.setdefault(chain.bits[c][0], set()).add(c)
+
+    def storages(self) -> set[int]:
+        return set(self.whole) | set(self.copies) | set(self.outside)
+
+    def cost(self, s: int, choice: dict[int, int]) -> int:
+        """Bytes storage ``s`` costs when each block it touches takes the option ``choice[i]``."""
+        if any(choice[i] in xs for i, xs in self.whole.get(s, {}).items()):
+            return self.chain.nbytes[s]
+        held = set(self.outside.get(s, ()))
+        for i, per_option in self.copies.get(s, {}).items():
+            held |= per_option.get(choice[i], set())
+        return self.chain.bytes_of((), held)
+
+
+def _points(chain: Chain, final: Sequence[tuple[int, int, int, int]], exact: bool) -> list[Point]:
+    """The frontier's points, each plan's held bytes taken from the chain (checked against the charges
+    where they are exact), monotone: the exact bytes can only be lower than charged."""
+    n = len(chain.blocks)
     points = []
     for flops, predicted, mask, smask in final:
         chosen = frozenset(i for i in range(n) if mask >> i & 1)
@@ -223,12 +257,11 @@ def solve(chain: Chain) -> tuple[list[Point], bool]:
         if exact and held != predicted:  # the charges above are the union's, term by term
             raise AssertionError(f"planner: charged {predicted} bytes but the plan holds {held}")
         points.append(Point(held, flops, chosen, selective))
-    # the exact bytes of each point can only be lower than charged: keep the frontier monotone
     clean: list[Point] = []
     for point in points:
         if not clean or point.held_bytes < clean[-1].held_bytes:
             clean.append(point)
-    return clean, exact
+    return clean
 
 
 def cheapest_within(points: Sequence[Point], budget: int) -> Optional[Point]:

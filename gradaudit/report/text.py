@@ -41,16 +41,24 @@ def _columns(rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[list[
 def render(report: Report, *, color: bool = False, top: int = 10, width: Optional[int] = 100) -> str:
     """The summary a person reads in a terminal. ``color`` adds ANSI colours (the CLI asks on a TTY)."""
     paint = _Painter(color)
-    lines: list[str] = []
     mode = "train" if report.training else "eval"
     checked = "verified by the empirical check" if report.verified else "static rules"
     # on meta, the device whose kernels (and autocast) the figures follow
     device = f"{report.device} as {report.target}" if report.device == "meta" else report.device
     rank = f", rank {report.rank} of {report.world_size}" if report.world_size > 1 else ""
-    lines.append(paint(f"gradaudit: {report.model}", "bold")
-                 + f" (torch {report.torch_version}, {device}{rank}, {mode} mode, {checked})")
-    lines.append("")
+    lines = [paint(f"gradaudit: {report.model}", "bold")
+             + f" (torch {report.torch_version}, {device}{rank}, {mode} mode, {checked})", ""]
+    lines += _figures(report, paint) + [""]
+    lines += _findings(report, paint, top, width) + [""]
+    modules = _modules(report, paint, top, width)
+    lines += modules + ([""] if modules else [])
+    for note in report.notes:
+        lines.append(_clip(f"note: {note}", width) if width is not None and len(note) < width else f"note: {note}")
+    return "\n".join(lines).rstrip() + "\n"
 
+
+def _figures(report: Report, paint: "_Painter") -> list[str]:
+    """The byte figures: held, reclaimable (with bit-packing, with all fixes), and what is not held."""
     summary = report.summary()
     held = report.saved_bytes
     figures = [
@@ -69,6 +77,7 @@ def render(report: Report, *, color: bool = False, top: int = 10, width: Optiona
     if report.kept_on_modules_bytes:
         figures.append(("kept on modules (attributes)", human_bytes(report.kept_on_modules_bytes),
                         "not autograd's", ""))
+    lines = []
     padded = _columns([f[:3] for f in figures], (False, True, False))
     for (label, amount, note), (_, _, _, style) in zip(padded, figures):
         amount = paint(amount, style) if style and amount.strip() != "0 B" else amount
@@ -82,56 +91,54 @@ def render(report: Report, *, color: bool = False, top: int = 10, width: Optiona
     if summary["unknown_tensors"]:
         lines.append(paint(f"  {summary['unknown_tensors']} saved tensors have no verdict (no rule knows "
                            f"their op); see the report's unexplained list", "dim"))
-    lines.append("")
+    return lines
 
+
+def _findings(report: Report, paint: "_Painter", top: int, width: Optional[int]) -> list[str]:
+    """The ``top`` findings by bytes, each with its fix; or why there are none."""
     findings = ranked_findings(report)
-    if findings:
-        shown = findings[:top]
-        heading = f"Top findings by bytes ({len(shown)} of {len(findings)})"
-        lines.append(paint(heading, "bold"))
-        rows = [["CODE", "SEVERITY", "ALONE", "ALL FIXES", "MODULE", "SOURCE"]]
-        for f in shown:
-            module = f.module or "(root)"
-            if f.module_class:
-                module += f" ({f.module_class})"
-            rows.append([f.code, str(f.severity), human_bytes(f.bytes), human_bytes(f.bytes_together), module,
-                         f.source or "unknown"])
-        table = _columns(rows, (False, False, True, True, False, False))
-        for i, row in enumerate(table):
-            text = _clip("  " + "  ".join(row).rstrip(), width)
-            if i == 0:
-                lines.append(paint(text, "dim"))
-                continue
-            finding = shown[i - 1]
-            style = "red" if finding.severity == Severity.WASTE else "amber"
-            lines.append(paint(text[:7], style) + text[7:] if text.startswith("  GA") else text)
-            indent = " " * (2 + len(row[0]) + 2)
-            lines.append(paint(_clip(f"{indent}{finding.name}: {finding.fix}", width), "dim"))
-        if len(findings) > len(shown):
-            lines.append(f"  … {len(findings) - len(shown)} more (JSON or HTML report lists them all)")
-        lines.append(paint(f"  explain a rule: {shown[0].docs}", "dim"))
-    else:
-        unknown = sum(1 for t in report.held_tensors if t.verdict == "unknown")
-        if unknown:
-            lines.append(paint("No findings among the saves the rules understand (see the tensors "
-                               "without a verdict above; --verify tries to settle them).", "amber"))
-        else:
-            lines.append(paint("No findings: backward needs everything autograd holds here.", "green"))
-    lines.append("")
+    if not findings:
+        if any(t.verdict == "unknown" for t in report.held_tensors):
+            return [paint("No findings among the saves the rules understand (see the tensors "
+                          "without a verdict above; --verify tries to settle them).", "amber")]
+        return [paint("No findings: backward needs everything autograd holds here.", "green")]
+    shown = findings[:top]
+    lines = [paint(f"Top findings by bytes ({len(shown)} of {len(findings)})", "bold")]
+    rows = [["CODE", "SEVERITY", "ALONE", "ALL FIXES", "MODULE", "SOURCE"]]
+    for f in shown:
+        module = f.module or "(root)"
+        if f.module_class:
+            module += f" ({f.module_class})"
+        rows.append([f.code, str(f.severity), human_bytes(f.bytes), human_bytes(f.bytes_together), module,
+                     f.source or "unknown"])
+    table = _columns(rows, (False, False, True, True, False, False))
+    for i, row in enumerate(table):
+        text = _clip("  " + "  ".join(row).rstrip(), width)
+        if i == 0:
+            lines.append(paint(text, "dim"))
+            continue
+        finding = shown[i - 1]
+        style = "red" if finding.severity == Severity.WASTE else "amber"
+        lines.append(paint(text[:7], style) + text[7:] if text.startswith("  GA") else text)
+        indent = " " * (2 + len(row[0]) + 2)
+        lines.append(paint(_clip(f"{indent}{finding.name}: {finding.fix}", width), "dim"))
+    if len(findings) > len(shown):
+        lines.append(f"  … {len(findings) - len(shown)} more (JSON or HTML report lists them all)")
+    lines.append(paint(f"  explain a rule: {shown[0].docs}", "dim"))
+    return lines
 
-    modules = sorted((m for m in report.modules if m.own_bytes > 0),
-                     key=lambda m: (-m.own_bytes, m.path))[:top]
-    if modules:
-        lines.append(paint("Top modules by held bytes (their own saves)", "bold"))
-        rows = [["MODULE", "CLASS", "HELD", "SHARE", "RECLAIMABLE"]]
-        for m in modules:
-            rows.append([m.path or "(root)", m.module_class, human_bytes(m.own_bytes), share(m.own_bytes, held),
-                         human_bytes(m.own_reclaimable_bytes)])
-        for i, row in enumerate(_columns(rows, (False, False, True, True, True))):
-            text = _clip("  " + "  ".join(row).rstrip(), width)
-            lines.append(paint(text, "dim") if i == 0 else text)
-        lines.append("")
 
-    for note in report.notes:
-        lines.append(_clip(f"note: {note}", width) if width is not None and len(note) < width else f"note: {note}")
-    return "\n".join(lines).rstrip() + "\n"
+def _modules(report: Report, paint: "_Painter", top: int, width: Optional[int]) -> list[str]:
+    """The ``top`` modules by the bytes their own saves hold (none: no lines)."""
+    modules = sorted((m for m in report.modules if m.own_bytes > 0), key=lambda m: (-m.own_bytes, m.path))[:top]
+    if not modules:
+        return []
+    lines = [paint("Top modules by held bytes (their own saves)", "bold")]
+    rows = [["MODULE", "CLASS", "HELD", "SHARE", "RECLAIMABLE"]]
+    for m in modules:
+        rows.append([m.path or "(root)", m.module_class, human_bytes(m.own_bytes), share(m.own_bytes, report.saved_bytes),
+                     human_bytes(m.own_reclaimable_bytes)])
+    for i, row in enumerate(_columns(rows, (False, False, True, True, True))):
+        text = _clip("  " + "  ".join(row).rstrip(), width)
+        lines.append(paint(text, "dim") if i == 0 else text)
+    return lines

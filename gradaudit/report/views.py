@@ -42,6 +42,12 @@ def freed_parts(report: Report) -> str:
     return ", ".join(f"{human_bytes(n)} {how}" for n, how in parts if n) or "nothing"
 
 
+def waste_findings_text(report: Report) -> str:
+    """"3 waste findings" (the selected rules'): the count every fail-on-waste gate states."""
+    count = len(report.waste_findings)
+    return f"{count} waste finding{'s' if count != 1 else ''}"
+
+
 def freed_with_all_fixes(report: Report) -> dict[int, int]:
     """Bytes each storage frees when every not-needed save the report's findings name is dropped
     and every 1-bit one packed (with select/ignore: the selected rules' findings)."""

@@ -8,6 +8,8 @@ identity (a code object), not by a substring of a name.
 
 The rooms (each imported by the modules that need its subject):
 
+- ``features``: the feature table (``FEATURES``, ``has``) and ``require``.
+
 - ``autograd``: autograd nodes (saved slots, sequence numbers, the node-creation hook) and
   saved-tensor hooks (whose they are: a checkpoint's, ``save_on_cpu``'s, anybody's).
 - ``checkpoint``: ``torch.utils.checkpoint``'s internals (the frames that save a region's inputs,
@@ -26,42 +28,7 @@ Tested on torch 2.11, 2.14 and 2.15 (CI runs the suite on each); tests/test_torc
 
 from __future__ import annotations
 
-import torch
-
-from ..errors import GradauditError
-
-_AUTOGRAD = torch._C._autograd
-
-
-FEATURES: dict[str, bool] = {
-    # a callback for every autograd node as it is created (gradaudit.trim; the recorder's sites)
-    "node creation hook": hasattr(_AUTOGRAD, "_push_node_creation_hook")
-    and hasattr(_AUTOGRAD, "_pop_node_creation_hook"),
-    "sequence numbers": hasattr(_AUTOGRAD, "_get_sequence_nr"),
-    "graph task id": hasattr(torch._C, "_current_graph_task_id"),
-    "saved-tensor hook state": hasattr(_AUTOGRAD, "_saved_tensors_hooks_is_enabled")
-    and hasattr(_AUTOGRAD, "_top_saved_tensors_default_hooks"),
-    "SDPA kernel choice": hasattr(torch, "_fused_sdp_choice"),
-    # torch.compiler.set_stance("force_eager"): run torch.compile'd code eagerly
-    "compiler stance": hasattr(getattr(torch, "compiler", None), "set_stance"),
-}
-
-
-def has(feature: str) -> bool:
-    return FEATURES[feature]
-
-
-# the first torch release with each feature, for the error message
-SINCE = {"node creation hook": "2.14"}
-
-
-def require(feature: str, who: str) -> None:
-    """Raise a GradauditError when ``feature`` is missing from the installed torch."""
-    if not FEATURES[feature]:
-        since = f" (torch >= {SINCE[feature]})" if feature in SINCE else ""
-        raise GradauditError(f"{who} needs PyTorch's {feature}{since}, which torch {torch.__version__} does not "
-                             f"have; upgrade torch to use it (audits work without it)")
-
+from .features import FEATURES, SINCE, has, require  # noqa: F401
 
 # each room adds the features it looks up to FEATURES
 from . import (autograd, checkpoint, compiler, dispatch, distributed, fsdp, kernels,  # noqa: E402,F401

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from ..records import Manager
-from . import _AUTOGRAD, require
+from .features import AUTOGRAD, require
 
 
 NO_SEQUENCE = (1 << 64) - 1  # AccumulateGrad nodes report this sequence number
@@ -18,7 +18,7 @@ NO_SEQUENCE = (1 << 64) - 1  # AccumulateGrad nodes report this sequence number
 
 def sequence_number() -> int:
     """The sequence number the next autograd node created on this thread will get."""
-    return int(_AUTOGRAD._get_sequence_nr())
+    return int(AUTOGRAD._get_sequence_nr())
 
 
 def node_sequence_number(node: Any) -> int:
@@ -76,6 +76,17 @@ def _slot_attributes_of(node: Any) -> tuple[tuple[tuple[str, str], ...], tuple[t
 def raw_slot(node: Any, attr: str) -> Any:
     """The raw SavedVariable (or list of them) behind tensor slot ``attr`` (reading it unpacks nothing)."""
     return getattr(node, "_raw_saved_" + attr)
+
+
+def graph_nodes(roots: Iterable[Any]) -> Iterator[Any]:
+    """Every node of the graph under ``roots`` (nodes or None), once each, depth first."""
+    stack, visited = list(roots), set()
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in visited:
+            visited.add(node)
+            yield node
+            stack.extend(fn for fn, _ in node.next_functions)
 
 
 def raw_saved_slots(node: Any) -> Iterator[tuple[str, Any]]:
@@ -150,11 +161,11 @@ def caller_frame(depth: int = 1) -> Any:
 
 def push_node_creation_hook(callback: Callable[[Any], None], who: str) -> None:
     require("node creation hook", who)
-    _AUTOGRAD._push_node_creation_hook(callback)
+    AUTOGRAD._push_node_creation_hook(callback)
 
 
 def pop_node_creation_hook() -> None:
-    _AUTOGRAD._pop_node_creation_hook()
+    AUTOGRAD._pop_node_creation_hook()
 
 
 def current_node() -> Any:
@@ -168,12 +179,12 @@ def in_backward() -> bool:
 
 
 def saved_tensors_hooks_enabled() -> bool:
-    return bool(_AUTOGRAD._saved_tensors_hooks_is_enabled())
+    return bool(AUTOGRAD._saved_tensors_hooks_is_enabled())
 
 
 def top_saved_tensors_hooks() -> Optional[tuple[Callable, Callable]]:
     """The innermost (pack, unpack) pair of ``saved_tensors_hooks`` in force, or None."""
-    return _AUTOGRAD._top_saved_tensors_default_hooks(True)
+    return AUTOGRAD._top_saved_tensors_default_hooks(True)
 
 
 def code_objects(function: Any) -> set[Any]:

@@ -17,7 +17,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._pytree import tree_flatten
 
-from . import FEATURES, require
+from .features import FEATURES, require
 from .autograd import code_objects
 from .dispatch import function_modes, function_modes_entered
 

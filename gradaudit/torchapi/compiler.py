@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import require
+from .features import require
 
 
 COMPILED_NODE = "CompiledFunctionBackward"  # one node per compiled region in the autograd graph

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from . import FEATURES
+from .features import FEATURES
 
 
 # gradaudit's backend names -> the name in torch._C's _get_<name>_sdp_enabled

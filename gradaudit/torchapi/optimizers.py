@@ -6,7 +6,7 @@ import contextlib
 import importlib
 from typing import Iterator
 
-from . import FEATURES
+from .features import FEATURES
 
 
 _OPTIMIZER_MODULE = importlib.import_module("torch.optim.optimizer")

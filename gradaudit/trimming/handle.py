@@ -8,9 +8,9 @@ from typing import Any, Iterator, Optional
 
 from torch import nn
 
-from ..auditing import ModelState
+from ..conditions import ModelState
 from ..errors import GradauditError
-from ..measure import forward_backward
+from ..tracking import forward_backward
 from ..tensors import iter_tensors, split_inputs, unique
 from .session import Session
 

@@ -1,6 +1,7 @@
-"""The conditions every run of the planner shares: the audit's what-if and target device
-(``as_audited``), ``gradaudit.trim`` installed or not (``trim_options``, ``trimmed``), and the
-model's own checkpointing, which the plan replaces (``checkpointed_now``, ``own_checkpointing_off``).
+"""The model's own switches a plan turns: ``gradaudit.trim`` installed or not (``trim_options``,
+``trimmed``), a Hugging Face model's key/value cache (``cache_off``), and its own checkpointing,
+which the plan replaces (``checkpointed_now``, ``own_checkpointing_off``). How a run is set up
+otherwise (the what-if, the target, the state restored) is ``gradaudit.conditions``.
 """
 
 from __future__ import annotations
@@ -10,39 +11,11 @@ from typing import Any, Iterator, Optional, Sequence
 
 from torch import nn
 
+from ..conditions import trimmed_now
 from ..errors import GradauditError
 from ..recorder import CHECKPOINT_INPUTS
 from ..records import Manager
 from ..torchapi.checkpoint import REENTRANT_CHECKPOINT_NODE, checkpointing_off
-
-
-@contextlib.contextmanager
-def as_audited(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str) -> Iterator[None]:
-    """The requires_grad what-if applied and, on meta, the kernel choices and autocast of the
-    target device, as the audit has them; the model is left as found afterwards (gradients,
-    buffers, RNG state included)."""
-    from ..auditing import ModelState, apply_trainable, runs_on_meta
-    from ..meta import standing_for
-    from ..tensors import first_meta_parameter, iter_tensors
-
-    tensors = list(iter_tensors(inputs))
-    on_meta = runs_on_meta(first_meta_parameter(model.parameters()), tensors)
-    state = ModelState(model)
-    # gradients the caller has are set aside, not accumulated into: backward adds to an existing
-    # .grad in place, which putting the same tensor object back would not undo
-    leaves = [(t, t.grad) for t in tensors if t.is_leaf and t.requires_grad and t.grad is not None]
-    try:
-        for p in model.parameters():
-            p.grad = None
-        for t, _ in leaves:
-            t.grad = None
-        apply_trainable(model, trainable, frozen)
-        with standing_for(target) if on_meta else contextlib.nullcontext():
-            yield
-    finally:
-        state.restore()
-        for t, grad in leaves:
-            t.grad = grad
 
 
 def cache_config(model: nn.Module) -> Any:
@@ -110,8 +83,6 @@ def own_checkpointing_off(now: Sequence[str]) -> Any:
 def trimmed(model: nn.Module, bitpack: Optional[bool]) -> Iterator[None]:
     """gradaudit.trim installed (with ``bitpack``) while in force, unless it is already or ``bitpack``
     is None (a plan without trim)."""
-    from ..auditing import trimmed_now
-
     if bitpack is None or trimmed_now(model):
         yield
         return
@@ -124,8 +95,6 @@ def trimmed(model: nn.Module, bitpack: Optional[bool]) -> Iterator[None]:
 def trim_options(model: nn.Module, trim: Optional[bool], bitpack: Optional[bool]) -> tuple[Any, Optional[bool]]:
     """(the trim handle installed on ``model`` or None, the plan's bitpack: None for a plan without
     trim). Every combination that would make the figures wrong for the model is refused."""
-    from ..auditing import trimmed_now
-
     for name, value in (("trim", trim), ("bitpack", bitpack)):
         if value is not None and not isinstance(value, bool):
             raise GradauditError(f"{name} must be True, False or None, not {value!r}")
