@@ -45,6 +45,8 @@ COMMANDS: list[str] = [
     "scan examples/resnet_surgical.py:build --fail-on-waste --select GA1 --no-html",
     "scan examples/resnet_surgical.py:build --max-reclaimable 1KiB --ignore GA2 --no-html -v",
     "fit examples/llama_probe.py:build --memory 24GiB --device meta --target cuda --target-torch 2.11 --no-remedy",
+    "fit examples/llama_probe.py:build --memory 24GiB --target cuda --json {o}.json",
+    "fit examples/qwen_lora.py:build --target cuda --memory 24GiB --json {o}.json",
 ]
 
 _CLOCK = re.compile(r"\b\d+(?:\.\d+)?(?: ?)(?:ms|s|min|seconds)\b")

@@ -89,8 +89,9 @@ def fit(
     on_meta = runs_on_meta(first_meta_parameter(model.parameters()), tensors)
     first = next(iter(model.parameters()), None)
     target = resolve_target(target, on_meta, ([first] if first is not None else []) + tensors)
-    step = Step(model, inputs, builder, name, loss, [trainable] if isinstance(trainable, str) else trainable,
-                [frozen] if isinstance(frozen, str) else frozen, target, on_meta, autocast, accumulation)
+    step = Step(model, inputs, target, on_meta, trainable=[trainable] if isinstance(trainable, str) else trainable,
+                frozen=[frozen] if isinstance(frozen, str) else frozen, loss_fn=loss, builder=builder,
+                optimizer_name=name, autocast=autocast, accumulation=accumulation)
     say = progress or (lambda text: None)
     say("running a training step (forward, backward, optimizer step)")
     run = step.run()

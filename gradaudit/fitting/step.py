@@ -40,7 +40,7 @@ from ..tensors import default_loss, iter_tensors, split_inputs, storage_key, str
 from ..torchapi.autograd import current_node, node_sequence_number
 from ..torchapi.distributed import local_of
 from ..torchapi.optimizers import fused_optimizers_on_meta
-from ..tracking import Category, Life, Lifetimes
+from ..tracking import Category, Life, Lifetimes, forward_backward
 from . import optimizers
 from .workspaces import GemmCount, workspaces
 
@@ -81,7 +81,7 @@ class Step:
     """One training step as fit runs it: the model and its inputs, how the loss is taken, what trains,
     the optimizer, the target and the micro-batches. ``run`` runs it (levers applied, if any) and
     returns its storages; ``on`` gives the same step on other inputs or micro-batches (the remedy's
-    smaller batches, ``Fit.largest``'s scaled ones).
+    smaller batches, ``Fit.largest``'s scaled ones), whose storages are not attributed.
 
     The optimizer's step on stand-ins is remembered across the runs of one step and those ``on``
     gives, by the gradients' layouts: a plan or trim does not change them, so probing many plans steps
@@ -90,25 +90,42 @@ class Step:
 
     model: nn.Module
     inputs: Any
-    builder: Any  # the optimizer's builder (optimizers.resolve)
-    optimizer_name: str
-    loss_fn: Optional[Callable[[Any], torch.Tensor]]
-    trainable: Any
-    frozen: Any
-    target: str
-    on_meta: bool
+    target: str  # the device type the figures are for (on meta, what it stands for)
+    on_meta: bool = False
+    trainable: Any = None  # the what-if requires_grad patterns, as for audit
+    frozen: Any = None
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None  # None: the output's loss, else its first tensor's sum
+    builder: Any = None  # the optimizer's builder (optimizers.resolve); needed by ``run``
+    optimizer_name: str = ""
     autocast: Optional[torch.dtype] = None
     accumulation: int = 1  # micro-batches (each ``inputs``) whose gradients add up before the optimizer steps
+    # each storage's module and user source line (``Life.module``, ``Life.source``): what fit reports
+    # of its own step; the remedy's and largest's probes compare peaks only and skip it (a frame walk
+    # per storage)
+    attribute: bool = True
     optimizer_steps: dict = field(default_factory=dict, repr=False)  # gradients' layouts -> the step followed
 
     def on(self, inputs: Any, accumulation: Optional[int] = None) -> "Step":
-        """This step on other ``inputs`` (and ``accumulation``), sharing the optimizer steps remembered."""
-        return dataclasses.replace(self, inputs=inputs,
+        """This step on other ``inputs`` (and ``accumulation``), sharing the optimizer steps remembered;
+        its storages are not attributed."""
+        return dataclasses.replace(self, inputs=inputs, attribute=False,
                                    accumulation=self.accumulation if accumulation is None else accumulation)
 
+    def forward_backward(self, applied: Callable[[], Any] = contextlib.nullcontext) -> tuple[int, int]:
+        """The step without its optimizer, as the planner measures it: (held after the forward less the
+        outputs, peak through forward and backward) beside what is alive anyway, with ``applied()`` in
+        force (a plan's or a baseline's checkpointing), on the model's device (``tracking.forward_backward``:
+        the tracker on CPU and meta, the caching allocator's counters on CUDA). One micro-batch; the model
+        is left as found."""
+        args, kwargs = split_inputs(self.inputs)
+        with as_audited(self.model, self.inputs, self.trainable, self.frozen, self.target), applied():
+            return forward_backward(self.model, args, kwargs, self.loss_fn or default_loss)
+
     def run(self, applied: Callable[[], Any] = contextlib.nullcontext) -> StepRun:
-        """Run the step (``applied()`` in force around the forwards and backwards: a plan, trim) and
+        """Run the whole step (``applied()`` in force around the forwards and backwards: a plan, trim) and
         return its storages. The model is left as found."""
+        if self.builder is None:
+            raise GradauditError("a Step runs its optimizer's step: give it the builder (optimizers.resolve)")
         model = self.model
         args, kwargs = split_inputs(self.inputs)
         device = "meta" if self.on_meta else _device_of(model, self.inputs)
@@ -126,7 +143,7 @@ class Step:
             if trains and trains is leaves:
                 notes.append(f"no parameter trains: the optimizer steps the {len(leaves)} input tensor(s) that "
                              f"require grad, as adversarial and style-transfer loops do")
-            tracker, where = _attribution(model, sys._getframe())
+            tracker, where = _attribution(model, sys._getframe()) if self.attribute else (contextlib.nullcontext(), None)
             gemms = GemmCount()  # the matrix products run (on CUDA they hold cuBLAS's workspaces)
             lifetimes = Lifetimes(persistent.seen, persistent.counts, where, observe=gemms.count)
             with applied(), tracker:

@@ -1,7 +1,8 @@
-"""Where the planner measures peaks: one training step run on the model's device under a frontier
-point's checkpointing (or a baseline's), the storage tracker or the allocator counting the bytes
-alive at its worst moment. ``PeakProbes`` runs each step once and remembers it; it is the live half
-of a plan (it holds the model weakly, and the inputs), kept apart from the plan's data.
+"""Where the planner measures peaks: one training step's forward and backward (``Step.forward_backward``)
+run on the model's device under a frontier point's checkpointing (or a baseline's), the storage
+tracker or the allocator counting the bytes alive at its worst moment. ``PeakProbes`` runs each step
+once and remembers it; it is the live half of a plan (it holds the model weakly, and the inputs),
+kept apart from the plan's data.
 """
 
 from __future__ import annotations
@@ -12,29 +13,12 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
-from ..conditions import as_audited
 from ..errors import GradauditError
-from ..tracking import forward_backward
+from ..fitting.step import Step
 from .apply import SELECTIVE_POLICY, PlanHandle
-from .switches import own_checkpointing_off
 from .baselines import Baseline
 from .solve import Point
-
-
-def step_figures(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
-                 applied: Callable[[], Any], loss: Optional[Callable[[Any], Any]] = None) -> tuple[int, int]:
-    """(held after the forward less the outputs, peak through forward and backward) of one step
-    with ``applied()`` in force (a plan's or a baseline's checkpointing), measured on the model's
-    device: the storage tracker on CPU and meta (where it follows the meta tensors the step would
-    allocate), the allocator on CUDA. The step is a training loop's: ``loss`` (default: the output's
-    loss, else the sum of its first tensor, as ``fit`` takes it) taken from the output, the output
-    dropped, the loss backpropagated. Left as found."""
-    from ..tensors import default_loss, split_inputs
-
-    args, kwargs = split_inputs(inputs)
-    with as_audited(model, inputs, trainable, frozen, target):
-        with applied():
-            return forward_backward(model, args, kwargs, loss or default_loss)
+from .switches import own_checkpointing_off
 
 
 class PeakProbes:
@@ -51,7 +35,7 @@ class PeakProbes:
         self._bitpack = bitpack
         self._own_checkpointing = tuple(own_checkpointing)  # checkpointed_now: turned off for every step
         self._progress = progress
-        self._loss = loss  # what the step backpropagates (None: step_figures' default)
+        self._loss = loss  # what the step backpropagates (None: Step's default)
         self._measured: dict[Any, tuple[int, int]] = {}  # (held, peak) of each step run, by what was applied
 
     def peak(self, point: Optional[Point]) -> int:
@@ -79,6 +63,7 @@ class PeakProbes:
                 raise GradauditError("the model this plan was made for is gone: plan again to measure peaks")
             self._progress(f"measuring the peak of a step ({what})")
             with own_checkpointing_off(self._own_checkpointing):
-                self._measured[key] = step_figures(model, self._inputs, self._trainable, self._frozen, self._target,
-                                                   applied, self._loss)
+                step = Step(model, self._inputs, self._target, trainable=self._trainable, frozen=self._frozen,
+                                loss_fn=self._loss)
+                self._measured[key] = step.forward_backward(applied)
         return self._measured[key][1]
