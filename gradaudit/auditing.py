@@ -68,16 +68,10 @@ def audit(
     model, trainable, frozen = _checked_model(model, trainable, frozen, eager)
     select, ignore = check_codes(select, "select entry"), check_codes(ignore, "ignore entry")
     say = progress or (lambda step: None)
-    args, kwargs = split_inputs(inputs)
-    input_tensors = unique(list(iter_tensors((args, kwargs))))
     # one walk of the module tree serves every stage before the forward, another every stage after it
     tree = ModelTree(model)
     first_parameter = first_meta_parameter(p for _, p in tree.parameters)
-    on_meta = runs_on_meta(first_parameter, input_tensors)
-    if on_meta and any(t.device.type != "meta" for t in input_tensors):
-        inputs = to_meta(inputs)
-        args, kwargs = split_inputs(inputs)
-        input_tensors = unique(list(iter_tensors((args, kwargs))))
+    inputs, args, kwargs, input_tensors, on_meta = _as_run(inputs, first_parameter)
     _check_verify(verify, on_meta)
     target = resolve_target(target, on_meta, ([first_parameter] if first_parameter is not None else []) + input_tensors)
     state = ModelState(model, tree)
@@ -86,11 +80,7 @@ def audit(
         say("running the forward")
         recorder = Recorder(model, watch=_watched(model, watch, tree), modules=tree.modules)
         output, emulated = _recorded_forward(model, args, kwargs, recorder, target if on_meta else None, eager)
-        outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
-        if not outputs:
-            raise NothingRequiresGradError(
-                "nothing requires grad: no output of the forward has a grad_fn. Unfreeze parameters "
-                "(trainable=[...] / --trainable GLOB) or pass inputs with requires_grad=True")
+        outputs = _graph_outputs(output)
         after = ModelTree(model)  # as the forward left it (a lazy module has parameters now)
         say("walking the autograd graph")
         recording = recorder.collect(outputs, _leaf_names(model, after, input_tensors))
@@ -99,12 +89,9 @@ def audit(
             from .verify import prove  # noqa: WPS433 (imported only when asked for)
         measured = {}
         if _attention_dropout_chose_math(recording):
-            # attention dropout made SDPA run its math kernel: measure what the model holds
-            # without it, so the finding's bytes are a measurement, not a guess
             say("measuring the forward without attention dropout")
-            with standing_for(target, also=WithoutAttentionDropout()) if on_meta else WithoutAttentionDropout():
-                measured["held_without_attention_dropout"] = held_after_forward(model, inputs)
-                after = ModelTree(model)
+            measured["held_without_attention_dropout"] = _held_without_attention_dropout(model, inputs, target, on_meta)
+            after = ModelTree(model)
         say("analysing saved tensors")
         report = build_report(model, recording, inputs=input_tensors, verify=verify, select=select,
                               ignore=ignore, prove=prove, measured=measured, target=target, tree=after)
@@ -115,6 +102,36 @@ def audit(
     report.notes.extend(notes)
     report.notes.extend(_notes_after(model, report, emulated))
     return report
+
+
+def _as_run(inputs: Any, first_parameter: Optional[torch.Tensor]) -> tuple[Any, tuple, dict, list, bool]:
+    """The inputs as the audit runs them (beside a meta model, real tensors become meta tensors whose
+    values are kept), split into arguments, their tensors, and whether the audit runs on meta."""
+    args, kwargs = split_inputs(inputs)
+    tensors = unique(list(iter_tensors((args, kwargs))))
+    on_meta = runs_on_meta(first_parameter, tensors)
+    if on_meta and any(t.device.type != "meta" for t in tensors):
+        inputs = to_meta(inputs)
+        args, kwargs = split_inputs(inputs)
+        tensors = unique(list(iter_tensors((args, kwargs))))
+    return inputs, args, kwargs, tensors, on_meta
+
+
+def _graph_outputs(output: Any) -> list[torch.Tensor]:
+    """The output's tensors with a graph behind them; none raises NothingRequiresGradError."""
+    outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
+    if not outputs:
+        raise NothingRequiresGradError(
+            "nothing requires grad: no output of the forward has a grad_fn. Unfreeze parameters "
+            "(trainable=[...] / --trainable GLOB) or pass inputs with requires_grad=True")
+    return outputs
+
+
+def _held_without_attention_dropout(model: nn.Module, inputs: Any, target: str, on_meta: bool) -> int:
+    """What the model holds with every attention call's dropout_p set to 0: attention dropout made SDPA
+    run its math kernel, and the finding's bytes are this measurement, not a guess."""
+    with standing_for(target, also=WithoutAttentionDropout()) if on_meta else WithoutAttentionDropout():
+        return held_after_forward(model, inputs)
 
 
 def _checked_model(model: Any, trainable: Any, frozen: Any,

@@ -84,28 +84,14 @@ def fit(
     headroom_of = _Headroom(None if headroom is None else as_bytes(headroom, "headroom"))
     _check_options(autocast, accumulation)
     builder, name = optimizers.resolve(optimizer)
-    inputs = meta_inputs(model, inputs)
-    tensors = list(iter_tensors(inputs))
-    on_meta = runs_on_meta(first_meta_parameter(model.parameters()), tensors)
-    first = next(iter(model.parameters()), None)
-    target = resolve_target(target, on_meta, ([first] if first is not None else []) + tensors)
-    step = Step(model, inputs, target, on_meta, trainable=[trainable] if isinstance(trainable, str) else trainable,
-                frozen=[frozen] if isinstance(frozen, str) else frozen, loss_fn=loss, builder=builder,
-                optimizer_name=name, autocast=autocast, accumulation=accumulation)
+    step = _step(model, inputs, target, trainable, frozen, loss_fn=loss, builder=builder, optimizer_name=name,
+                 autocast=autocast, accumulation=accumulation)
+    inputs, target = step.inputs, step.target
     say = progress or (lambda text: None)
     say("running a training step (forward, backward, optimizer step)")
     run = step.run()
     measured = figures(run, target)
-    notes = list(run.notes)
-    if run.output_cache:
-        notes.append("the forward returned a key/value cache (Hugging Face: the config's use_cache=True): training "
-                     "never reads it; model.config.use_cache = False may hold less")
-    result = Fit(model=type(model).__name__, device="meta" if on_meta else target, target=target, optimizer=name,
-                 memory=memory_bytes, peak_bytes=measured.peak_bytes, breakdown=measured.breakdown,
-                 peak_phase=measured.peak_phase, timeline=measured.timeline, trained_parameters=run.trained,
-                 reserved_bytes=measured.reserved_bytes, notes=notes, accumulation=accumulation,
-                 headroom=headroom_of(measured), headroom_given=headroom_of.given is not None,
-                 attribution=measured.attribution, live=Live(run=run))
+    result = _as_fit(step, run, measured, memory_bytes, headroom_of)
     result.live.size_search = (lambda scaled: _peak_and_headroom(step.on(scaled), headroom_of), inputs)
     if result.fits:
         return result
@@ -113,13 +99,42 @@ def fit(
                                  measured.peak_bytes, measured.attribution)
     if remedy and measured.floor_bytes + headroom_of(measured) > memory_bytes:
         result.remedy_searched = True
-        result.notes.append(
-            f"no remedy: the parameters, buffers, optimizer state and gradients alone take "
-            f"{human_bytes(measured.floor_bytes)}, more than the memory, and neither smaller micro-batches, trim "
-            f"nor checkpointing reduces them (train fewer parameters, keep less optimizer state, or shard the model)")
+        result.notes.append(_beyond_remedy(measured.floor_bytes))
     elif remedy:
         _search_remedy(result, step, memory_bytes, headroom_of, split_batch, say)
     return result
+
+
+def _step(model: nn.Module, inputs: Any, target: Optional[str], trainable: Any, frozen: Any, **options: Any) -> Step:
+    """The step fit runs: its inputs as the run takes them (beside a meta model, real tensors become meta
+    tensors whose values are kept), on meta or not, the target resolved, the patterns as lists."""
+    inputs = meta_inputs(model, inputs)
+    tensors = list(iter_tensors(inputs))
+    on_meta = runs_on_meta(first_meta_parameter(model.parameters()), tensors)
+    first = next(iter(model.parameters()), None)
+    target = resolve_target(target, on_meta, ([first] if first is not None else []) + tensors)
+    return Step(model, inputs, target, on_meta, trainable=[trainable] if isinstance(trainable, str) else trainable,
+                frozen=[frozen] if isinstance(frozen, str) else frozen, **options)
+
+
+def _beyond_remedy(floor_bytes: int) -> str:
+    return (f"no remedy: the parameters, buffers, optimizer state and gradients alone take "
+            f"{human_bytes(floor_bytes)}, more than the memory, and neither smaller micro-batches, trim "
+            f"nor checkpointing reduces them (train fewer parameters, keep less optimizer state, or shard the model)")
+
+
+def _as_fit(step: Step, run: Any, measured: Figures, memory_bytes: int, headroom_of: "_Headroom") -> Fit:
+    """The Fit of ``step``'s run (its figures ``measured``) in ``memory_bytes``, before any remedy."""
+    notes = list(run.notes)
+    if run.output_cache:
+        notes.append("the forward returned a key/value cache (Hugging Face: the config's use_cache=True): training "
+                     "never reads it; model.config.use_cache = False may hold less")
+    return Fit(model=type(step.model).__name__, device="meta" if step.on_meta else step.target, target=step.target,
+               optimizer=step.optimizer_name, memory=memory_bytes, peak_bytes=measured.peak_bytes,
+               breakdown=measured.breakdown, peak_phase=measured.peak_phase, timeline=measured.timeline,
+               trained_parameters=run.trained, reserved_bytes=measured.reserved_bytes, notes=notes,
+               accumulation=step.accumulation, headroom=headroom_of(measured),
+               headroom_given=headroom_of.given is not None, attribution=measured.attribution, live=Live(run=run))
 
 
 class _Headroom:

@@ -29,7 +29,7 @@ from .costs import Costs, count_flops
 from .frontier import Frontier
 from .peaks import PeakProbes
 from .result import Plan, PlanSearch, budget_error
-from .solve import Chain, solve
+from .solve import Chain, Point, solve
 from .switches import (CACHE_NOTE, cache_off, checkpointed_now, checkpointing_off_call, own_checkpointing_off,
                        trim_options)
 
@@ -115,45 +115,22 @@ def plan(
         paths = candidates(model, blocks)
         audited = _audit(run, paths, bitpack, say)
         report, now = audited.report, audited.now
-        _refuse_opaque(report)
-        flops, step_flops, nanoseconds, step_seconds = _block_costs(run, report, paths, now, cost, say, loss)
-        ran, graphless, calls = _blocks_that_ran(report, paths)
-        chain = build_chain(report, ran, calls, {path: (nanoseconds.get(path, 0), 0) if nanoseconds is not None
-                                                 else flops.get(path, (0, 0)) for path in ran}, bitpack)
-        # the solver minimises the integer it is given as a block's cost: FLOPs, or nanoseconds
-        # (op-level checkpointing is costed in FLOPs only: with time, whole blocks)
-        costs = Costs.of([b.path for b in chain.blocks], flops, nanoseconds)
-        unplanned = held_by_report(report, bitpack)
-        if chain.held(()) != unplanned:  # both count the held saves' storages of held kinds, as trim leaves them
-            raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit {unplanned}")
-        # a value the model read on meta that nobody knew was assumed: the plan's figures rest on it too
-        notes = [note for note in report.notes if is_assumption_note(note)]
-        notes += [CACHE_NOTE] if cache_was_on else []
-        notes += _selective_option(run, chain, costs, report, paths, selective, cost, now, bitpack, say)
-        notes += _blind_spots(report, graphless)
-        say(f"solving ({len(chain.blocks)} blocks)")
-        points, optimal = solve(chain)
-        notes += _assumed(chain)
-        if installed is not None and trim is None:
-            notes.append(f"gradaudit.trim is installed on this model (bitpack={bitpack}), so the plan's figures are "
-                         f"with it, as trim=True plans them; to plan without trim, remove its handle first")
-        if now:
-            notes.insert(0, f"the model checkpoints {_few(now)} itself and so holds {audited.current_held} bytes; the "
-                            f"plan replaces that (its figures are without it): turn the model's own checkpointing off "
-                            f"before applying it (Hugging Face: {checkpointing_off_call(model)})")
-        fixed, applying, note = _segments(run, report, paths, now, chain, costs, bitpack, say)
-        notes += note
+        chained = _chain(run, report, paths, now, cost, bitpack, say, loss)
+        chain, costs = chained.chain, chained.costs
+        points, optimal, notes = _solved(run, audited, chained, paths, selective, cost, bitpack, say,
+                                         cache_was_on=cache_was_on, trim_installed=installed is not None and trim is None)
+        fixed, applying, segment_notes = _segments(run, report, paths, now, chain, costs, bitpack, say)
         frontier = Frontier(chain, points, costs, fixed)
         probes = PeakProbes(model, inputs, trainable, frozen, report.target, [b.path for b in chain.blocks], bitpack,
                             now, say, loss)
         chosen = frontier.cheapest(budget_bytes, 0, probes.peak if bound == Bound.PEAK else None)
+        point = chosen if chosen is not None else points[-1]
         result = Plan(model=type(model).__name__, device=report.device, target=report.target,
-                      unplanned_held_bytes=chain.held(()), step_flops=step_flops, blocks=frontier.blocks(),
-                      frontier=frontier.entries(), optimal=optimal, notes=list(notes), replaces=tuple(now),
-                      current_held_bytes=audited.current_held, cost=cost, step_seconds=step_seconds,
+                      unplanned_held_bytes=chain.held(()), step_flops=chained.step_flops, blocks=frontier.blocks(),
+                      frontier=frontier.entries(), optimal=optimal, notes=notes + segment_notes, replaces=tuple(now),
+                      current_held_bytes=audited.current_held, cost=cost, step_seconds=chained.step_seconds,
                       trimmed=bitpack is not None, bitpack=bitpack, bound=bound,
-                      search=PlanSearch(frontier, chosen if chosen is not None else points[-1], probes),
-                      **frontier.at(chosen if chosen is not None else points[-1], budget_bytes))
+                      search=PlanSearch(frontier, point, probes), **frontier.at(point, budget_bytes))
         if measure_peak:
             _measure_peaks(result, probes, applying)
         if chosen is None:
@@ -164,6 +141,63 @@ def plan(
 def _silent(step: str) -> None:
     """The progress callback when the caller gives none."""
 
+
+
+@dataclass(frozen=True)
+class _Chained:
+    """The chain the solver plans over, its blocks' costs, one unplanned step's FLOPs and seconds
+    (with cost="time"), and the candidates that ran without a graph."""
+
+    chain: Chain
+    costs: Costs
+    step_flops: int
+    step_seconds: Optional[float]
+    graphless: Any
+
+
+def _chain(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], cost: Cost, bitpack: Optional[bool],
+           say: Callable[[str], None], loss: Any) -> _Chained:
+    """The blocks that ran, as a chain of what each holds, with their costs; checked against the audit."""
+    flops, step_flops, nanoseconds, step_seconds = _block_costs(run, report, paths, now, cost, say, loss)
+    ran, graphless, calls = _blocks_that_ran(report, paths)
+    chain = build_chain(report, ran, calls, {path: (nanoseconds.get(path, 0), 0) if nanoseconds is not None
+                                             else flops.get(path, (0, 0)) for path in ran}, bitpack)
+    # the solver minimises the integer it is given as a block's cost: FLOPs, or nanoseconds
+    # (op-level checkpointing is costed in FLOPs only: with time, whole blocks)
+    costs = Costs.of([b.path for b in chain.blocks], flops, nanoseconds)
+    unplanned = held_by_report(report, bitpack)
+    if chain.held(()) != unplanned:  # both count the held saves' storages of held kinds, as trim leaves them
+        raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit {unplanned}")
+    return _Chained(chain, costs, step_flops, step_seconds, graphless)
+
+
+def _solved(run: _Run, audited: _Audited, chained: _Chained, paths: Sequence[str], selective: bool, cost: Cost,
+            bitpack: Optional[bool], say: Callable[[str], None], *, cache_was_on: bool,
+            trim_installed: bool) -> tuple[list[Point], bool, list[str]]:
+    """The chain's frontier (selective options added where asked), whether it is optimal, and the notes
+    the plan carries about it and the model."""
+    report, now, chain = audited.report, audited.now, chained.chain
+    # a value the model read on meta that nobody knew was assumed: the plan's figures rest on it too
+    notes = [note for note in report.notes if is_assumption_note(note)]
+    notes += [CACHE_NOTE] if cache_was_on else []
+    notes += _selective_option(run, chain, chained.costs, report, paths, selective, cost, now, bitpack, say)
+    notes += _blind_spots(report, chained.graphless)
+    say(f"solving ({len(chain.blocks)} blocks)")
+    points, optimal = solve(chain)
+    notes = _own_checkpointing(run.model, now, audited.current_held) + notes + _assumed(chain)
+    if trim_installed:
+        notes.append(f"gradaudit.trim is installed on this model (bitpack={bitpack}), so the plan's figures are "
+                     f"with it, as trim=True plans them; to plan without trim, remove its handle first")
+    return points, optimal, notes
+
+
+def _own_checkpointing(model: nn.Module, now: Sequence[str], current_held: Any) -> list[str]:
+    """The note, first among the plan's, where the model checkpoints some blocks itself (``now``)."""
+    if not now:
+        return []
+    return [f"the model checkpoints {_few(now)} itself and so holds {current_held} bytes; the plan replaces that "
+            f"(its figures are without it): turn the model's own checkpointing off before applying it (Hugging "
+            f"Face: {checkpointing_off_call(model)})"]
 
 def _checked_arguments(model: Any, inputs: Any, budget: Any, bound: Any, measure_peak: bool,
                        cost: Any) -> tuple[int, Bound, Cost]:
@@ -184,11 +218,13 @@ def _checked_arguments(model: Any, inputs: Any, budget: Any, bound: Any, measure
 
 def _audit(run: _Run, paths: Sequence[str], bitpack: Optional[bool], say: Callable[[str], None]) -> _Audited:
     """One audit watching the candidate blocks; where the model checkpoints itself, what it holds so,
-    and a second audit with that turned off (the plan replaces it)."""
+    and a second audit with that turned off (the plan replaces it). A block passed an object holding
+    tensors is refused (``_refuse_opaque``)."""
     say(f"auditing the forward ({len(paths)} candidate blocks)")
     report = audit(run.model, run.inputs, trainable=run.trainable, frozen=run.frozen, watch=paths, target=run.target)
     now = checkpointed_now(report)
     if not now:
+        _refuse_opaque(report)
         return _Audited(report, now, None)
     # plan from what the model holds without its own checkpointing (which the plan replaces)
     current_held = held_by_report(report, bitpack)
@@ -199,6 +235,7 @@ def _audit(run: _Run, paths: Sequence[str], bitpack: Optional[bool], say: Callab
     if checkpointed_now(report):
         raise GradauditError(f"the model checkpoints ({_few(now)}) in a way gradaudit cannot turn off to plan "
                              f"from what it would hold; turn it off and plan again")
+    _refuse_opaque(report)
     return _Audited(report, now, current_held)
 
 

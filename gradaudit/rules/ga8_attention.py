@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 from ..records import HELD_KINDS, Manager, Severity
 from .registry import Flag, RuleContext, rule
 
@@ -111,28 +113,34 @@ def eager_attention_saves_probabilities(ctx: RuleContext):  # noqa: C901 (two ca
                        fix_code=ATTENTION_DIAGNOSIS_SNIPPET if on_cuda else CPU_ATTENTION_SNIPPET,
                        severity=Severity.INFO, bytes=0)
     if dropout_calls:
-        # one cause, one fix for the whole model: attention dropout sends every call to the math
-        # kernel. The bytes are measured: the same forward with dropout_p=0 in every call
-        node, call, _, matrix = dropout_calls[0]
-        without = ctx.measured.get("held_without_attention_dropout")
-        saved = sum(ctx.storages[s].nbytes for s in {t.storage_id for t in ctx.held() if t.storage_id >= 0}
-                    if ctx.storages[s].kind in HELD_KINDS)
-        modules = sorted({c[0].module for c in dropout_calls})
-        calls = (f"{len(dropout_calls)} scaled_dot_product_attention call{'s' if len(dropout_calls) > 1 else ''} "
-                 f"({', '.join(modules[:3])}{', ...' if len(modules) > 3 else ''})")
-        fused = call.kernel_without_dropout
-        if call.device == "cuda":
-            # CUDA's fused kernels apply dropout themselves; one that refuses this probability
-            # (cuDNN: multiples of 1/16) can leave the math kernel as the only one left
-            why = _passed_over(call, fused) or "it does not take this dropout"
-            message = (f"{calls} ran the math kernel because dropout_p={call.dropout_p:g} rules out the CUDA "
-                       f"{fused} kernel ({why}), which takes these arguments without dropout, keeping {matrix} each")
-            fix = f"Use an attention dropout the CUDA {fused} kernel takes, or none ({why})"
-        else:
-            message = (f"{calls} ran the math kernel because dropout_p={call.dropout_p:g} (the {call.device} "
-                       f"{fused} kernel takes no dropout), keeping {matrix} each")
-            fix = (f"Train without attention dropout on {call.device.upper()} (the fused kernel then runs); "
-                   f"on CUDA the fused kernels apply dropout themselves")
-        yield Flag(node, [t for c in dropout_calls for t in c[2]], message, fix=fix,
-                   fix_code=ATTENTION_DROPOUT_SNIPPET, module=modules[0] if len(modules) == 1 else "",
-                   bytes=max(0, saved - without) if without is not None else None)
+        yield from _dropout_flag(ctx, dropout_calls)
+
+
+def _dropout_flag(ctx: RuleContext, dropout_calls: list) -> Iterator[Flag]:
+    """One finding for every ``scaled_dot_product_attention`` call that attention dropout sent to the
+    math kernel: one cause, one fix for the whole model."""
+    # one cause, one fix for the whole model: attention dropout sends every call to the math
+    # kernel. The bytes are measured: the same forward with dropout_p=0 in every call
+    node, call, _, matrix = dropout_calls[0]
+    without = ctx.measured.get("held_without_attention_dropout")
+    saved = sum(ctx.storages[s].nbytes for s in {t.storage_id for t in ctx.held() if t.storage_id >= 0}
+                if ctx.storages[s].kind in HELD_KINDS)
+    modules = sorted({c[0].module for c in dropout_calls})
+    calls = (f"{len(dropout_calls)} scaled_dot_product_attention call{'s' if len(dropout_calls) > 1 else ''} "
+             f"({', '.join(modules[:3])}{', ...' if len(modules) > 3 else ''})")
+    fused = call.kernel_without_dropout
+    if call.device == "cuda":
+        # CUDA's fused kernels apply dropout themselves; one that refuses this probability
+        # (cuDNN: multiples of 1/16) can leave the math kernel as the only one left
+        why = _passed_over(call, fused) or "it does not take this dropout"
+        message = (f"{calls} ran the math kernel because dropout_p={call.dropout_p:g} rules out the CUDA "
+                   f"{fused} kernel ({why}), which takes these arguments without dropout, keeping {matrix} each")
+        fix = f"Use an attention dropout the CUDA {fused} kernel takes, or none ({why})"
+    else:
+        message = (f"{calls} ran the math kernel because dropout_p={call.dropout_p:g} (the {call.device} "
+                   f"{fused} kernel takes no dropout), keeping {matrix} each")
+        fix = (f"Train without attention dropout on {call.device.upper()} (the fused kernel then runs); "
+               f"on CUDA the fused kernels apply dropout themselves")
+    yield Flag(node, [t for c in dropout_calls for t in c[2]], message, fix=fix,
+               fix_code=ATTENTION_DROPOUT_SNIPPET, module=modules[0] if len(modules) == 1 else "",
+               bytes=max(0, saved - without) if without is not None else None)
