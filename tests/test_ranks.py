@@ -339,3 +339,29 @@ def test_regathered_bytes_count_the_padded_storage_fsdp2_gathers_into():
     # model[2]'s weight, saved for its input's gradient, is resharded after the forward and gathered again
     # in backward; the root keeps its own gathered weights (alive, not regathered)
     assert set(result.results.values()) == {128 * 127 * 4} == {65024}
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def test_data_parallel_in_a_fake_world_is_audited_and_refused_by_what_runs_backward():
+    # DDP's reducer waits for an all-reduce's result, which the fake backend's collectives complete
+    # with none: PyTorch then fails an internal assert in backward. The audit runs no backward; fit
+    # and plan say what to do instead of that assert
+    with fake_world(2, 0):
+        ddp, x = torch.nn.parallel.DistributedDataParallel(_mlp(), bucket_cap_mb=0.01), torch.randn(8, 64)
+        report = gradaudit.audit(ddp, x)
+        # 8x128 float32 ReLU result, kept by the second Linear and (as a mask) by ReLU's backward: 4096 bytes;
+        # the input x is alive anyway
+        assert report.saved_bytes == 8 * 128 * 4
+        for run in (lambda: gradaudit.fit(ddp, x, memory="1GiB"), lambda: gradaudit.plan(ddp, x, "1MiB")):
+            with pytest.raises(GradauditError, match=r"DistributedDataParallel cannot in a fake process group.*"
+                                                     r"build the model without DDP"):
+                run()
+        # the module DDP wraps still carries its hooks: refused too, not PyTorch's assert
+        with pytest.raises(GradauditError, match="build the model without DDP"):
+            gradaudit.fit(ddp.module, x, memory="1GiB")
+        # what it advises runs
+        assert gradaudit.fit(_mlp(), x, memory="1GiB").fits

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..conditions import meta_inputs, resolve_target, runs_on_meta
+from ..conditions import meta_inputs, refuse_data_parallel_in_fake_world, resolve_target, runs_on_meta
 from ..errors import GradauditError
 from ..report.units import human_bytes
 from ..sizes import as_bytes
@@ -108,6 +108,7 @@ def fit(
 def _step(model: nn.Module, inputs: Any, target: Optional[str], trainable: Any, frozen: Any, **options: Any) -> Step:
     """The step fit runs: its inputs as the run takes them (beside a meta model, real tensors become meta
     tensors whose values are kept), on meta or not, the target resolved, the patterns as lists."""
+    refuse_data_parallel_in_fake_world(model, "fit")
     inputs = meta_inputs(model, inputs)
     tensors = list(iter_tensors(inputs))
     on_meta = runs_on_meta(first_meta_parameter(model.parameters()), tensors)

@@ -70,6 +70,12 @@ def distributed_rank() -> Optional[tuple[int, int]]:
     return dist.get_world_size(), dist.get_rank()
 
 
+def in_fake_world() -> bool:
+    """Whether this process's default process group is PyTorch's fake backend (``fake_process_group``)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "fake"
+
+
 def fake_process_group(world_size: int, rank: int) -> None:
     """``init_process_group`` with PyTorch's fake backend (collectives do nothing; every shape is
     as a real run's), for this process as ``rank`` of ``world_size``."""
