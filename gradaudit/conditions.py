@@ -19,6 +19,7 @@ from .errors import GradauditError, NoMatchingParameterError
 from .meta import TARGETS, standing_for
 from .tensors import ModelTree, first_meta_parameter, iter_tensors
 from .torchapi.distributed import in_fake_world
+from .torchapi.ddp import reduce_locally
 from .torchapi.modules import hook_counts_of, module_slots
 from .torchapi.storages import version_counter
 from .values import to_meta
@@ -172,22 +173,21 @@ def trimmed_now(model: nn.Module) -> bool:
     return trimming is not None and trimming.is_trimmed(model)
 
 
-def data_parallel_refused(who: str) -> GradauditError:
-    """The error for ``who`` (fit, plan: what runs a backward) on a model DistributedDataParallel
-    reduces, in a fake process group: DDP's gradient reduction waits for an all-reduce's result, and the
+def module_of_data_parallel(who: str) -> GradauditError:
+    """The error for ``who`` given the module a DistributedDataParallel wraps, in a fake process group:
+    its parameters carry DDP's hooks, whose gradient reduction needs an all-reduce's result, and the
     fake backend's collectives complete with none (PyTorch then fails an internal assert)."""
     return GradauditError(
-        f"{who} runs a backward, which DistributedDataParallel cannot in a fake process group (its gradient "
-        f"reduction needs the result of a real all-reduce): build the model without DDP (ddp.module still "
-        f"carries DDP's hooks) and give {who} one rank's batch; its figures then leave out DDP's gradient "
-        f"buckets (as large as the gradients again, unless gradient_as_bucket_view=True)")
+        f"{who} ran a backward through the module a DistributedDataParallel wraps (its parameters carry DDP's "
+        f"hooks, which cannot reduce in a fake process group): give {who} the DistributedDataParallel itself")
 
 
-def refuse_data_parallel_in_fake_world(model: nn.Module, who: str) -> None:
-    """``data_parallel_refused`` before anything runs, where ``model`` is (or holds) a
-    DistributedDataParallel in a fake process group."""
-    if in_fake_world() and any(isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in model.modules()):
-        raise data_parallel_refused(who)
+def prepare_data_parallel(model: nn.Module) -> None:
+    """Before a backward (fit, plan): in a fake process group, every DistributedDataParallel in ``model``
+    gets gradaudit's communication hook that reduces nothing (``torchapi.ddp``), so that its backward
+    runs there; a DDP with a hook of its own is refused. Nothing in a real process group."""
+    if in_fake_world():
+        reduce_locally(model)
 
 
 def resolve_target(target: Optional[str], on_meta: bool, tensors: Sequence[torch.Tensor]) -> str:
@@ -227,7 +227,7 @@ def as_audited(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, targe
     except RuntimeError as error:
         # a module DistributedDataParallel wraps (its parameters carry DDP's hooks), given on its own
         if in_fake_world() and "hook result is either a Tensor or a TensorList" in str(error):
-            raise data_parallel_refused("gradaudit") from error
+            raise module_of_data_parallel("gradaudit") from error
         raise
     finally:
         state.restore()

@@ -305,6 +305,36 @@ def forward_backward(model: torch.nn.Module, args: tuple, kwargs: dict,
     return held, peak
 
 
+def data_parallel_modules(model: torch.nn.Module) -> list[Any]:
+    """The DistributedDataParallel modules in ``model`` (itself included)."""
+    return [m for m in model.modules() if isinstance(m, torch.nn.parallel.DistributedDataParallel)]
+
+
+def record_buckets(model: torch.nn.Module) -> None:
+    """Give every DistributedDataParallel in ``model`` a communication hook that records the buckets it
+    is handed (``ddp._measured_buckets``, by bucket index), for ``measured_step_peak``: in a real process
+    group it then all-reduces them as DDP's default does (PyTorch's ``allreduce_hook``: the bucket
+    divided by the world's size in place, then summed); in PyTorch's fake one, whose all-reduce returns
+    nothing, it returns the bucket as it is."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    fake = dist.get_backend() == "fake"
+    for ddp in data_parallel_modules(model):
+        recorded: dict[int, torch.Tensor] = {}
+
+        def hook(state, bucket, recorded=recorded):  # (DDP checks annotations: none)
+            recorded[bucket.index()] = bucket.buffer()
+            if not fake:
+                return allreduce_hook(state, bucket)
+            future = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
+
+        ddp._measured_buckets = recorded
+        ddp.register_comm_hook(None, hook)
+
+
 def measured_step_peak(model: torch.nn.Module, inputs: Any, make_optimizer: Callable[[Any], torch.optim.Optimizer],
                        loss_fn: Callable[[Any], torch.Tensor], autocast: Optional[torch.dtype] = None,
                        accumulation: int = 1) -> int:
@@ -314,7 +344,11 @@ def measured_step_peak(model: torch.nn.Module, inputs: Any, make_optimizer: Call
     throughout (parameters, buffers, the batch, the optimizer's state), counted by storage. With
     ``accumulation`` > 1 each step runs that many forwards and backwards of ``inputs`` (the loss
     divided by it) before the optimizer's. It shares nothing with gradaudit.fit's own following of the
-    step (fitting/). The model trains for real; its weights (and buffers) are put back afterwards."""
+    step (fitting/). The model trains for real; its weights (and buffers) are put back afterwards.
+
+    A model with DistributedDataParallel needs ``record_buckets(model)`` first: its warm-up is two steps
+    (DDP rebuilds its buckets in the second's forward), its buckets are alive throughout (those the
+    hook recorded in the second), and the micro-batches but the last run under ``no_sync``."""
     args, kwargs = split_inputs(inputs)
     weights = copy.deepcopy(model.state_dict())
     # the parameters that train; where none does, the inputs that require grad (an adversarial loop)
@@ -334,22 +368,42 @@ def measured_step_peak(model: torch.nn.Module, inputs: Any, make_optimizer: Call
         gc.collect()
         return loss
 
-    for _ in range(accumulation):  # warm-up: the optimizer's state exists afterwards
-        loss = forward()
-        loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    del loss
+    def micro_batches() -> torch.Tensor:
+        """The micro-batches' forwards and backwards; the last loss (alive through the optimizer's step,
+        as a training loop's). With DDP, a training loop accumulates all but the last under no_sync."""
+        loss = None
+        for k in range(accumulation):
+            with contextlib.ExitStack() as stack:
+                if k < accumulation - 1:
+                    for ddp in data_parallel_modules(model):
+                        stack.enter_context(ddp.no_sync())
+                loss = forward()  # (the previous loss alive through this forward, as a loop's)
+                loss.backward()
+        return loss
+
+    # warm-up: the optimizer's state exists afterwards; with DDP two steps (its buckets are rebuilt in
+    # the second's forward, after which they stay as they are) and the buckets of the second recorded
+    buckets = [getattr(ddp, "_measured_buckets", None) for ddp in data_parallel_modules(model)]
+    for warm_up in range(2 if buckets else 1):
+        for recorded in buckets:
+            if recorded is None:
+                raise ValueError("a DistributedDataParallel model: call measure.record_buckets(model) after building it")
+            recorded.clear()
+        loss = micro_batches()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        del loss
     always = {}
     state = [t for values in optimizer.state.values() for t in iter_tensors(values)]
-    for t in [*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs)), *state]:
+    alive = [*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs)), *state,
+             *(bucket for recorded in buckets for bucket in recorded.values())]
+    for t in alive:
         for part in local_parts(t):
             always[storage_id(part.untyped_storage())] = part.untyped_storage().nbytes()
+    del alive
     tracker = PeakTracker(set(always))
     with tracker:
-        for _ in range(accumulation):
-            loss = forward()
-            loss.backward()
+        loss = micro_batches()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     del loss

@@ -25,6 +25,7 @@ from .records import Name
 from .tensors import iter_tensors, split_inputs, storage_key, strided_parts, unique
 from .torchapi.autograd import graph_nodes, is_custom_function, raw_saved_slots
 from .torchapi.dispatch import TorchDispatchMode, overload_packet, tree_flatten
+from .torchapi.ddp import buckets_seen
 from .torchapi.distributed import wait_unwaited
 from .torchapi.fsdp import fsdp_storage_events
 from .torchapi.storages import storage_id
@@ -38,6 +39,7 @@ class Category(Name):
     INPUTS = "inputs"
     OPTIMIZER_STATE = "optimizer_state"
     WORKSPACES = "workspaces"  # on CUDA: cuBLAS's and cuBLASLt's, cached from the first step on
+    GRADIENT_BUCKETS = "gradient_buckets"  # DistributedDataParallel's flat buckets (torchapi/ddp.py)
     GRADIENTS = "gradients"
     ACTIVATIONS = "activations"  # made in a forward, alive into its backward
     TEMPORARIES = "temporaries"  # the rest: made and freed within a phase, the loss
@@ -208,15 +210,19 @@ def forward_backward(model: torch.nn.Module, args: tuple, kwargs: dict,
     if device.type == "cuda":
         return _on_the_allocator(model, args, kwargs, loss_fn, device)
     lifetimes = Lifetimes(keys_of([*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs))]))
-    with lifetimes:
+    with lifetimes, buckets_seen() as buckets:
         output, outputs = _forward(model, args, kwargs, loss_fn)
         # not held: the outputs' storages and those registered in the forward (FSDP2's kept gathered parameters)
         apart = keys_of([*outputs, *model.parameters(), *model.buffers()])
-        held = sum(life.nbytes for key, life in lifetimes.live.items() if key not in apart)
+        held = {key: life.nbytes for key, life in lifetimes.live.items() if key not in apart}
         del outputs
         _backpropagate(output, loss_fn)
     lifetimes.close()
-    return held, peak_of(lifetimes.lives, lifetimes.samples)
+    # DDP's gradient buckets (in a fake process group, those its hook was handed) are alive anyway, as
+    # the parameters are: the tracker sees them when a gradient is copied in (or a rebuild allocates them)
+    alive = keys_of(buckets)
+    lives = [life for life in lifetimes.lives if life.died is not None or life.key not in alive]
+    return sum(n for key, n in held.items() if key not in alive), peak_of(lives, lifetimes.samples)
 
 
 def _forward(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Optional[Callable]) -> tuple[list, list]:

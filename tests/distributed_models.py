@@ -173,3 +173,38 @@ def linear_tp(rank: int, world_size: int):
     model = nn.Sequential(nn.Linear(D, 4 * D), nn.ReLU(), nn.Linear(4 * D, D))
     parallelize_module(model, _mesh((world_size,), ("tp",)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
     return model, torch.randn(BATCH, SEQ, D, generator=torch.Generator().manual_seed(1))
+
+
+# -- DistributedDataParallel: gradient buckets ------------------------------------------------------
+
+
+def _data_parallel(model: nn.Module, **options):
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, **options)
+
+
+def mlp_ddp(rank: int, world_size: int):
+    """Linear(64, 256), ReLU, Linear(256, 64) on x of (2, 16, 64) under DDP with 0.05 MiB buckets
+    (52,428 bytes: a bucket closes once it holds more). The parameters' gradients, 4 bytes each:
+    256*64 + 256 + 64*256 + 64 = 33,088 elements, 132,352 bytes. Rebuilt after the first step in the
+    order the gradients become ready (the last Linear's first): [bias 64 + weight 16,384] = 65,792 bytes,
+    then [bias 256 + weight 16,384] = 66,560 bytes: two buckets, 132,352 bytes."""
+    return _mlp_ddp()
+
+
+def mlp_ddp_view(rank: int, world_size: int):
+    """``mlp_ddp`` with gradient_as_bucket_view=True: the gradients are views of the buckets."""
+    return _mlp_ddp(gradient_as_bucket_view=True)
+
+
+def _mlp_ddp(**options):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 4 * D), nn.ReLU(), nn.Linear(4 * D, D))
+    x = torch.randn(BATCH, SEQ, D, generator=torch.Generator().manual_seed(1))
+    return _data_parallel(model, bucket_cap_mb=0.05, **options), x
+
+
+def llama_ddp(rank: int, world_size: int):
+    """The Llama above under DDP with 0.1 MiB buckets (several of them)."""
+    return _data_parallel(_llama(), bucket_cap_mb=0.1), _llama_inputs()

@@ -23,7 +23,9 @@ Each builds in milliseconds.
 Every rank writes a JSON of its figures (bytes): ``held`` (held_bytes_after_forward),
 ``forward_backward_held`` and ``peak`` (forward_backward), ``parameter_bytes`` (this rank's local
 parameter storages, counted once each, before the forward), ``step_peak`` (measured_step_peak: one
-steady-state training step with AdamW, on a third fresh model). The parent returns
+steady-state training step with AdamW, on a third fresh model); with DistributedDataParallel,
+``step_peak_accumulated`` (a step of two micro-batches, the first under ``no_sync``), and every model
+given ``measure.record_buckets`` (the real all-reduce in a gloo world, none in a fake one). The parent returns
 ``{rank: figures}``; a rank that fails, or a world that runs past ``timeout`` seconds, raises
 WorldError with every rank's output, after the stragglers are killed.
 
@@ -200,15 +202,25 @@ def _measure_once(builder: Any, rank: int, world_size: int) -> dict[str, int]:
     del model, inputs
     torch.manual_seed(0)
     model, inputs = builder(rank, world_size)
+    measure.record_buckets(model)  # in a fake world, DDP's backward needs a hook (measure's own)
     args, kwargs = split_inputs(inputs)
     fb_held, peak = measure.forward_backward(model, args, kwargs)
     del model, inputs, args, kwargs
     torch.manual_seed(0)
     model, inputs = builder(rank, world_size)
+    measure.record_buckets(model)  # DDP's buckets, alive throughout (none without DDP)
     # one steady-state training step with AdamW (defaults), the model's own loss or its output's sum
     step_peak = measure.measured_step_peak(model, inputs, lambda params: torch.optim.AdamW(params), step_loss)
-    return {"held": held, "forward_backward_held": fb_held, "peak": peak, "parameter_bytes": parameter_bytes,
-            "step_peak": step_peak}
+    figures = {"held": held, "forward_backward_held": fb_held, "peak": peak, "parameter_bytes": parameter_bytes,
+               "step_peak": step_peak}
+    if measure.data_parallel_modules(model):  # DDP: also a step of two micro-batches, the first under no_sync
+        del model, inputs
+        torch.manual_seed(0)
+        model, inputs = builder(rank, world_size)
+        measure.record_buckets(model)
+        figures["step_peak_accumulated"] = measure.measured_step_peak(
+            model, inputs, lambda params: torch.optim.AdamW(params), step_loss, accumulation=2)
+    return figures
 
 
 def step_loss(output: Any) -> Any:

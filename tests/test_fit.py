@@ -63,7 +63,9 @@ def test_a_stock_llama_step_is_predicted_to_the_byte_on_cpu_and_on_meta(llama, o
     assert fitted.peak_bytes == measured_step_peak(llama, batch, make, hf_loss)
     on_meta = gradaudit.fit(copy.deepcopy(llama).to("meta"), batch, memory="1GiB", optimizer=make)
     assert on_meta.peak_bytes == fitted.peak_bytes and on_meta.breakdown == fitted.breakdown
-    assert sum(fitted.breakdown.values()) == fitted.peak_bytes and set(fitted.breakdown) == set(CATEGORIES)
+    # every category but DDP's gradient buckets (shown only where a DDP holds some)
+    assert sum(fitted.breakdown.values()) == fitted.peak_bytes
+    assert set(fitted.breakdown) == set(CATEGORIES) - {"gradient_buckets"}
 
 
 def test_the_breakdown_counts_what_each_category_holds(llama):
@@ -258,8 +260,8 @@ def test_the_html_page_draws_the_step_before_and_after_the_remedy(tiny_hf_model)
     roomy = gradaudit.fit(model, batch, memory="1GiB", optimizer="sgd", remedy=False)
     assert f"fits, {human_bytes(roomy.memory - roomy.peak_bytes)} to spare" in fithtml.render(roomy)
     # every point of the timeline carries each category, and the worst point is the peak
-    assert max(sum(p[c] for c in CATEGORIES) for p in fitted.timeline) == fitted.peak_bytes
-    assert max(sum(p[c] for c in CATEGORIES) for p in fitted.remedy.timeline) == fitted.remedy.peak_bytes
+    assert max(sum(p.get(c, 0) for c in CATEGORIES) for p in fitted.timeline) == fitted.peak_bytes
+    assert max(sum(p.get(c, 0) for c in CATEGORIES) for p in fitted.remedy.timeline) == fitted.remedy.peak_bytes
 
 
 def _gradients(model, batch):

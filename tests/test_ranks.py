@@ -22,6 +22,7 @@ from gradaudit.cli import cli
 from gradaudit.errors import GradauditError
 from gradaudit.ranks import check_world, fake_world, per_rank, rank_list
 from gradaudit.records import StorageKind
+from gradaudit.report import fittext
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
 
@@ -346,22 +347,42 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
-def test_data_parallel_in_a_fake_world_is_audited_and_refused_by_what_runs_backward():
-    # DDP's reducer waits for an all-reduce's result, which the fake backend's collectives complete
-    # with none: PyTorch then fails an internal assert in backward. The audit runs no backward; fit
-    # and plan say what to do instead of that assert
+def test_data_parallel_in_a_fake_world_runs_with_its_buckets_counted():
+    # DDP's reducer waits for an all-reduce's result, which the fake backend's collectives complete with
+    # none: gradaudit gives each DDP a hook that reduces nothing, so fit and plan run its backward
     with fake_world(2, 0):
         ddp, x = torch.nn.parallel.DistributedDataParallel(_mlp(), bucket_cap_mb=0.01), torch.randn(8, 64)
         report = gradaudit.audit(ddp, x)
         # 8x128 float32 ReLU result, kept by the second Linear and (as a mask) by ReLU's backward: 4096 bytes;
         # the input x is alive anyway
         assert report.saved_bytes == 8 * 128 * 4
-        for run in (lambda: gradaudit.fit(ddp, x, memory="1GiB"), lambda: gradaudit.plan(ddp, x, "1MiB")):
-            with pytest.raises(GradauditError, match=r"DistributedDataParallel cannot in a fake process group.*"
-                                                     r"build the model without DDP"):
-                run()
-        # the module DDP wraps still carries its hooks: refused too, not PyTorch's assert
-        with pytest.raises(GradauditError, match="build the model without DDP"):
+        fit = gradaudit.fit(ddp, x, memory="1GiB", remedy=False)
+        plain = gradaudit.fit(_mlp(), x, memory="1GiB", remedy=False)
+        # the gradients of 64*128 + 128 + 128*10 + 10 = 9,610 float32 elements: 38,440 bytes of buckets,
+        # alive throughout (the peak is the optimizer's step: everything else as without DDP)
+        assert fit.breakdown["gradient_buckets"] == 9610 * 4 == 38440
+        assert fit.peak_bytes == plain.peak_bytes + 38440
+        assert "gradient_buckets" not in plain.breakdown  # a category only where a DDP holds some
+        assert any("gradient_as_bucket_view=True would" in note for note in fit.notes)
+        assert gradaudit.plan(ddp, x, "1MiB").held_bytes == gradaudit.plan(_mlp(), x, "1MiB").held_bytes
+        text = fittext.render(fit)
+        assert "DDP's gradient buckets" in text
+    with fake_world(2, 0):
+        ddp = torch.nn.parallel.DistributedDataParallel(_mlp())
+        gradaudit.audit(ddp, x)  # a forward: DDP now expects its hooks to fire in a backward
+        # the module DDP wraps still carries its hooks: said so, not PyTorch's internal assert
+        with pytest.raises(GradauditError, match="give gradaudit the DistributedDataParallel itself"):
             gradaudit.fit(ddp.module, x, memory="1GiB")
-        # what it advises runs
-        assert gradaudit.fit(_mlp(), x, memory="1GiB").fits
+
+
+def test_data_parallel_with_a_hook_of_its_own_is_refused_in_a_fake_world():
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    with fake_world(2, 0):
+        ddp, x = torch.nn.parallel.DistributedDataParallel(_mlp()), torch.randn(8, 64)
+        ddp.register_comm_hook(None, fp16_compress_hook)
+        for run in (lambda: gradaudit.fit(ddp, x, memory="1GiB"), lambda: gradaudit.plan(ddp, x, "1MiB")):
+            with pytest.raises(GradauditError, match=r"communication hook of its own \(fp16_compress_hook\).*"
+                                                     r"build the DDP without register_comm_hook"):
+                run()
+        assert gradaudit.audit(ddp, x).saved_bytes == 8 * 128 * 4  # a forward needs no hook

@@ -40,11 +40,16 @@ HAS_TV = importlib.util.find_spec("torchvision") is not None
 WORLDS = {
     "linear_fsdp2": 2,
     "linear_tp": 2,
+    "mlp_ddp": 2,
+    "mlp_ddp_view": 2,
     **({"resnet_fsdp2": 2} if HAS_TV else {}),
-    **({"llama_fsdp2": 2, "llama_tp": 2, "llama_tp_sp": 2, "llama_fsdp2_tp": 4} if HAS_HF else {}),
+    **({"llama_fsdp2": 2, "llama_tp": 2, "llama_tp_sp": 2, "llama_fsdp2_tp": 4, "llama_ddp": 2} if HAS_HF else {}),
 }
-ALL = ["linear_fsdp2", "linear_tp", "resnet_fsdp2", "llama_fsdp2", "llama_tp", "llama_tp_sp", "llama_fsdp2_tp"]
-TP_ONLY = ["linear_tp", "llama_tp", "llama_tp_sp"]  # no FSDP2: no reduce-scatter, peaks comparable
+ALL = ["linear_fsdp2", "linear_tp", "resnet_fsdp2", "llama_fsdp2", "llama_tp", "llama_tp_sp", "llama_fsdp2_tp",
+       "mlp_ddp", "mlp_ddp_view", "llama_ddp"]
+DDP = ["mlp_ddp", "mlp_ddp_view", "llama_ddp"]
+# no FSDP2: no reduce-scatter, peaks comparable (DDP's all-reduce works in place on its buckets)
+NO_FSDP = ["linear_tp", "llama_tp", "llama_tp_sp", *DDP]
 
 
 def broken(rank: int, world_size: int):
@@ -91,7 +96,12 @@ def _gradaudit(builder: str, world_size: int) -> dict[int, dict]:
     def figures(model, inputs):
         held = gradaudit.audit(model, inputs).saved_bytes
         step = gradaudit.fit(model, inputs, memory=2**40, optimizer="adamw", remedy=False)
-        return {"held": held, "step_peak": step.peak_bytes}
+        figures = {"held": held, "step_peak": step.peak_bytes, "breakdown": {str(k): v for k, v in step.breakdown.items()}}
+        if builder in DDP:
+            figures["step_peak_accumulated"] = gradaudit.fit(model, inputs, memory=2**40, optimizer="adamw",
+                                                             remedy=False, accumulation=2).peak_bytes
+            figures["logged_buckets"] = model._get_ddp_logging_data()["rebuilt_bucket_sizes"]
+        return figures
 
     return gradaudit.per_rank(built, world_size, figures).results
 
@@ -144,11 +154,11 @@ def test_gradaudit_per_rank_equals_the_real_run(runs, builder):
 def test_fit_per_rank_equals_the_measured_step(runs, builder):
     """gradaudit.fit's whole-step peak per rank equals one training step measured by the independent
     tracker on the same rank: in the real run where gloo allocates nothing of its own (tensor and
-    sequence parallel), in the fake world under FSDP2 (gloo's reduce-scatter copies the flat gradient
+    sequence parallel, DDP), in the fake world under FSDP2 (gloo's reduce-scatter copies the flat gradient
     buffer on the calling thread: a communication buffer, not modelled; see the module's docstring)."""
     real, fake, audited = _figures(runs, builder)
     for rank in real:
-        measured = real[rank]["step_peak"] if builder in TP_ONLY else fake[rank]["step_peak"]
+        measured = real[rank]["step_peak"] if builder in NO_FSDP else fake[rank]["step_peak"]
         assert audited[rank]["step_peak"] == measured, (builder, rank, audited[rank], real[rank], fake[rank])
 
 
@@ -165,8 +175,8 @@ def test_held_per_rank_real_equals_fake(runs, builder):
         assert real[rank]["held"] > 0
 
 
-@pytest.mark.parametrize("builder", TP_ONLY)
-def test_tp_peak_per_rank_real_equals_fake(runs, builder):
+@pytest.mark.parametrize("builder", NO_FSDP)
+def test_peak_per_rank_real_equals_fake_without_fsdp2(runs, builder):
     real, fake, _ = _figures(runs, builder)
     for rank in real:
         assert real[rank]["peak"] == fake[rank]["peak"], (builder, rank)
@@ -229,3 +239,36 @@ def test_harness_reports_failure_kills_stragglers_and_keeps_finished_figures(run
     assert "rank 1 could not build its model" in message  # its output, carried in the error
     assert "test_ranks_gloo:broken" not in error.results  # never finished
     assert set(error.results) == {f"distributed_models:{b}" for b, n in WORLDS.items() if n == 2}
+
+
+@pytest.mark.parametrize("builder", DDP)
+def test_fit_per_rank_counts_ddp_buckets_and_accumulation_as_the_real_step(runs, builder):
+    """DistributedDataParallel in gradaudit's fake world (its hook reduces nothing) against the real gloo
+    run (the default all-reduce): the whole step's peak with one micro-batch and with two (the first under
+    no_sync), to the byte; the buckets are a category of their own, as large as DDP says its rebuilt
+    buckets are (its logging data, read apart from gradaudit)."""
+    real, _, audited = _figures(runs, builder)
+    for rank in real:
+        assert audited[rank]["step_peak"] == real[rank]["step_peak"], (builder, rank, audited[rank], real[rank])
+        assert audited[rank]["step_peak_accumulated"] == real[rank]["step_peak_accumulated"], (builder, rank)
+        logged = [int(n) for n in audited[rank]["logged_buckets"].split(",")]
+        assert len(logged) > 1  # several buckets
+        assert audited[rank]["breakdown"]["gradient_buckets"] == sum(logged)
+
+
+def test_hand_checked_ddp(runs):
+    """mlp_ddp (distributed_models): Linear(64, 256), ReLU, Linear(256, 64), x of (2, 16, 64), world 2,
+    buckets of 0.05 MiB. Gradients of 33,088 float32 elements: 132,352 bytes, in two buckets after the
+    rebuild (65,792 + 66,560). With gradient_as_bucket_view=False (mlp_ddp) the gradients are separate
+    tensors beside the buckets; with True (mlp_ddp_view) they are views of them: the steady-state step
+    differs by the gradients, 132,352 bytes (802,068 - 669,716)."""
+    for builder in ("mlp_ddp", "mlp_ddp_view"):
+        real, _, audited = _figures(runs, builder)
+        for rank in real:
+            assert audited[rank]["logged_buckets"] == "65792, 66560"
+            assert audited[rank]["breakdown"]["gradient_buckets"] == 132352
+    separate, views = _figures(runs, "mlp_ddp")[0], _figures(runs, "mlp_ddp_view")[0]
+    assert separate[0]["step_peak"] - views[0]["step_peak"] == 132352
+    # at each peak (the optimizer's step) the separate gradients are there; the views' are the buckets
+    assert _figures(runs, "mlp_ddp")[2][0]["breakdown"]["gradients"] == 132352
+    assert _figures(runs, "mlp_ddp_view")[2][0]["breakdown"]["gradients"] == 0

@@ -11,17 +11,18 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..conditions import meta_inputs, refuse_data_parallel_in_fake_world, resolve_target, runs_on_meta
+from ..conditions import meta_inputs, prepare_data_parallel, resolve_target, runs_on_meta
 from ..errors import GradauditError
 from ..report.units import human_bytes
 from ..sizes import as_bytes
 from ..tensors import first_meta_parameter, iter_tensors
+from ..torchapi.ddp import bucket_view_setting
 from . import optimizers
 from .largest import search
 from .levers import other_levers
 from .remedy import Alternative, search_levers
 from .result import Figures, Fit, Live, allocated, figures
-from .step import CATEGORIES, STATE, Step
+from .step import BUCKETS, CATEGORIES, GRADIENTS, STATE, Step
 
 __all__ = ["fit", "Fit", "CATEGORIES"]
 
@@ -95,8 +96,10 @@ def fit(
     result.live.size_search = (lambda scaled: _peak_and_headroom(step.on(scaled), headroom_of), inputs)
     if result.fits:
         return result
+    copied = bool(run.persistent.get(BUCKETS)) and not bucket_view_setting(model)  # DDP copies gradients in
     result.levers = other_levers([allocated(n, target) for n in run.persistent.get(STATE, ())],
-                                 measured.peak_bytes, measured.attribution)
+                                 measured.peak_bytes, measured.attribution,
+                                 measured.breakdown.get(GRADIENTS, 0) if copied else 0)
     if remedy and measured.floor_bytes + headroom_of(measured) > memory_bytes:
         result.remedy_searched = True
         result.notes.append(_beyond_remedy(measured.floor_bytes))
@@ -108,7 +111,7 @@ def fit(
 def _step(model: nn.Module, inputs: Any, target: Optional[str], trainable: Any, frozen: Any, **options: Any) -> Step:
     """The step fit runs: its inputs as the run takes them (beside a meta model, real tensors become meta
     tensors whose values are kept), on meta or not, the target resolved, the patterns as lists."""
-    refuse_data_parallel_in_fake_world(model, "fit")
+    prepare_data_parallel(model)
     inputs = meta_inputs(model, inputs)
     tensors = list(iter_tensors(inputs))
     on_meta = runs_on_meta(first_meta_parameter(model.parameters()), tensors)

@@ -1,6 +1,6 @@
 """Levers gradaudit names but neither applies nor measures, with the bytes each would take off the
-step's peak: the optimizer's state in 8 bits or on the CPU, and a loss that never holds the whole
-logits where the loss dominates the peak. Each figure is read off the measured step (the state alive
+step's peak: the optimizer's state in 8 bits or on the CPU, a loss that never holds the whole
+logits where the loss dominates the peak, and DDP's gradients kept in its buckets. Each figure is read off the measured step (the state alive
 throughout, the storages the loss made alive at the peak) and says what it assumes.
 """
 
@@ -34,10 +34,20 @@ class Lever:
         return {"name": self.name, "saves_bytes": self.saves_bytes, "assumes": self.assumes, "how": self.how}
 
 
-def other_levers(state_sizes: list[int], peak_bytes: int, attribution: dict[str, Any]) -> list[Lever]:
+def other_levers(state_sizes: list[int], peak_bytes: int, attribution: dict[str, Any],
+                 separate_gradients: int = 0) -> list[Lever]:
     """The levers that would take bytes off this step's peak: ``state_sizes`` the optimizer state's
-    storages (bytes, alive throughout the step), ``attribution`` the peak's (``result.attribute``)."""
+    storages (bytes, alive throughout the step), ``attribution`` the peak's (``result.attribute``),
+    ``separate_gradients`` the gradients at the peak where DistributedDataParallel copies them into its
+    buckets (gradient_as_bucket_view=False; else 0)."""
     levers = []
+    if separate_gradients >= STATE_SHARE * peak_bytes:
+        levers.append(Lever(
+            "DDP's gradients as views of its buckets", separate_gradients,
+            "the gradients alive at the peak become views of DDP's gradient buckets, which are there anyway "
+            "(no copy of them beside the buckets)",
+            "DistributedDataParallel(model, gradient_as_bucket_view=True) (the gradients may then not be "
+            "detach_()'ed in place)"))
     state = sum(state_sizes)
     if state >= STATE_SHARE * peak_bytes:
         eight = sum(n * 3 // 4 for n in state_sizes if n >= EIGHT_BIT_SMALLEST)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from ..tracking import Category, sweep
 from .allocator import rounded
 from .levers import LOSS_OPS
-from .step import ACTIVATIONS, CATEGORIES, GRADIENTS, INPUTS, TEMPORARIES, StepRun
+from .step import ACTIVATIONS, BUCKETS, CATEGORIES, GRADIENTS, INPUTS, TEMPORARIES, StepRun
 
 if TYPE_CHECKING:
     from .remedy import Remedy
@@ -111,16 +111,17 @@ def figures(run: StepRun, target: str) -> Figures:
     blocks it leaves unsplit included, as ``torch.cuda.memory_allocated`` counts them)."""
     from .allocator import replay
 
-    steady = {c: sum(allocated(n, target) for n in run.persistent.get(c, ())) for c in CATEGORIES}
+    # DDP's gradient buckets are a category where a DDP holds some (a step without DDP: as before it)
+    categories = tuple(c for c in CATEGORIES if c != BUCKETS or run.persistent.get(c))
+    steady = {c: sum(allocated(n, target) for n in run.persistent.get(c, ())) for c in categories}
     samples = sum(count for _, count in run.phases)
-    rows = sweep(run.lives, samples, CATEGORIES, lambda n: allocated(n, target))
-    categories = CATEGORIES
+    rows = sweep(run.lives, samples, categories, lambda n: allocated(n, target))
     reserved = None
     if target == "cuda":
-        reserved, unsplit = replay([n for c in CATEGORIES for n in run.persistent.get(c, ())], run.lives, samples)
+        reserved, unsplit = replay([n for c in categories for n in run.persistent.get(c, ())], run.lives, samples)
         steady[UNSPLIT] = 0
         rows.append(unsplit)
-        categories = (*CATEGORIES, UNSPLIT)
+        categories = (*categories, UNSPLIT)
     totals = [sum(steady.values()) + sum(row[i] for row in rows) for i in range(samples)]
     phase_of = []
     for phase, count in run.phases:

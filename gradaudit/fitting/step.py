@@ -38,17 +38,19 @@ from ..module_tracker import ModuleTracker
 from ..sites import user_source_line
 from ..tensors import default_loss, iter_tensors, split_inputs, storage_key, strided_parts, unique
 from ..torchapi.autograd import current_node, node_sequence_number
+from ..torchapi.ddp import bucket_view_setting, buckets_seen, no_sync
 from ..torchapi.distributed import local_of
 from ..torchapi.optimizers import fused_optimizers_on_meta
-from ..tracking import Category, Life, Lifetimes, forward_backward
+from ..tracking import Category, Life, Lifetimes, forward_backward, keys_of
 from . import optimizers
 from .workspaces import GemmCount, workspaces
 
 PARAMETERS, BUFFERS, INPUTS, STATE = Category.PARAMETERS, Category.BUFFERS, Category.INPUTS, Category.OPTIMIZER_STATE
 GRADIENTS, ACTIVATIONS, TEMPORARIES = Category.GRADIENTS, Category.ACTIVATIONS, Category.TEMPORARIES
 WORKSPACES = Category.WORKSPACES  # on CUDA: cuBLAS's and cuBLASLt's, cached from the first step on (workspaces.py)
+BUCKETS = Category.GRADIENT_BUCKETS  # DistributedDataParallel's, alive from its construction on (torchapi/ddp.py)
 # the order of a breakdown and of the timeline's rows: what is always there first
-CATEGORIES = (PARAMETERS, BUFFERS, INPUTS, STATE, WORKSPACES, GRADIENTS, ACTIVATIONS, TEMPORARIES)
+CATEGORIES = (PARAMETERS, BUFFERS, INPUTS, STATE, WORKSPACES, BUCKETS, GRADIENTS, ACTIVATIONS, TEMPORARIES)
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 
 
@@ -146,8 +148,9 @@ class Step:
             tracker, where = _attribution(model, sys._getframe()) if self.attribute else (contextlib.nullcontext(), None)
             gemms = GemmCount()  # the matrix products run (on CUDA they hold cuBLAS's workspaces)
             lifetimes = Lifetimes(persistent.seen, persistent.counts, where, observe=gemms.count)
-            with applied(), tracker:
+            with applied(), tracker, buckets_seen() as buckets:
                 micro = _micro_batches(self, args, kwargs, lifetimes, gemms)
+            notes += _buckets_apart(lifetimes, buckets, persistent, model)
             if self.target == "cuda":
                 persistent.sizes[WORKSPACES], note = _workspaces(micro.forward_gemms, gemms.minus(micro.forward_gemms))
                 notes += [note] if note else []
@@ -233,6 +236,9 @@ class _MicroBatches:
     """What the forwards and backwards of the micro-batches left to categorise the lives by."""
 
     held: set[int] = field(default_factory=set)  # lives alive when a forward ends, by identity
+    # lives that were a gradient when a backward ended, by identity (one a later backward replaced too:
+    # DDP's gradient_as_bucket_view swaps an accumulated gradient for its bucket's view)
+    gradients: set[int] = field(default_factory=set)
     losses: set[int] = field(default_factory=set)  # the lives of each micro-batch's loss
     forward_gemms: Optional[GemmCount] = None  # the first forward's matrix products (workspaces.py)
     phases: list[tuple[str, int]] = field(default_factory=list)  # (phase, samples) in order
@@ -242,30 +248,58 @@ class _MicroBatches:
 def _micro_batches(step: Step, args: tuple, kwargs: dict, lifetimes: Lifetimes, gemms: GemmCount) -> _MicroBatches:
     """Each micro-batch's forward, loss and backward, followed by ``lifetimes`` (closed after them)."""
     micro, loss = _MicroBatches(), None
-    for forward_name, backward_name in phase_names(step.accumulation):
-        start = lifetimes.samples
-        loss, micro.output_cache = _forward(step.model, args, kwargs, lifetimes, step.loss_fn, step.target,
-                                            step.autocast, step.accumulation)
-        micro.held |= {id(life) for life in lifetimes.live.values()}  # by identity: a later storage may take a key
-        loss_life = lifetimes.live.get(storage_key(loss))
-        if loss_life is not None:
-            micro.losses.add(id(loss_life))
-        if micro.forward_gemms is None:
-            micro.forward_gemms = dataclasses.replace(gemms)
-        middle = lifetimes.samples
-        with lifetimes:
-            loss.backward()
+    for first, (forward_name, backward_name) in zip((True, False), phase_names(step.accumulation)):
+        # DDP: the micro-batches but the last accumulate under no_sync, as DDP's documentation has it;
+        # the second stands for the last (the one that reduces)
+        with no_sync(step.model) if first and step.accumulation > 1 else contextlib.nullcontext():
+            start = lifetimes.samples
+            loss, micro.output_cache = _forward(step.model, args, kwargs, lifetimes, step.loss_fn, step.target,
+                                                step.autocast, step.accumulation)
+            micro.held |= {id(life) for life in lifetimes.live.values()}  # by identity: a later storage may take a key
+            loss_life = lifetimes.live.get(storage_key(loss))
+            if loss_life is not None:
+                micro.losses.add(id(loss_life))
+            if micro.forward_gemms is None:
+                micro.forward_gemms = dataclasses.replace(gemms)
+            middle = lifetimes.samples
+            with lifetimes:
+                loss.backward()
+        grads = [t.grad for t in [*step.model.parameters(), *iter_tensors((args, kwargs))] if t.grad is not None]
+        micro.gradients |= {id(lifetimes.live[key]) for key in keys_of(grads) if key in lifetimes.live}
         micro.phases += [(forward_name, middle - start), (backward_name, lifetimes.samples - middle)]
     lifetimes.close()
     micro.loss = loss  # the last micro-batch's: alive until the step's run lets go of it, as a training loop's
     return micro
 
 
+def _buckets_apart(lifetimes: Lifetimes, buckets: Sequence[torch.Tensor], persistent: _Persistent,
+                   model: nn.Module) -> list[str]:
+    """DDP's gradient buckets (those its hook was handed) taken out of the step's lives into their own
+    persistent category: they are alive before the step and after it (the tracker first sees them when
+    the backward copies a gradient in; on the iteration that rebuilds them, when the forward allocates
+    them). The note that says so, where there are any."""
+    sizes = {}
+    for bucket in buckets:
+        if persistent.counts(bucket.device):
+            sizes[storage_key(bucket)] = bucket.untyped_storage().nbytes()
+    if not sizes:
+        return []
+    # (alive when the tracking ended: a storage that died earlier had the address before the bucket)
+    lifetimes.lives[:] = [life for life in lifetimes.lives if life.died is not None or life.key not in sizes]
+    persistent.seen |= set(sizes)
+    persistent.sizes[BUCKETS] = list(sizes.values())
+    views = bucket_view_setting(model)
+    held = ("the gradients are views of them (gradient_as_bucket_view=True)" if views else
+            "as large as the gradients again: gradient_as_bucket_view=True would make the gradients views of them")
+    return [f"DistributedDataParallel: {sum(sizes.values())} bytes of gradient buckets, alive throughout, {held}; "
+            f"in the fake process group they are reduced by no communication"]
+
+
 def _categorise(lives: Sequence[Life], gradient_keys: set[int], micro: _MicroBatches) -> None:
-    """Each life's category: a gradient alive at the end, an activation held from a forward into its
-    backward (the loss aside), else a temporary."""
+    """Each life's category: a gradient alive at the end (or one when a backward ended), an activation
+    held from a forward into its backward (the loss aside), else a temporary."""
     for life in lives:
-        if life.died is None and life.key in gradient_keys:
+        if (life.died is None and life.key in gradient_keys) or id(life) in micro.gradients:
             life.category = GRADIENTS
         elif id(life) in micro.held and id(life) not in micro.losses:
             life.category = ACTIVATIONS

@@ -15,7 +15,7 @@ from torch import nn
 
 from .. import torchapi
 from ..auditing import audit
-from ..conditions import as_audited, meta_inputs, refuse_data_parallel_in_fake_world, runs_on_meta
+from ..conditions import as_audited, meta_inputs, prepare_data_parallel, runs_on_meta
 from ..errors import GradauditError
 from ..records import Bound, Cost
 from ..sizes import as_bytes
@@ -206,7 +206,7 @@ def _checked_arguments(model: Any, inputs: Any, budget: Any, bound: Any, measure
 
     if not isinstance(model, nn.Module):
         raise GradauditError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
-    refuse_data_parallel_in_fake_world(model, "plan")
+    prepare_data_parallel(model)
     cost = timing.check_cost(cost, runs_on_meta(first_meta_parameter(model.parameters()), list(iter_tensors(inputs))))
     budget_bytes = as_bytes(budget)
     if bound not in tuple(Bound):

@@ -16,7 +16,7 @@ from .units import human_bytes, path_ranges
 
 # one colour per category, in the order they are stacked (what is there all along at the bottom)
 COLOURS = {"parameters": "#8a96a3", "buffers": "#b4bcc6", "inputs": "#c9a66b", "optimizer_state": "#7d5ba6",
-           "workspaces": "#6b6b6b", "gradients": "#c0392b", "activations": "#2a5db0", "temporaries": "#56a6c9",
+           "workspaces": "#6b6b6b", "gradient_buckets": "#e08e7b", "gradients": "#c0392b", "activations": "#2a5db0", "temporaries": "#56a6c9",
            "unsplit_blocks": "#9a9a9a"}
 
 
@@ -61,7 +61,8 @@ def render(fit: Any, *, title: Optional[str] = None) -> str:
     from ..fitting import CATEGORIES
 
     # on CUDA the allocator's unsplit blocks are a category of their own, last
-    categories = (*CATEGORIES, *(c for c in fit.breakdown if c not in CATEGORIES))
+    # (DDP's gradient buckets only where a DDP holds some)
+    categories = (*(c for c in CATEGORIES if c in fit.breakdown), *(c for c in fit.breakdown if c not in CATEGORIES))
     remedy = fit.remedy
     highest = max([fit.memory, fit.peak_bytes] + ([remedy.peak_bytes] if remedy is not None else []))
     charts = [{"name": "the step as it is", "peak": fit.peak_bytes,

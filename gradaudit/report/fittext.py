@@ -9,7 +9,8 @@ from typing import Any
 from .units import human_bytes, path_ranges
 
 _LABELS = {"parameters": "parameters", "buffers": "buffers", "inputs": "inputs (the batch)",
-           "optimizer_state": "optimizer state", "workspaces": "cuBLAS workspaces", "gradients": "gradients",
+           "optimizer_state": "optimizer state", "workspaces": "cuBLAS workspaces",
+           "gradient_buckets": "DDP's gradient buckets", "gradients": "gradients",
            "activations": "activations held for backward", "temporaries": "temporaries",
            "unsplit_blocks": "allocator blocks left unsplit"}
 
