@@ -129,8 +129,9 @@ def call(factory: Callable[[], Any], what: str, device: Optional[str] = None) ->
         raise LoadError(f"{what} raised {type(error).__name__}: {first_line(error)}") from error
 
 
-def build_model(text: str, device: Optional[str] = None) -> tuple[Any, Any]:
-    """Load and call the model factory: returns ``(module, inputs or None)``.
+def build_model(text: str, device: Optional[str] = None, schedules: bool = False) -> tuple[Any, Any]:
+    """Load and call the model factory: returns ``(module, inputs or None)``; with ``schedules``, the
+    module may be a ``torch.distributed.pipelining`` schedule (one rank's stage, for ``fit``).
 
     Every module constructed meanwhile (by the factory, or at import time for a SPEC naming a
     module object) has its construction line noted: the source of ops that run only torch code
@@ -139,14 +140,20 @@ def build_model(text: str, device: Optional[str] = None) -> tuple[Any, Any]:
     from torch import nn
 
     from .recorder import noting_construction
+    from .torchapi.pipelining import is_schedule
 
     with noting_construction():
         factory = load_object(text)
         result = factory if isinstance(factory, nn.Module) else call(factory, f"the factory {text}", device)
     inputs = None
-    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
+    if isinstance(result, tuple) and len(result) == 2 and (isinstance(result[0], nn.Module)
+                                                           or is_schedule(result[0])):
         result, inputs = result
-    if not isinstance(result, nn.Module):
+    if is_schedule(result) and not schedules:
+        raise LoadError(f"the factory {text} returned a pipeline schedule ({type(result).__name__}): only "
+                        f"`gradaudit fit` runs a schedule's step; scan and plan take a module (the stage's: "
+                        f"stage.submod)")
+    if not isinstance(result, nn.Module) and not is_schedule(result):
         raise LoadError(f"the factory {text} returned {type(result).__name__}, not a torch.nn.Module; "
                         f"return the model, or (model, inputs)")
     return result, inputs

@@ -413,3 +413,49 @@ def measured_step_peak(model: torch.nn.Module, inputs: Any, make_optimizer: Call
             t.copy_(original)
             t.grad = None
     return sum(always.values()) + tracker.peak
+
+
+def measured_schedule_step_peak(schedule: Any, inputs: Any,
+                                make_optimizer: Callable[[Any], torch.optim.Optimizer]) -> int:
+    """The peak bytes alive on this rank through one steady-state training step of a
+    ``torch.distributed.pipelining`` schedule: ``schedule.step(*args, **kwargs)`` on ``inputs`` (what this
+    rank's step takes), its output dropped, then the optimizer's step over the stage modules' parameters
+    and ``zero_grad(set_to_none=True)``. Two warm-up steps (the first allocates the stage's receive
+    buffers; the optimizer's state exists after it), then the step under a PeakTracker, plus what is
+    alive throughout: parameters, buffers, the inputs, the optimizer's state and the stage's receive
+    buffers (read from the stage: one per micro-batch for the activations it is sent and for the
+    gradients sent back). It shares nothing with gradaudit.fit's following of the step. The modules train
+    for real; their weights are put back afterwards."""
+    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
+    modules = [stage.submod for stage in stages]
+    weights = [copy.deepcopy(m.state_dict()) for m in modules]
+    args, kwargs = split_inputs(inputs)
+    optimizer = make_optimizer([p for m in modules for p in m.parameters() if p.requires_grad])
+
+    def step() -> None:
+        output = schedule.step(*args, **kwargs)
+        del output
+
+    for _ in range(2):
+        step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    state = [t for values in optimizer.state.values() for t in iter_tensors(values)]
+    buffers = [info.buffer for stage in stages
+               for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
+               for info in (infos if isinstance(infos, (tuple, list)) else (infos,))
+               if isinstance(getattr(info, "buffer", None), torch.Tensor)]
+    always = {}
+    for t in [*(p for m in modules for p in m.parameters()), *(b for m in modules for b in m.buffers()),
+              *iter_tensors((args, kwargs)), *state, *buffers]:
+        for part in local_parts(t):
+            always[storage_id(part.untyped_storage())] = part.untyped_storage().nbytes()
+    del buffers
+    tracker = PeakTracker(set(always))
+    with tracker:
+        step()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for module, saved in zip(modules, weights):
+        module.load_state_dict(saved)
+    return sum(always.values()) + tracker.peak

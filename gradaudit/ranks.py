@@ -80,7 +80,7 @@ def fake_world(world_size: int, rank: int = 0, *, device: Optional[str] = None) 
                              "distributed run")
     world = World(world_size, rank, device == "meta")
     hook = sys.excepthook  # init_process_group wraps it to prefix "[rankN]: ", and never unwraps it
-    fake_process_group(world_size, rank)
+    fake_process_group(world_size, rank, meta=world.meta)
     try:
         with fsdp_on_meta() if world.meta else contextlib.nullcontext():
             yield world

@@ -40,6 +40,7 @@ class Category(Name):
     OPTIMIZER_STATE = "optimizer_state"
     WORKSPACES = "workspaces"  # on CUDA: cuBLAS's and cuBLASLt's, cached from the first step on
     GRADIENT_BUCKETS = "gradient_buckets"  # DistributedDataParallel's flat buckets (torchapi/ddp.py)
+    PIPELINE_BUFFERS = "pipeline_buffers"  # a pipeline stage's receive buffers (torchapi/pipelining.py)
     GRADIENTS = "gradients"
     ACTIVATIONS = "activations"  # made in a forward, alive into its backward
     TEMPORARIES = "temporaries"  # the rest: made and freed within a phase, the loss

@@ -208,3 +208,108 @@ def _mlp_ddp(**options):
 def llama_ddp(rank: int, world_size: int):
     """The Llama above under DDP with 0.1 MiB buckets (several of them)."""
     return _data_parallel(_llama(), bucket_cap_mb=0.1), _llama_inputs()
+
+
+# -- pipeline parallelism: one stage per rank -----------------------------------------------------
+#
+# The Llama's stages are examples/pipeline_llama.py's (its layers, the embedding on the first stage, the
+# norm and head on the last; causal attention, no padding: a stage passes one tensor on).
+#
+# ``pp_{model}_{schedule}_m{M}`` (e.g. pp_mlp_1f1b_m4): a model split into as many stages as the world
+# has ranks, this rank's stage under ``torch.distributed.pipelining``'s schedule ("gpipe", "1f1b"; for the
+# MLP also "interleaved": two stages per rank under Interleaved1F1B) with M micro-batches; it returns (schedule, what this rank's ``schedule.step`` takes): the batch on the first
+# stage, ``{"target": ...}`` on the last, nothing between. Each PipelineStage is given its shapes
+# (input_args, output_args: a fake process group cannot infer them at run time), the activations
+# passed between stages requiring grad (else the next stage sends no gradient back, and a real run
+# waits for it forever).
+
+PP_BATCH = 32
+
+
+class MLPStage(nn.Module):
+    """Linear(64, 256), ReLU, Linear(256, 64): one stage of the pipelined MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def _interleaved_mlp(micro_batches: int, rank: int, world_size: int):
+    """Two MLP stages per rank (stages rank and rank + world_size of 2 * world_size) under
+    Interleaved1F1B."""
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    data = torch.Generator().manual_seed(1)
+    batch, target = torch.randn(PP_BATCH, SEQ, D, generator=data), torch.randn(PP_BATCH, SEQ, D, generator=data)
+    size, count = PP_BATCH // micro_batches, 2 * world_size
+    stages = []
+    for index in (rank, rank + world_size):
+        torch.manual_seed(index)
+        example_in = torch.randn(size, SEQ, D, requires_grad=index > 0)
+        stages.append(PipelineStage(MLPStage(), index, count, torch.device("cpu"), input_args=(example_in,),
+                                    output_args=(torch.randn(size, SEQ, D, requires_grad=True),)))
+    built = ScheduleInterleaved1F1B(stages, n_microbatches=micro_batches,
+                                    loss_fn=lambda output, target: F.mse_loss(output, target))
+    return built, (batch,) if rank == 0 else ({"target": target} if rank == world_size - 1 else ())
+
+
+def _pipeline(model: str, schedule: str, micro_batches: int, rank: int, world_size: int):
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    if schedule == "interleaved":
+        return _interleaved_mlp(micro_batches, rank, world_size)
+
+    first, last = rank == 0, rank == world_size - 1
+    data = torch.Generator().manual_seed(1)
+    size = PP_BATCH // micro_batches
+    if model == "mlp":
+        torch.manual_seed(rank)
+        stage_module = MLPStage()
+        batch = torch.randn(PP_BATCH, SEQ, D, generator=data)
+        target = torch.randn(PP_BATCH, SEQ, D, generator=data)
+        example_in = torch.randn(size, SEQ, D, requires_grad=not first)
+        example_out = torch.randn(size, SEQ, D, requires_grad=True)
+
+        def loss_fn(output, target):
+            return F.mse_loss(output, target)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, use_cache=False,
+                             attn_implementation="sdpa")
+        from examples.pipeline_llama import LlamaStage
+
+        torch.manual_seed(0)
+        full = LlamaForCausalLM(config)
+        per = 4 // world_size
+        full.model.layers = full.model.layers[rank * per:(rank + 1) * per]  # this stage's layers
+        stage_module = LlamaStage(full, first, last)
+        del full
+        batch = torch.randint(0, VOCAB, (PP_BATCH, SEQ), generator=data)
+        target = torch.randint(0, VOCAB, (PP_BATCH, SEQ), generator=data)
+        example_in = batch[:size] if first else torch.randn(size, SEQ, 64, requires_grad=True)
+        example_out = torch.randn(size, SEQ, VOCAB if last else 64, requires_grad=True)
+
+        def loss_fn(output, target):
+            return F.cross_entropy(output.flatten(0, 1), target.flatten())
+    stage = PipelineStage(stage_module, rank, world_size, torch.device("cpu"), input_args=(example_in,),
+                          output_args=(example_out,))
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    built = kind(stage, n_microbatches=micro_batches, loss_fn=loss_fn)
+    inputs = (batch,) if first else ({"target": target} if last else ())
+    return built, inputs
+
+
+def __getattr__(name: str):
+    """``pp_{model}_{schedule}_m{M}`` builders (see above)."""
+    parts = name.split("_")
+    if len(parts) == 4 and parts[0] == "pp" and parts[1] in ("mlp", "llama") and parts[3].startswith("m"):
+        model, schedule, micro_batches = parts[1], parts[2], int(parts[3][1:])
+        return lambda rank, world_size: _pipeline(model, schedule, micro_batches, rank, world_size)
+    raise AttributeError(name)

@@ -25,7 +25,9 @@ Every rank writes a JSON of its figures (bytes): ``held`` (held_bytes_after_forw
 parameter storages, counted once each, before the forward), ``step_peak`` (measured_step_peak: one
 steady-state training step with AdamW, on a third fresh model); with DistributedDataParallel,
 ``step_peak_accumulated`` (a step of two micro-batches, the first under ``no_sync``), and every model
-given ``measure.record_buckets`` (the real all-reduce in a gloo world, none in a fake one). The parent returns
+given ``measure.record_buckets`` (the real all-reduce in a gloo world, none in a fake one). A builder
+that returns a pipeline schedule (``(schedule, this rank's step inputs)``) gets ``parameter_bytes`` and
+``step_peak`` only (``measured_schedule_step_peak``: its whole step, every micro-batch, then AdamW's). The parent returns
 ``{rank: figures}``; a rank that fails, or a world that runs past ``timeout`` seconds, raises
 WorldError with every rank's output, after the stragglers are killed.
 
@@ -197,6 +199,12 @@ def _measure_once(builder: Any, rank: int, world_size: int) -> dict[str, int]:
 
     torch.manual_seed(0)
     model, inputs = builder(rank, world_size)
+    if hasattr(model, "_stage") or hasattr(model, "_stages"):  # a pipeline schedule: its whole step
+        modules = [stage.submod for stage in getattr(model, "_stages", None) or [model._stage]]
+        parameter_bytes = sum(measure.current_nbytes(key) for key in measure.storage_keys(
+            p for module in modules for p in module.parameters()))
+        step_peak = measure.measured_schedule_step_peak(model, inputs, lambda params: torch.optim.AdamW(params))
+        return {"parameter_bytes": parameter_bytes, "step_peak": step_peak}
     parameter_bytes = sum(measure.current_nbytes(key) for key in measure.storage_keys(model.parameters()))
     held = measure.held_bytes_after_forward(model, inputs)
     del model, inputs

@@ -357,6 +357,49 @@ def test_float32_grouped_mm_on_meta_has_the_cpu_kernels_layout():
     assert on_cpu.stride() == (80, 8, 1)
 
 
+_LOSSES = {
+    "mse_loss": lambda a, b: nn.functional.mse_loss(a, b),
+    "smooth_l1_loss": lambda a, b: nn.functional.smooth_l1_loss(a, b, reduction="sum"),
+    "binary_cross_entropy": lambda a, b: nn.functional.binary_cross_entropy(a.sigmoid(), b.sigmoid()),
+    "soft_margin_loss": lambda a, b: nn.functional.soft_margin_loss(a, b),
+    "huber_loss": lambda a, b: nn.functional.huber_loss(a, b),  # a 4-byte scalar on the CPU too
+    "mse_loss (none)": lambda a, b: nn.functional.mse_loss(a, b, reduction="none"),
+}
+
+
+@pytest.mark.parametrize("name", list(_LOSSES))
+def test_a_cpu_loss_on_meta_holds_the_buffer_its_cpu_kernel_reduces(name):
+    # the CPU's mse_loss (and three more) returns its mean as a 0-dim view of the elementwise buffer:
+    # a (8, 16, 64) float32 input's loss holds 8*16*64*4 = 32768 bytes as long as the loss lives
+    from gradaudit.meta import DeviceKernelsOnMeta
+
+    a, b = torch.randn(8, 16, 64, requires_grad=True), torch.randn(8, 16, 64)
+    on_cpu = _LOSSES[name](a, b)
+    with DeviceKernelsOnMeta("cpu"):
+        on_meta = _LOSSES[name](a.to("meta"), b.to("meta"))
+    assert on_meta.shape == on_cpu.shape
+    assert on_meta.untyped_storage().nbytes() == on_cpu.untyped_storage().nbytes()
+    expected = 4 if name == "huber_loss" else 32768
+    assert on_cpu.untyped_storage().nbytes() == expected
+    with DeviceKernelsOnMeta("cuda"):  # no GPU answer measured: the meta kernel's, unchanged
+        assert _LOSSES[name](a.to("meta"), b.to("meta")).untyped_storage().nbytes() in (4, 32768)
+
+
+def test_a_step_with_a_mean_squared_error_fits_on_meta_as_on_the_cpu():
+    # the loss is alive through the step's backward and optimizer step: its buffer with it
+    def build(device):
+        torch.manual_seed(0)
+        with torch.device(device):
+            return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+
+    x, y = torch.randn(256, 64), torch.randn(256, 64)
+    targets = {"cpu": y, "meta": y.to("meta")}  # made before the step, as a data loader's batch
+    loss = lambda output: nn.functional.mse_loss(output, targets[output.device.type])  # noqa: E731
+    on_cpu = gradaudit.fit(build("cpu"), x, memory="1GiB", loss=loss)
+    on_meta = gradaudit.fit(build("meta"), x.to("meta"), memory="1GiB", loss=loss)
+    assert on_meta.peak_bytes == on_cpu.peak_bytes and on_meta.breakdown == on_cpu.breakdown
+
+
 @pytest.mark.parametrize("operand", ["input", "weight", "neither"])
 def test_a_convolution_on_meta_returns_the_layout_the_cpu_kernel_returns(operand):
     # oneDNN (and cuDNN) answer a channels-last input or weight with a channels-last output; the meta

@@ -116,7 +116,8 @@ def fit_command(spec: str, memory: str, model: dict[str, Any], optimizer: str, l
       gradaudit fit examples/llama_probe.py:build --memory 80GiB --target cuda --largest batch
     """
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
-    options = CommandOptions(spec=spec, **model, html=None, json=json_path, quiet=quiet, progress=progress)
+    options = CommandOptions(spec=spec, **model, html=None, json=json_path, quiet=quiet, progress=progress,
+                             schedules=True)
     exit_with(lambda: run_ranked(options, lambda ranked, path: run_fit(
         ranked, memory, optimizer, loss_spec, autocast, remedy=not no_remedy, largest=largest,
         html_path=path(html_path), memory_viz_path=path(memory_viz_path), accumulation=accumulation,

@@ -48,6 +48,7 @@ class CommandOptions:
     top: int = 10
     quiet: bool = False
     trim: bool = False
+    schedules: bool = False  # whether the factory may return a pipeline schedule (fit)
     world_size: Optional[int] = None  # --world-size: every rank in a fake process group of this size
     ranks: tuple[int, ...] = ()  # --rank: which ranks (default: every rank)
     progress: Any = field(default_factory=lambda: Progress(enabled=False))
@@ -74,17 +75,23 @@ def prepare(options: CommandOptions) -> tuple[Any, Any]:
         raise CommandFailed("--device cuda: no CUDA device is available; use --device cpu or meta")
     build_device = "meta" if device == "meta" else None
     options.progress(f"building the model ({options.spec})")
-    model, inputs = loading.build_model(options.spec, build_device)
-    if device in ("cpu", "cuda"):
+    model, inputs = loading.build_model(options.spec, build_device, schedules=options.schedules)
+    module = module_of(model)
+    if module is not model:  # a pipeline schedule: its stages were built on their device
+        on = {p.device.type for p in module.parameters()}
+        if device in ("cpu", "cuda") and on and on != {device}:
+            raise CommandFailed(f"--device {device}: the pipeline stage's module is on {', '.join(sorted(on))}; "
+                                f"build the stage on {device} (a schedule cannot be moved)")
+    elif device in ("cpu", "cuda"):
         try:
             model = model.to(device)
         except Exception as error:  # e.g. a factory that builds on meta: there are no values to copy
             raise CommandFailed(f"cannot move the model to {device}: {loading.first_line(error)}\n"
                                 f"a factory that builds on the meta device needs --device meta (or auto)",
                                 error) from error
-    first = next(iter(model.parameters()), None)
+    first = next(iter(module.parameters()), None)
     if first is None:
-        first = next(iter(model.buffers()), None)
+        first = next(iter(module.buffers()), None)
     where = device if device != "auto" else (str(first.device) if first is not None else "cpu")
     if options.inputs:
         options.progress(f"building the inputs ({options.inputs})")
@@ -98,8 +105,15 @@ def prepare(options: CommandOptions) -> tuple[Any, Any]:
                             f"inputs), or pass --inputs SPEC or --input-shape 8,3,224,224")
     inputs = loading.to_device(inputs, where)
     if options.mode is not None:
-        model.train(options.mode)
+        module.train(options.mode)
     return model, inputs
+
+
+def module_of(model: Any) -> Any:
+    """The module a command works on: the model, or a pipeline schedule's stage module(s)."""
+    from ..torchapi.pipelining import is_schedule, stage_module
+
+    return stage_module(model) if is_schedule(model) else model
 
 
 def prepare_for_target(options: CommandOptions) -> tuple[Any, Any, str]:
@@ -112,11 +126,11 @@ def prepare_for_target(options: CommandOptions) -> tuple[Any, Any, str]:
     if options.target != "cpu" and options.device in ("cpu", "cuda"):
         raise CommandFailed(_target_needs_meta(options.target, options.device))
     model, inputs = prepare(options)
-    where = _device_type(model, inputs)
+    where = _device_type(module_of(model), inputs)
     if options.target != "cpu" and where != "meta":  # --device auto, and the model is not on meta
         raise CommandFailed(_target_needs_meta(options.target, where))
-    check_patterns(model, options.trainable, "--trainable")
-    check_patterns(model, options.freeze, "--freeze")
+    check_patterns(module_of(model), options.trainable, "--trainable")
+    check_patterns(module_of(model), options.freeze, "--freeze")
     return model, inputs, where
 
 

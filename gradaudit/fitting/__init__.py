@@ -11,24 +11,24 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..conditions import meta_inputs, prepare_data_parallel, resolve_target, runs_on_meta
 from ..errors import GradauditError
 from ..report.units import human_bytes
 from ..sizes import as_bytes
-from ..tensors import first_meta_parameter, iter_tensors
 from ..torchapi.ddp import bucket_view_setting
+from ..torchapi.pipelining import is_schedule
 from . import optimizers
 from .largest import search
 from .levers import other_levers
 from .remedy import Alternative, search_levers
+from .pipeline import stage_step
 from .result import Figures, Fit, Live, allocated, figures
-from .step import BUCKETS, CATEGORIES, GRADIENTS, STATE, Step
+from .step import BUCKETS, CATEGORIES, GRADIENTS, STATE, Step, prepared_step
 
 __all__ = ["fit", "Fit", "CATEGORIES"]
 
 
 def fit(
-    model: nn.Module,
+    model: Any,
     inputs: Any,
     *,
     memory: Union[int, str],
@@ -46,6 +46,9 @@ def fit(
 ) -> Fit:
     """The peak memory of one steady-state training step of ``model`` on ``inputs``, by category,
     and whether it fits in ``memory``.
+
+    model: a module, or a ``torch.distributed.pipelining`` schedule of this rank's stage, whose step on
+        ``inputs`` (what it takes on this rank) is the step (README: "Pipeline stages").
 
     memory: the bytes the step may use (an int, or a size such as "80GiB").
     optimizer: a torch.optim class (built over the parameters that train, with its defaults), an
@@ -79,28 +82,26 @@ def fit(
     as it is (left exactly as found, like an audit); the optimizer steps on meta stand-ins, so the
     model's weights never change.
     """
-    if not isinstance(model, nn.Module):
-        raise GradauditError(f"fit() needs a torch.nn.Module, got {type(model).__name__}")
+    schedule = model if is_schedule(model) else None
     memory_bytes = as_bytes(memory, "memory")
     headroom_of = _Headroom(None if headroom is None else as_bytes(headroom, "headroom"))
-    _check_options(autocast, accumulation)
-    builder, name = optimizers.resolve(optimizer)
-    step = _step(model, inputs, target, trainable, frozen, loss_fn=loss, builder=builder, optimizer_name=name,
-                 autocast=autocast, accumulation=accumulation)
+    step = _step_of(model, inputs, target, trainable, frozen, optimizer, dict(loss_fn=loss, autocast=autocast,
+                                                                           accumulation=accumulation))
     inputs, target = step.inputs, step.target
     say = progress or (lambda text: None)
     say("running a training step (forward, backward, optimizer step)")
-    run = step.run()
-    measured = figures(run, target)
+    measured = figures(run := step.run(), target)
     result = _as_fit(step, run, measured, memory_bytes, headroom_of)
-    result.live.size_search = (lambda scaled: _peak_and_headroom(step.on(scaled), headroom_of), inputs)
+    if schedule is None:
+        result.live.size_search = (lambda scaled: _peak_and_headroom(step.on(scaled), headroom_of), inputs)
     if result.fits:
         return result
-    copied = bool(run.persistent.get(BUCKETS)) and not bucket_view_setting(model)  # DDP copies gradients in
-    result.levers = other_levers([allocated(n, target) for n in run.persistent.get(STATE, ())],
-                                 measured.peak_bytes, measured.attribution,
-                                 measured.breakdown.get(GRADIENTS, 0) if copied else 0)
-    if remedy and measured.floor_bytes + headroom_of(measured) > memory_bytes:
+    result.levers = _levers(step, run, measured)
+    if remedy and schedule is not None:
+        result.notes.append("no remedy is searched for a pipeline stage: checkpointing within the stage's module, "
+                            "fewer or more micro-batches, or another split or schedule are the levers; fit each "
+                            "(gradaudit.per_rank) to compare")
+    elif remedy and measured.floor_bytes + headroom_of(measured) > memory_bytes:
         result.remedy_searched = True
         result.notes.append(_beyond_remedy(measured.floor_bytes))
     elif remedy:
@@ -108,17 +109,25 @@ def fit(
     return result
 
 
-def _step(model: nn.Module, inputs: Any, target: Optional[str], trainable: Any, frozen: Any, **options: Any) -> Step:
-    """The step fit runs: its inputs as the run takes them (beside a meta model, real tensors become meta
-    tensors whose values are kept), on meta or not, the target resolved, the patterns as lists."""
-    prepare_data_parallel(model)
-    inputs = meta_inputs(model, inputs)
-    tensors = list(iter_tensors(inputs))
-    on_meta = runs_on_meta(first_meta_parameter(model.parameters()), tensors)
-    first = next(iter(model.parameters()), None)
-    target = resolve_target(target, on_meta, ([first] if first is not None else []) + tensors)
-    return Step(model, inputs, target, on_meta, trainable=[trainable] if isinstance(trainable, str) else trainable,
-                frozen=[frozen] if isinstance(frozen, str) else frozen, **options)
+def _step_of(model: Any, inputs: Any, target: Optional[str], trainable: Any, frozen: Any, optimizer: Any,
+             options: dict[str, Any]) -> Step:
+    """The step fit runs: of the module, or of this rank's stage of a pipeline schedule; options checked."""
+    schedule = model if is_schedule(model) else None
+    if schedule is None and not isinstance(model, nn.Module):
+        raise GradauditError(f"fit() needs a torch.nn.Module or a torch.distributed.pipelining schedule, got "
+                             f"{type(model).__name__}")
+    _check_options(options["autocast"], options["accumulation"])
+    builder, name = optimizers.resolve(optimizer)
+    if schedule is not None:
+        return stage_step(schedule, inputs, target, trainable, frozen, builder=builder, optimizer_name=name, **options)
+    return prepared_step(model, inputs, target, trainable, frozen, builder=builder, optimizer_name=name, **options)
+
+
+def _levers(step: Step, run: Any, measured: Figures) -> list[Any]:
+    """The levers named (not applied) for a step that does not fit (``levers.py``)."""
+    copied = bool(run.persistent.get(BUCKETS)) and not bucket_view_setting(step.model)  # DDP copies gradients in
+    return other_levers([allocated(n, step.target) for n in run.persistent.get(STATE, ())], measured.peak_bytes,
+                        measured.attribution, measured.breakdown.get(GRADIENTS, 0) if copied else 0)
 
 
 def _beyond_remedy(floor_bytes: int) -> str:
@@ -133,7 +142,7 @@ def _as_fit(step: Step, run: Any, measured: Figures, memory_bytes: int, headroom
     if run.output_cache:
         notes.append("the forward returned a key/value cache (Hugging Face: the config's use_cache=True): training "
                      "never reads it; model.config.use_cache = False may hold less")
-    return Fit(model=type(step.model).__name__, device="meta" if step.on_meta else step.target, target=step.target,
+    return Fit(model=step.label or type(step.model).__name__, device="meta" if step.on_meta else step.target, target=step.target,
                optimizer=step.optimizer_name, memory=memory_bytes, peak_bytes=measured.peak_bytes,
                breakdown=measured.breakdown, peak_phase=measured.peak_phase, timeline=measured.timeline,
                trained_parameters=run.trained, reserved_bytes=measured.reserved_bytes, notes=notes,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from ..tracking import Category, sweep
 from .allocator import rounded
 from .levers import LOSS_OPS
-from .step import ACTIVATIONS, BUCKETS, CATEGORIES, GRADIENTS, INPUTS, TEMPORARIES, StepRun
+from .step import ACTIVATIONS, BUCKETS, CATEGORIES, GRADIENTS, INPUTS, STAGE_BUFFERS, TEMPORARIES, StepRun
 
 if TYPE_CHECKING:
     from .remedy import Remedy
@@ -111,8 +111,8 @@ def figures(run: StepRun, target: str) -> Figures:
     blocks it leaves unsplit included, as ``torch.cuda.memory_allocated`` counts them)."""
     from .allocator import replay
 
-    # DDP's gradient buckets are a category where a DDP holds some (a step without DDP: as before it)
-    categories = tuple(c for c in CATEGORIES if c != BUCKETS or run.persistent.get(c))
+    # DDP's gradient buckets and a pipeline stage's buffers are categories where there are some
+    categories = tuple(c for c in CATEGORIES if c not in (BUCKETS, STAGE_BUFFERS) or run.persistent.get(c))
     steady = {c: sum(allocated(n, target) for n in run.persistent.get(c, ())) for c in categories}
     samples = sum(count for _, count in run.phases)
     rows = sweep(run.lives, samples, categories, lambda n: allocated(n, target))

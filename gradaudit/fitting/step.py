@@ -32,14 +32,15 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..conditions import as_audited
+from ..conditions import as_audited, meta_inputs, prepare_data_parallel, resolve_target, runs_on_meta
 from ..errors import ForwardError, GradauditError, NothingRequiresGradError
 from ..module_tracker import ModuleTracker
 from ..sites import user_source_line
-from ..tensors import default_loss, iter_tensors, split_inputs, storage_key, strided_parts, unique
+from ..tensors import default_loss, first_meta_parameter, iter_tensors, split_inputs, storage_key, strided_parts, unique
 from ..torchapi.autograd import current_node, node_sequence_number
 from ..torchapi.ddp import bucket_view_setting, buckets_seen, no_sync
-from ..torchapi.distributed import local_of
+from ..torchapi.distributed import in_fake_world, local_of
+from ..torchapi.pipelining import following_chunks, sends_held_by_their_work, stage_buffers, stages_of
 from ..torchapi.optimizers import fused_optimizers_on_meta
 from ..tracking import Category, Life, Lifetimes, forward_backward, keys_of
 from . import optimizers
@@ -49,8 +50,10 @@ PARAMETERS, BUFFERS, INPUTS, STATE = Category.PARAMETERS, Category.BUFFERS, Cate
 GRADIENTS, ACTIVATIONS, TEMPORARIES = Category.GRADIENTS, Category.ACTIVATIONS, Category.TEMPORARIES
 WORKSPACES = Category.WORKSPACES  # on CUDA: cuBLAS's and cuBLASLt's, cached from the first step on (workspaces.py)
 BUCKETS = Category.GRADIENT_BUCKETS  # DistributedDataParallel's, alive from its construction on (torchapi/ddp.py)
+STAGE_BUFFERS = Category.PIPELINE_BUFFERS  # a pipeline stage's, alive from its first step on (torchapi/pipelining.py)
 # the order of a breakdown and of the timeline's rows: what is always there first
-CATEGORIES = (PARAMETERS, BUFFERS, INPUTS, STATE, WORKSPACES, BUCKETS, GRADIENTS, ACTIVATIONS, TEMPORARIES)
+CATEGORIES = (PARAMETERS, BUFFERS, INPUTS, STATE, WORKSPACES, BUCKETS, STAGE_BUFFERS, GRADIENTS, ACTIVATIONS,
+              TEMPORARIES)
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 
 
@@ -105,6 +108,11 @@ class Step:
     # of its own step; the remedy's and largest's probes compare peaks only and skip it (a frame walk
     # per storage)
     attribute: bool = True
+    # a torch.distributed.pipelining schedule whose step runs this rank's micro-batches (``model``: its
+    # stages' modules); None: the model's own forward and backward
+    schedule: Any = None
+    label: str = ""  # what the fit calls the model (default: its class's name)
+    notes: list = field(default_factory=list)  # what the step's set-up found, for the fit's notes
     optimizer_steps: dict = field(default_factory=dict, repr=False)  # gradients' layouts -> the step followed
 
     def on(self, inputs: Any, accumulation: Optional[int] = None) -> "Step":
@@ -132,7 +140,7 @@ class Step:
         args, kwargs = split_inputs(self.inputs)
         device = "meta" if self.on_meta else _device_of(model, self.inputs)
         persistent = _Persistent(device)
-        notes: list[str] = []
+        notes: list[str] = list(self.notes)
         with as_audited(model, self.inputs, self.trainable, self.frozen, self.target):
             persistent.keep(PARAMETERS, list(model.parameters()))
             persistent.keep(BUFFERS, list(model.buffers()))
@@ -149,8 +157,13 @@ class Step:
             gemms = GemmCount()  # the matrix products run (on CUDA they hold cuBLAS's workspaces)
             lifetimes = Lifetimes(persistent.seen, persistent.counts, where, observe=gemms.count)
             with applied(), tracker, buckets_seen() as buckets:
-                micro = _micro_batches(self, args, kwargs, lifetimes, gemms)
+                if self.schedule is not None:
+                    micro = _scheduled(self, args, kwargs, lifetimes, gemms)
+                else:
+                    micro = _micro_batches(self, args, kwargs, lifetimes, gemms)
             notes += _buckets_apart(lifetimes, buckets, persistent, model)
+            if self.schedule is not None:
+                notes += _stage_buffers_apart(lifetimes, self.schedule, persistent)
             if self.target == "cuda":
                 persistent.sizes[WORKSPACES], note = _workspaces(micro.forward_gemms, gemms.minus(micro.forward_gemms))
                 notes += [note] if note else []
@@ -159,7 +172,11 @@ class Step:
             # every gradient is the step's (an input's too); the optimizer takes those of what it steps
             layouts = [(p, gradients[id(p)]) for p in trains if id(p) in gradients]
             carried = [life for life in lifetimes.lives if life.died is None]
-            state_notes, remembered, persistent.sizes[STATE], samples = self._optimizer_step(trains, layouts)
+            if trains or self.schedule is None:
+                state_notes, remembered, persistent.sizes[STATE], samples = self._optimizer_step(trains, layouts)
+            else:  # a pipeline stage none of whose parameters trains (a probe's stages before the probed layer)
+                state_notes, remembered, persistent.sizes[STATE], samples = [
+                    "no parameter of this stage trains: its optimizer has nothing to step"], [], [], 0
             notes += state_notes
             phases, output_cache = micro.phases, micro.output_cache
             del micro, gradients, layouts
@@ -188,6 +205,21 @@ class Step:
             self.optimizer_steps[key] = _optimizer_step(self.model, trains, layouts, self.builder,
                                                         self.optimizer_name, self.target)
         return self.optimizer_steps[key]
+
+
+def prepared_step(model: nn.Module, inputs: Any, target: Optional[str], trainable: Any, frozen: Any,
+                  **options: Any) -> Step:
+    """The step fit runs: its inputs as the run takes them (beside a meta model, real tensors become meta
+    tensors whose values are kept), on meta or not, the target resolved, the patterns as lists; in a fake
+    process group, each DistributedDataParallel given a hook that reduces nothing (``conditions``)."""
+    prepare_data_parallel(model)
+    inputs = meta_inputs(model, inputs)
+    tensors = list(iter_tensors(inputs))
+    on_meta = runs_on_meta(first_meta_parameter(model.parameters()), tensors)
+    first = next(iter(model.parameters()), None)
+    target = resolve_target(target, on_meta, ([first] if first is not None else []) + tensors)
+    return Step(model, inputs, target, on_meta, trainable=[trainable] if isinstance(trainable, str) else trainable,
+                frozen=[frozen] if isinstance(frozen, str) else frozen, **options)
 
 
 class _Persistent:
@@ -243,6 +275,9 @@ class _MicroBatches:
     forward_gemms: Optional[GemmCount] = None  # the first forward's matrix products (workspaces.py)
     phases: list[tuple[str, int]] = field(default_factory=list)  # (phase, samples) in order
     output_cache: bool = False  # the forward returned a key/value cache (Hugging Face use_cache=True)
+    # a pipeline schedule's step: what a forward made and the step still holds at its end (the last
+    # stage's output chunks, its losses) is kept until the next step, not held for a backward
+    kept_over: bool = False
 
 
 def _micro_batches(step: Step, args: tuple, kwargs: dict, lifetimes: Lifetimes, gemms: GemmCount) -> _MicroBatches:
@@ -272,27 +307,85 @@ def _micro_batches(step: Step, args: tuple, kwargs: dict, lifetimes: Lifetimes, 
     return micro
 
 
-def _buckets_apart(lifetimes: Lifetimes, buckets: Sequence[torch.Tensor], persistent: _Persistent,
-                   model: nn.Module) -> list[str]:
-    """DDP's gradient buckets (those its hook was handed) taken out of the step's lives into their own
-    persistent category: they are alive before the step and after it (the tracker first sees them when
-    the backward copies a gradient in; on the iteration that rebuilds them, when the forward allocates
-    them). The note that says so, where there are any."""
+def _alive_throughout(lifetimes: Lifetimes, tensors: Sequence[torch.Tensor], persistent: _Persistent,
+                      category: Category) -> int:
+    """The storages of ``tensors`` taken out of the step's lives into ``category``, alive throughout
+    (storages made once and kept, which the first step allocates and the tracker may first see in the
+    middle of a later one); their bytes."""
     sizes = {}
-    for bucket in buckets:
-        if persistent.counts(bucket.device):
-            sizes[storage_key(bucket)] = bucket.untyped_storage().nbytes()
-    if not sizes:
-        return []
-    # (alive when the tracking ended: a storage that died earlier had the address before the bucket)
+    for t in tensors:
+        if persistent.counts(t.device):
+            sizes[storage_key(t)] = t.untyped_storage().nbytes()
+    # (alive when the tracking ended: a storage that died earlier had the address before)
     lifetimes.lives[:] = [life for life in lifetimes.lives if life.died is not None or life.key not in sizes]
     persistent.seen |= set(sizes)
-    persistent.sizes[BUCKETS] = list(sizes.values())
+    persistent.sizes[category] = list(sizes.values())
+    return sum(sizes.values())
+
+
+def _buckets_apart(lifetimes: Lifetimes, buckets: Sequence[torch.Tensor], persistent: _Persistent,
+                   model: nn.Module) -> list[str]:
+    """DDP's gradient buckets (those its hook was handed), alive throughout: before the step and after it
+    (the tracker first sees them when the backward copies a gradient in; on the iteration that rebuilds
+    them, when the forward allocates them). The note that says so, where there are any."""
+    if not buckets or not _alive_throughout(lifetimes, buckets, persistent, BUCKETS):
+        return []
+    sizes = persistent.sizes[BUCKETS]
     views = bucket_view_setting(model)
     held = ("the gradients are views of them (gradient_as_bucket_view=True)" if views else
             "as large as the gradients again: gradient_as_bucket_view=True would make the gradients views of them")
-    return [f"DistributedDataParallel: {sum(sizes.values())} bytes of gradient buckets, alive throughout, {held}; "
+    return [f"DistributedDataParallel: {sum(sizes)} bytes of gradient buckets, alive throughout, {held}; "
             f"in the fake process group they are reduced by no communication"]
+
+
+def _stage_buffers_apart(lifetimes: Lifetimes, schedule: Any, persistent: _Persistent) -> list[str]:
+    """A pipeline stage's receive buffers, alive throughout from its first step on; the note saying so."""
+    buffers = [b for stage in stages_of(schedule) for b in stage_buffers(stage)]
+    nbytes = _alive_throughout(lifetimes, buffers, persistent, STAGE_BUFFERS)
+    if not nbytes:
+        return []
+    return [f"the pipeline stage keeps {len(buffers)} receive buffers ({nbytes} bytes) from its first step on: for "
+            f"each micro-batch, the activations it is sent (every stage but the first) and the gradients sent back "
+            f"to it (every stage but the last)"]
+
+
+def _scheduled(step: Step, args: tuple, kwargs: dict, lifetimes: Lifetimes, gemms: GemmCount) -> _MicroBatches:
+    """This rank's step of a pipeline schedule (``schedule.step(*args, **kwargs)``: each micro-batch's
+    forward and backward in the schedule's order), followed by ``lifetimes`` (closed after it), one
+    phase per micro-batch's forward or backward."""
+    micro = _MicroBatches(kept_over=True)
+    stages = stages_of(step.schedule)
+    starts: list[tuple[str, int]] = []
+
+    def begin(kind: str, stage: int, chunk: int) -> None:
+        where = f"stage {stage}, " if len(stages) > 1 else ""
+        starts.append((f"{kind} ({where}micro-batch {chunk + 1})", lifetimes.samples))
+
+    def end(kind: str, stage: int, chunk: int) -> None:
+        if kind == "forward":
+            micro.held |= {id(life) for life in lifetimes.live.values()}
+            if micro.forward_gemms is None:
+                micro.forward_gemms = dataclasses.replace(gemms)
+        else:
+            grads = [p.grad for p in step.model.parameters() if p.grad is not None]
+            micro.gradients |= {id(lifetimes.live[key]) for key in keys_of(grads) if key in lifetimes.live}
+
+    region = torch.autocast(step.target, dtype=step.autocast) if step.autocast is not None else contextlib.nullcontext()
+    held = sends_held_by_their_work() if in_fake_world() else contextlib.nullcontext()
+    with lifetimes, following_chunks(stages, begin, end), held, region:
+        try:
+            output = step.schedule.step(*args, **kwargs)
+        except GradauditError:
+            raise
+        except Exception as error:
+            raise ForwardError(f"the schedule's step raised {type(error).__name__}: {error}") from error
+        del output  # the last stage's merged output: the training loop drops it (its chunks stay, the stage's)
+    lifetimes.close()
+    ends = [start for _, start in starts[1:]] + [lifetimes.samples]
+    first = starts[0][1] if starts else lifetimes.samples
+    micro.phases = ([("schedule set-up", first)] if first else []) + [(name, stop - start) for (name, start), stop
+                                                                in zip(starts, ends)]
+    return micro
 
 
 def _categorise(lives: Sequence[Life], gradient_keys: set[int], micro: _MicroBatches) -> None:
@@ -301,7 +394,7 @@ def _categorise(lives: Sequence[Life], gradient_keys: set[int], micro: _MicroBat
     for life in lives:
         if (life.died is None and life.key in gradient_keys) or id(life) in micro.gradients:
             life.category = GRADIENTS
-        elif id(life) in micro.held and id(life) not in micro.losses:
+        elif id(life) in micro.held and id(life) not in micro.losses and not (micro.kept_over and life.died is None):
             life.category = ACTIVATIONS
         else:
             life.category = TEMPORARIES

@@ -16,8 +16,13 @@ from .units import human_bytes, path_ranges
 
 # one colour per category, in the order they are stacked (what is there all along at the bottom)
 COLOURS = {"parameters": "#8a96a3", "buffers": "#b4bcc6", "inputs": "#c9a66b", "optimizer_state": "#7d5ba6",
-           "workspaces": "#6b6b6b", "gradient_buckets": "#e08e7b", "gradients": "#c0392b", "activations": "#2a5db0", "temporaries": "#56a6c9",
+           "workspaces": "#6b6b6b", "gradient_buckets": "#e08e7b",
+           "pipeline_buffers": "#d4a5c9", "gradients": "#c0392b", "activations": "#2a5db0", "temporaries": "#56a6c9",
            "unsplit_blocks": "#9a9a9a"}
+
+
+MANY_PHASES = 8  # more phases than this (a pipeline stage's micro-batches) are labelled where there is room
+LABEL_ROOM = 150  # pixels from one shown phase label to the next
 
 
 def timeline_chart(timeline: Sequence[dict[str, Any]], memory: int, categories: Sequence[str], top_bytes: int,
@@ -43,13 +48,23 @@ def timeline_chart(timeline: Sequence[dict[str, Any]], memory: int, categories: 
                           "points": f"{upper} {lower}"})
         below = above
     phases, last = [], None
+    # (a label near the right edge is written leftwards; with many phases it is wider than 80 pixels)
+    room = 80 if len({point["phase"] for point in timeline}) <= MANY_PHASES else LABEL_ROOM
     for i, point in enumerate(timeline):
         if point["phase"] != last:
             # a label near the right edge is written leftwards, so it stays inside the picture
-            near_end = x(i) > right - 80
+            near_end = x(i) > right - room
             phases.append({"x": x(i), "name": point["phase"], "anchor": "end" if near_end else "start",
                            "lx": x(i) - 4 if near_end else x(i) + 4})
             last = point["phase"]
+    if len(phases) > MANY_PHASES:  # a pipeline's micro-batches: a label where it has room, a line for each
+        free_from = float("-inf")  # where the last label shown ends
+        for phase in phases:
+            start = phase["lx"] if phase["anchor"] == "start" else phase["lx"] - LABEL_ROOM
+            if start < free_from:
+                phase["name"] = ""
+            else:
+                free_from = start + LABEL_ROOM
     return {"width": width, "height": height, "left": left, "right": right, "top": top, "bottom": bottom,
             "areas": areas, "phases": phases,
             "memory": y(memory) if memory <= top_bytes else None,
@@ -61,7 +76,7 @@ def render(fit: Any, *, title: Optional[str] = None) -> str:
     from ..fitting import CATEGORIES
 
     # on CUDA the allocator's unsplit blocks are a category of their own, last
-    # (DDP's gradient buckets only where a DDP holds some)
+    # (DDP's gradient buckets and a pipeline stage's buffers only where there are some)
     categories = (*(c for c in CATEGORIES if c in fit.breakdown), *(c for c in fit.breakdown if c not in CATEGORIES))
     remedy = fit.remedy
     highest = max([fit.memory, fit.peak_bytes] + ([remedy.peak_bytes] if remedy is not None else []))

@@ -10,7 +10,8 @@ from .units import human_bytes, path_ranges
 
 _LABELS = {"parameters": "parameters", "buffers": "buffers", "inputs": "inputs (the batch)",
            "optimizer_state": "optimizer state", "workspaces": "cuBLAS workspaces",
-           "gradient_buckets": "DDP's gradient buckets", "gradients": "gradients",
+           "gradient_buckets": "DDP's gradient buckets", "pipeline_buffers": "pipeline receive buffers",
+           "gradients": "gradients",
            "activations": "activations held for backward", "temporaries": "temporaries",
            "unsplit_blocks": "allocator blocks left unsplit"}
 

@@ -76,11 +76,17 @@ def in_fake_world() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_backend() == "fake"
 
 
-def fake_process_group(world_size: int, rank: int) -> None:
+def fake_process_group(world_size: int, rank: int, meta: bool = False) -> None:
     """``init_process_group`` with PyTorch's fake backend (collectives do nothing; every shape is
-    as a real run's), for this process as ``rank`` of ``world_size``."""
+    as a real run's), for this process as ``rank`` of ``world_size``; with ``meta``, for tensors on the
+    meta device too (a pipeline's sends and receives of meta tensors look their device's backend up)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist = torch.distributed
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    if meta:  # (the group's name stays "fake", which pipelining checks for to skip its shape vote)
+        group = dist.group.WORLD
+        group._register_backend(torch.device("meta"), dist.ProcessGroup.BackendType.CUSTOM,
+                                group._get_backend(torch.device("cpu")))
 
 
 def clear_dtensor_caches() -> None:

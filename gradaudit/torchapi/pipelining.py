@@ -1,0 +1,153 @@
+"""Pipeline parallelism (``torch.distributed.pipelining``): a schedule's stages, their buffers, their chunks.
+
+A rank of a pipeline runs its schedule's ``step``: the forward of each micro-batch through its stage(s),
+the backward of each, in the order the schedule decides (GPipe: every forward, then every backward;
+1F1B: stage s of p runs p - s forwards ahead, then one backward per forward). What a stage holds beside
+its module: one receive buffer per micro-batch for the activations it is sent (their gradients, made
+by its backward, stay until the next step begins) and one per micro-batch for the gradients it is sent
+back, allocated in the first step and kept; on the last stage, each micro-batch's output, kept until
+the next step begins (the merged output is made of them).
+
+In PyTorch's fake process group the sends and receives do nothing, so a rank's whole step runs in one
+process as it would in a pipeline, given a stage built with static metadata (``input_args``,
+``output_args``: inferring shapes at run time needs the other ranks, and PyTorch refuses it there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Callable, Iterator
+
+import torch
+
+# the stage's methods that run one micro-batch's work (zero-bubble schedules split the backward in two)
+CHUNKS = (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
+          ("backward_weight_one_chunk", "backward of the weights"))
+
+
+def is_schedule(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.distributed.pipelining`` schedule (only possible once it is imported)."""
+    module = sys.modules.get("torch.distributed.pipelining.schedules")
+    base = getattr(module, "_PipelineSchedule", None)
+    return base is not None and isinstance(value, base)
+
+
+def stages_of(schedule: Any) -> list[Any]:
+    """The stages this rank runs: one for a single-stage schedule (GPipe, 1F1B), several for an
+    interleaved one."""
+    stages = getattr(schedule, "_stages", None)
+    return list(stages) if stages is not None else [schedule._stage]
+
+
+def stage_module(schedule: Any) -> torch.nn.Module:
+    """The module(s) this rank runs: its stage's module, or a ModuleList of its stages' (interleaved)."""
+    modules = [stage.submod for stage in stages_of(schedule)]
+    return modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
+
+
+def micro_batch_count(schedule: Any) -> int:
+    return int(schedule._n_microbatches)
+
+
+def stage_buffers(stage: Any) -> list[torch.Tensor]:
+    """The receive buffers ``stage`` has allocated (none before its first step): the activations of each
+    micro-batch and the gradients sent back for each."""
+    buffers = []
+    for infos in [*getattr(stage, "args_recv_info", {}).values(), *getattr(stage, "grad_recv_info", {}).values()]:
+        for info in infos if isinstance(infos, (tuple, list)) else (infos,):
+            buffer = getattr(info, "buffer", None)
+            if isinstance(buffer, torch.Tensor) and not getattr(info, "is_root_arg", False):
+                buffers.append(buffer)
+    return buffers
+
+
+def statically_shaped(stage: Any) -> bool:
+    """Whether ``stage`` was given the shapes of its inputs and outputs (``input_args`` and ``output_args``),
+    which a fake process group needs (a stage that has run a step knows them either way)."""
+    if getattr(stage, "_stage_initialized", False) or getattr(stage, "args_recv_info", None):
+        return True
+    user = getattr(stage, "_user_meta", None)  # torch >= 2.14
+    if user is not None:
+        return user.inputs is not None and user.outputs is not None
+    return getattr(stage, "inputs_meta", None) is not None and getattr(stage, "_outputs_meta", None) is not None
+
+
+def sends_no_gradient_back(stage: Any) -> bool:
+    """Whether ``stage``, past the first, was given ``input_args`` none of which requires grad: its
+    backward then sends no gradient back, and in a real run the stage before waits for one forever."""
+    if stage.stage_index == 0:
+        return False
+    user = getattr(stage, "_user_meta", None)  # torch >= 2.14: metadata; before, the example tensors
+    metas = user.inputs if user is not None else getattr(stage, "inputs_meta", None)
+    return bool(metas) and not any(getattr(meta, "requires_grad", False) for meta in metas)
+
+
+@contextlib.contextmanager
+def following_chunks(stages: list[Any], begin: Callable[[str, int, int], None],
+                     end: Callable[[str, int, int], None]) -> Iterator[None]:
+    """Call ``begin(kind, stage_index, micro_batch)`` before and ``end(...)`` after each micro-batch's work
+    on ``stages`` (kind: "forward", "backward", "backward of the weights"), while the block runs."""
+    patched = []
+    for stage in stages:
+        for method, kind in CHUNKS:
+            original = getattr(stage, method, None)
+            if original is None:
+                continue
+
+            def wrapper(chunk: int, *args: Any, _original: Any = original, _kind: str = kind, _stage: Any = stage,
+                        **kwargs: Any) -> Any:
+                begin(_kind, _stage.stage_index, chunk)
+                try:
+                    return _original(chunk, *args, **kwargs)
+                finally:
+                    end(_kind, _stage.stage_index, chunk)
+
+            setattr(stage, method, wrapper)  # an instance attribute: the class's method is untouched
+            patched.append((stage, method))
+    try:
+        yield
+    finally:
+        for stage, method in patched:
+            delattr(stage, method)
+
+
+class _HeldWork:
+    """A send's Work with the tensors it sends: what a real backend's Work holds (gloo's, for the Work's
+    life), which the fake process group's does not."""
+
+    def __init__(self, work: Any, tensors: list[torch.Tensor]) -> None:
+        self._work = work
+        self._tensors = tensors
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self._work.wait(*args, **kwargs) if self._work is not None else True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@contextlib.contextmanager
+def sends_held_by_their_work() -> Iterator[None]:
+    """While the block runs, the works of the sends a schedule starts hold the tensors they send, as a
+    real backend's do: a schedule keeps some works past the backward that frees what they sent (1F1B's
+    first stage keeps its first forward send's until the step ends), and in a real run those tensors stay
+    alive until then. Only in a fake process group (a real one's works hold them already)."""
+    module = sys.modules.get("torch.distributed.pipelining.schedules")
+    original = getattr(module, "_batch_p2p", None)
+    if original is None:
+        yield
+        return
+
+    def held(p2p_ops: Any, *args: Any, **kwargs: Any) -> Any:
+        works = original(p2p_ops, *args, **kwargs)
+        sent = [op.tensor for op in p2p_ops if op.op is torch.distributed.isend]
+        if not sent:
+            return works
+        return [_HeldWork(work, sent) for work in works] or [_HeldWork(None, sent)]
+
+    module._batch_p2p = held
+    try:
+        yield
+    finally:
+        module._batch_p2p = original

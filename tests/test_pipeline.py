@@ -1,0 +1,171 @@
+"""Pipeline parallelism in a fake process group: ``gradaudit.fit`` of one rank's stage under a
+``torch.distributed.pipelining`` schedule. What a real multi-process run holds is checked in
+tests/test_pipeline_gloo.py; here what the fake world must get right on its own: meta equal to the
+CPU, the stage left as found, the errors and notes, the command line, and the 80-layer example."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+import gradaudit
+from gradaudit.cli import cli
+from gradaudit.errors import GradauditError
+from gradaudit.ranks import fake_world, per_rank
+
+from distributed_models import MLPStage
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
+
+ROOT = Path(__file__).resolve().parent.parent
+# torch 2.15 allocates a stage's receive buffers just before each receive (not kept across steps)
+PER_RECEIVE = importlib.util.find_spec("torch.distributed.pipelining._recv_buffers") is not None
+D, SEQ, BATCH, MICRO = 64, 16, 32, 4
+
+
+def build(rank: int, world: int, device: str = "cpu", static: bool = True, schedule: str = "1f1b",
+          input_grad: bool = True):
+    """One stage of a 2- or 4-stage MLP pipeline, and this rank's step inputs."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    with torch.device(device):
+        torch.manual_seed(rank)
+        module = MLPStage()
+        x, y = torch.randn(BATCH, SEQ, D), torch.randn(BATCH, SEQ, D)
+        shapes = {}
+        if static:
+            shapes = {"input_args": (torch.randn(BATCH // MICRO, SEQ, D, requires_grad=rank > 0 and input_grad),),
+                      "output_args": (torch.randn(BATCH // MICRO, SEQ, D, requires_grad=True),)}
+    stage = PipelineStage(module, rank, world, torch.device(device), **shapes)
+    kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+    built = kind(stage, n_microbatches=MICRO, loss_fn=lambda out, target: nn.functional.mse_loss(out, target))
+    return built, ((x,) if rank == 0 else ({"target": y} if rank == world - 1 else ()))
+
+
+def test_meta_equals_cpu_per_stage():
+    def fitted(device):
+        def built():
+            return build(torch.distributed.get_rank(), 4, device)
+        return per_rank(built, 4, lambda s, x: gradaudit.fit(s, x, memory="1GiB"),
+                        device="meta" if device == "meta" else None).results
+
+    cpu, meta = fitted("cpu"), fitted("meta")
+    for rank in range(4):
+        assert meta[rank].device == "meta" and cpu[rank].device == "cpu"
+        assert (meta[rank].peak_bytes, meta[rank].peak_phase, meta[rank].breakdown) == (
+            cpu[rank].peak_bytes, cpu[rank].peak_phase, cpu[rank].breakdown), rank
+    # 1F1B with 4 stages and 4 micro-batches: stage s runs 4 - s forwards before its first backward, and
+    # peaks in a backward; its phases are the schedule's order
+    assert [f.peak_phase.split(" (")[0] for f in cpu.values()] == ["backward"] * 4
+    assert cpu[3].model == "Schedule1F1B, stage 3 of 4, 4 micro-batches"
+    phases = [name for name, _ in cpu[1].live.run.phases if name != "schedule set-up"]
+    assert phases[:4] == ["forward (micro-batch 1)", "forward (micro-batch 2)", "forward (micro-batch 3)",
+                          "backward (micro-batch 1)"]
+
+
+def test_the_stage_is_left_as_found_and_its_buffers_counted():
+    with fake_world(2, 1):
+        schedule, inputs = build(1, 2)
+        module = schedule._stage.submod
+        before = {k: v.clone() for k, v in module.state_dict().items()}
+        first = gradaudit.fit(schedule, inputs, memory="1GiB")
+        second = gradaudit.fit(schedule, inputs, memory="1GiB")  # the buffers exist now: the same figures
+        assert (first.peak_bytes, first.breakdown) == (second.peak_bytes, second.breakdown)
+        assert all(p.grad is None for p in module.parameters())
+        assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+        # the last of 2 stages receives each micro-batch's activations: 4 * 8*16*64*4 = 131072 bytes, kept
+        # from its first step on before torch 2.15, which allocates each just before it receives
+        if PER_RECEIVE:
+            assert "pipeline_buffers" not in first.breakdown
+        else:
+            assert first.breakdown["pipeline_buffers"] == 4 * 8 * 16 * 64 * 4 == 131072
+            assert any("4 receive buffers (131072 bytes)" in note for note in first.notes)
+
+
+def test_what_a_schedule_cannot_take_is_said():
+    with fake_world(2, 0):
+        schedule, inputs = build(0, 2)
+        for options, message in (({"loss": lambda out: out.sum()}, "its own loss_fn"),
+                                  ({"autocast": torch.bfloat16}, "autocast is not supported"),
+                                  ({"accumulation": 2}, "n_microbatches is the schedule's")):
+            with pytest.raises(GradauditError, match=message):
+                gradaudit.fit(schedule, inputs, memory="1GiB", **options)
+        # a stage left to infer its shapes at run time needs the other ranks
+        schedule, inputs = build(0, 2, static=False)
+        with pytest.raises(GradauditError, match="build each PipelineStage with input_args and output_args"):
+            gradaudit.fit(schedule, inputs, memory="1GiB")
+    with fake_world(2, 1):
+        # an input that needs no gradient: the stage sends none back, which the stage before must not expect
+        schedule, inputs = build(1, 2, input_grad=False)
+        fitted = gradaudit.fit(schedule, inputs, memory="1GiB")
+        assert any("stage 1's input_args do not require grad" in note for note in fitted.notes)
+        # where it does not fit, no remedy is searched, and the note says why
+        assert any("no remedy is searched for a pipeline stage" in note
+                   for note in gradaudit.fit(schedule, inputs, memory="100KiB").notes)
+
+
+CLI_FACTORY = '''
+import sys
+import torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from test_pipeline import build as stage
+
+def build():
+    return stage(dist.get_rank(), dist.get_world_size(), schedule="gpipe")
+'''
+
+
+def test_command_line(tmp_path, monkeypatch):
+    path = tmp_path / "pipeline.py"
+    path.write_text(CLI_FACTORY.format(tests=str(ROOT / "tests")))
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    result = runner.invoke(cli, ["fit", f"{path}:build", "--world-size", "2", "--memory", "1GiB", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert [g["ranks"] for g in document["groups"]] == [[0], [1]]
+    last = document["groups"][1]["document"]
+    assert last["model"] == "ScheduleGPipe, stage 1 of 2, 4 micro-batches"
+    assert last["breakdown"].get("pipeline_buffers") == (None if PER_RECEIVE else 131072)
+    assert last["peak_phase"].startswith("backward")
+    result = runner.invoke(cli, ["scan", f"{path}:build", "--world-size", "2", "--no-html"])
+    assert result.exit_code == 2 and "only `gradaudit fit` runs a schedule's step" in result.output
+
+
+def test_the_80_layer_probe_over_8_stages(monkeypatch):
+    """examples/pipeline_llama.py on meta for CUDA (stages numbered from 0, as the fit names them): stage
+    0 (layers 1-10) trains nothing; stage 3 (layers 31-40) holds layer 40's optimizer state; stage 4
+    (layers 41-50, frozen, the gradient flowing through them to layer 40) peaks in the backward of its
+    fourth micro-batch, with 8 - 4 = 4 micro-batches in flight under 1F1B (in the second's on torch 2.15,
+    whose receive buffers are allocated per receive)."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    import pipeline_llama
+
+    fits = per_rank(pipeline_llama.build, 8, lambda s, x: gradaudit.fit(s, x, memory="80GiB", target="cuda"),
+                    ranks=[0, 3, 4], device="meta").results
+    assert fits[0].breakdown["optimizer_state"] == 0 and any("nothing to step" in n for n in fits[0].notes)
+    assert fits[3].breakdown["optimizer_state"] > 0  # layer 40: AdamW's two moments of its weights
+    assert fits[4].peak_phase == f"backward (micro-batch {2 if PER_RECEIVE else 4})"
+    assert fits[4].breakdown["activations"] > 20 * 2**30
+
+
+def test_the_html_timeline_labels_a_pipelines_phases_where_they_have_room():
+    from gradaudit.report.fithtml import LABEL_ROOM, MANY_PHASES, timeline_chart
+
+    # 16 micro-batches' forwards and backwards, 10 samples each: 32 phases on an 800-pixel-wide plot
+    timeline = [{"sample": i, "phase": f"{kind} (micro-batch {k})", "activations": 1000 + i}
+                for i, (kind, k) in enumerate((kind, k) for kind in ("forward", "backward")
+                                              for k in range(1, 17) for _ in range(10))]
+    chart = timeline_chart(timeline, 10**6, ["activations"], 10**6)
+    assert len(chart["phases"]) == 32 > MANY_PHASES  # a line for each
+    shown = [p for p in chart["phases"] if p["name"]]
+    assert 2 < len(shown) < 32 and shown[0]["name"] == "forward (micro-batch 1)"
+    spans = sorted((p["lx"] if p["anchor"] == "start" else p["lx"] - LABEL_ROOM) for p in shown)
+    assert all(b - a >= LABEL_ROOM for a, b in zip(spans, spans[1:]))  # no label over another
+    assert all(p["lx"] <= chart["right"] for p in shown if p["anchor"] == "end")
