@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .analysis import build_report
-from .conditions import ModelState, apply_trainable, resolve_target, runs_on_meta, trimmed_now
+from .conditions import ModelState, apply_trainable, one_stage, resolve_target, runs_on_meta, trimmed_now
 from .errors import ForwardError, GradauditError, NothingRequiresGradError
 from .meta import WithoutAttentionDropout, standing_for
 from .recorder import Recorder
@@ -22,6 +22,7 @@ from .values import to_meta
 from .torchapi.compiler import COMPILED_NODE, compiled_original, force_eager
 from .torchapi.distributed import distributed_rank, wait_unwaited
 from .torchapi.fsdp import fsdp_reshard, fsdp_unsharded_parameters
+from .torchapi.pipelining import is_schedule
 
 
 def audit(
@@ -40,6 +41,7 @@ def audit(
 ) -> Report:
     """Run one forward of ``model`` on ``inputs`` and report what autograd saved for backward.
 
+    model: a module, or a pipeline schedule: its stage's module on one micro-batch (``conditions.one_stage``).
     inputs: a Tensor (one positional argument), a tuple (positional arguments) or a dict
         (keyword arguments). The forward runs in the model's current train/eval mode.
     verify: prove each verdict empirically by calling the backward nodes with poisoned values
@@ -65,6 +67,7 @@ def audit(
     The model is left exactly as found: parameters, buffers, requires_grad flags, ``.grad``,
     train/eval flags, the RNG state and module hooks - also when the forward raises.
     """
+    model, inputs, stage_note = one_stage(model, inputs) if is_schedule(model) else (model, inputs, None)
     model, trainable, frozen = _checked_model(model, trainable, frozen, eager)
     select, ignore = check_codes(select, "select entry"), check_codes(ignore, "ignore entry")
     say = progress or (lambda step: None)
@@ -99,7 +102,7 @@ def audit(
     finally:
         fsdp_reshard(model)  # (FSDP2) the root keeps its gathered parameters after a forward
         notes = state.restore()
-    report.notes.extend(notes)
+    report.notes.extend(notes + ([stage_note] if stage_note else []))
     report.notes.extend(_notes_after(model, report, emulated))
     return report
 

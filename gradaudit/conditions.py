@@ -17,10 +17,11 @@ from torch import nn
 
 from .errors import GradauditError, NoMatchingParameterError
 from .meta import TARGETS, standing_for
-from .tensors import ModelTree, first_meta_parameter, iter_tensors
+from .tensors import ModelTree, first_meta_parameter, iter_tensors, split_inputs
 from .torchapi.distributed import in_fake_world
 from .torchapi.ddp import reduce_locally
 from .torchapi.modules import hook_counts_of, module_slots
+from .torchapi.pipelining import example_inputs, micro_batch_count, stages_of
 from .torchapi.storages import version_counter
 from .values import to_meta
 
@@ -180,6 +181,36 @@ def module_of_data_parallel(who: str) -> GradauditError:
     return GradauditError(
         f"{who} ran a backward through the module a DistributedDataParallel wraps (its parameters carry DDP's "
         f"hooks, which cannot reduce in a fake process group): give {who} the DistributedDataParallel itself")
+
+
+def one_stage(schedule: Any, inputs: Any) -> tuple[nn.Module, Any, str]:
+    """What an audit of a pipeline schedule runs: this rank's stage module on one micro-batch (on the
+    first stage, the first micro-batch of ``inputs`` as the schedule splits them, along dim 0; on the
+    others, zeros shaped as the stage's ``input_args``), and the note that says so."""
+    stages = stages_of(schedule)
+    if len(stages) > 1:
+        indices = ", ".join(str(stage.stage_index) for stage in stages)
+        raise GradauditError(f"this rank runs stages {indices}: audit one stage's module on one micro-batch "
+                             f"(audit(stage.submod, micro_batch)), or fit the schedule")
+    stage, count = stages[0], micro_batch_count(schedule)
+    if stage.stage_index == 0:
+        args, kwargs = split_inputs(inputs)
+        first = lambda value: value.tensor_split(count)[0] if isinstance(value, torch.Tensor) else value  # noqa: E731
+        kwargs = {k: first(v) for k, v in kwargs.items() if k not in ("target", "losses", "return_outputs")}
+        if args and kwargs:
+            raise GradauditError("the first stage takes positional and keyword inputs: audit its module on one "
+                                 "micro-batch (audit(stage.submod, micro_batch)), or fit the schedule")
+        batch = tuple(first(a) for a in args) if args else kwargs
+    else:
+        examples = example_inputs(stage)
+        if examples is None:
+            raise GradauditError(f"stage {stage.stage_index} was built without input_args: give its PipelineStage "
+                                 f"input_args (a micro-batch's input), or audit(stage.submod, micro_batch)")
+        batch = tuple(examples)
+    note = (f"the audit of stage {stage.stage_index} of {stage.num_stages} ({type(schedule).__name__}) on one "
+            f"micro-batch of {count}: the stage holds this for each micro-batch in flight; gradaudit.fit runs "
+            f"the whole schedule")
+    return stage.submod, batch, note
 
 
 def prepare_data_parallel(model: nn.Module) -> None:

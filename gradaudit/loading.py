@@ -131,7 +131,7 @@ def call(factory: Callable[[], Any], what: str, device: Optional[str] = None) ->
 
 def build_model(text: str, device: Optional[str] = None, schedules: bool = False) -> tuple[Any, Any]:
     """Load and call the model factory: returns ``(module, inputs or None)``; with ``schedules``, the
-    module may be a ``torch.distributed.pipelining`` schedule (one rank's stage, for ``fit``).
+    module may be a ``torch.distributed.pipelining`` schedule (one rank's stage, for ``fit`` and ``scan``).
 
     Every module constructed meanwhile (by the factory, or at import time for a SPEC naming a
     module object) has its construction line noted: the source of ops that run only torch code
@@ -150,9 +150,9 @@ def build_model(text: str, device: Optional[str] = None, schedules: bool = False
                                                            or is_schedule(result[0])):
         result, inputs = result
     if is_schedule(result) and not schedules:
-        raise LoadError(f"the factory {text} returned a pipeline schedule ({type(result).__name__}): only "
-                        f"`gradaudit fit` runs a schedule's step; scan and plan take a module (the stage's: "
-                        f"stage.submod)")
+        raise LoadError(f"the factory {text} returned a pipeline schedule ({type(result).__name__}): plan takes "
+                        f"a module (the stage's: stage.submod); scan audits the stage on one micro-batch and fit "
+                        f"runs the schedule's step")
     if not isinstance(result, nn.Module) and not is_schedule(result):
         raise LoadError(f"the factory {text} returned {type(result).__name__}, not a torch.nn.Module; "
                         f"return the model, or (model, inputs)")

@@ -134,8 +134,15 @@ def test_command_line(tmp_path, monkeypatch):
     assert last["model"] == "ScheduleGPipe, stage 1 of 2, 4 micro-batches"
     assert last["breakdown"].get("pipeline_buffers") == (None if PER_RECEIVE else 131072)
     assert last["peak_phase"].startswith("backward")
-    result = runner.invoke(cli, ["scan", f"{path}:build", "--world-size", "2", "--no-html"])
-    assert result.exit_code == 2 and "only `gradaudit fit` runs a schedule's step" in result.output
+    # scan audits each rank's stage module on one micro-batch: the ReLU's result, 8*16*256*4 = 131072 bytes
+    # (the stage's input is the batch's first micro-batch or a zero example: an input, not held)
+    result = runner.invoke(cli, ["scan", f"{path}:build", "--world-size", "2", "--no-html", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    for group in json.loads(result.stdout)["groups"]:
+        assert group["document"]["summary"]["saved_bytes"] == 131072
+        assert any("on one micro-batch of 4" in note for note in group["document"]["notes"])
+    result = runner.invoke(cli, ["plan", f"{path}:build", "--world-size", "2", "--budget", "1MiB"])
+    assert result.exit_code == 2 and "plan takes a module (the stage's: stage.submod)" in result.output
 
 
 def test_the_80_layer_probe_over_8_stages(monkeypatch):
@@ -169,3 +176,16 @@ def test_the_html_timeline_labels_a_pipelines_phases_where_they_have_room():
     spans = sorted((p["lx"] if p["anchor"] == "start" else p["lx"] - LABEL_ROOM) for p in shown)
     assert all(b - a >= LABEL_ROOM for a, b in zip(spans, spans[1:]))  # no label over another
     assert all(p["lx"] <= chart["right"] for p in shown if p["anchor"] == "end")
+
+
+def test_an_audit_of_a_schedule_audits_the_stage_on_one_micro_batch():
+    with fake_world(2, 0):
+        schedule, inputs = build(0, 2)
+        report = gradaudit.audit(schedule, inputs)
+        # the module on the batch's first micro-batch (32 rows in 4): its ReLU's result, 8*16*256*4 bytes
+        direct = gradaudit.audit(schedule._stage.submod, inputs[0][:8])
+        assert report.saved_bytes == direct.saved_bytes == 8 * 16 * 256 * 4
+        assert any("stage 0 of 2 (Schedule1F1B) on one micro-batch of 4" in note for note in report.notes)
+    with fake_world(2, 1):
+        schedule, inputs = build(1, 2)  # a zero input of the stage's input_args, requiring grad as given
+        assert gradaudit.audit(schedule, inputs).saved_bytes == 8 * 16 * 256 * 4

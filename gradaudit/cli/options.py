@@ -48,7 +48,7 @@ class CommandOptions:
     top: int = 10
     quiet: bool = False
     trim: bool = False
-    schedules: bool = False  # whether the factory may return a pipeline schedule (fit)
+    schedules: bool = False  # whether the factory may return a pipeline schedule (fit, scan)
     world_size: Optional[int] = None  # --world-size: every rank in a fake process group of this size
     ranks: tuple[int, ...] = ()  # --rank: which ranks (default: every rank)
     progress: Any = field(default_factory=lambda: Progress(enabled=False))

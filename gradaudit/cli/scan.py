@@ -121,8 +121,11 @@ def _trim(model: Any, inputs: Any, options: CommandOptions) -> dict[str, int]:
         from ..trimming import compare
     except ImportError as error:
         raise CommandFailed(f"--trim is not available in this installation ({error})", error) from error
-    from ..conditions import apply_trainable
+    from ..conditions import apply_trainable, one_stage
+    from ..torchapi.pipelining import is_schedule
 
+    if is_schedule(model):  # a pipeline stage: its module on one micro-batch, as the audit ran it
+        model, inputs, _ = one_stage(model, inputs)
     if options.device == "meta":
         raise CommandFailed("--trim measures real memory and cannot run on --device meta; use --device cpu")
     # The audit applied --trainable/--freeze only for its own forward; do the same here.
@@ -220,6 +223,6 @@ def scan(spec: str, model: dict[str, Any], html: str, no_html: bool, json_path: 
         verify=verify, eager=eager,
         select=split_codes(select), ignore=split_codes(ignore), fail_on_waste=fail_on_waste,
         max_reclaimable=max_reclaimable, top={0: 10, 1: 50}.get(verbose, 1_000_000), quiet=quiet, trim=trim,
-        progress=progress,
+        progress=progress, schedules=True,
     )
     exit_with(lambda: run_ranked(options, lambda ranked, _: run_scan(ranked)), progress, debug)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -71,6 +71,22 @@ def statically_shaped(stage: Any) -> bool:
     if user is not None:
         return user.inputs is not None and user.outputs is not None
     return getattr(stage, "inputs_meta", None) is not None and getattr(stage, "_outputs_meta", None) is not None
+
+
+def example_inputs(stage: Any) -> Optional[list[torch.Tensor]]:
+    """Tensors like one micro-batch's inputs of ``stage`` (zeros of its static ``input_args``' shapes,
+    strides and dtypes, requiring grad as they did, on the stage's device); None where it was given none."""
+    user = getattr(stage, "_user_meta", None)  # torch >= 2.14: metadata; before, the example tensors
+    metas = user.inputs if user is not None else getattr(stage, "inputs_meta", None)
+    if not metas:
+        return None
+    device = getattr(stage, "device", None) or torch.device("cpu")
+    tensors = []
+    for meta in metas:
+        stride = meta.stride() if callable(meta.stride) else meta.stride
+        made = torch.empty_strided(tuple(meta.shape), tuple(stride), dtype=meta.dtype, device=device)
+        tensors.append((made.zero_() if made.device.type != "meta" else made).requires_grad_(bool(meta.requires_grad)))
+    return tensors
 
 
 def sends_no_gradient_back(stage: Any) -> bool:
