@@ -279,6 +279,11 @@ class _MicroBatches:
     # stage's output chunks, its losses) is kept until the next step, not held for a backward
     kept_over: bool = False
 
+    def note_gradients(self, lifetimes: Lifetimes, tensors: Sequence[torch.Tensor]) -> None:
+        """The lives that are the gradients of ``tensors`` now (when a backward ends)."""
+        grads = [t.grad for t in tensors if t.grad is not None]
+        self.gradients |= {id(lifetimes.live[key]) for key in keys_of(grads) if key in lifetimes.live}
+
 
 def _micro_batches(step: Step, args: tuple, kwargs: dict, lifetimes: Lifetimes, gemms: GemmCount) -> _MicroBatches:
     """Each micro-batch's forward, loss and backward, followed by ``lifetimes`` (closed after them)."""
@@ -299,8 +304,7 @@ def _micro_batches(step: Step, args: tuple, kwargs: dict, lifetimes: Lifetimes, 
             middle = lifetimes.samples
             with lifetimes:
                 loss.backward()
-        grads = [t.grad for t in [*step.model.parameters(), *iter_tensors((args, kwargs))] if t.grad is not None]
-        micro.gradients |= {id(lifetimes.live[key]) for key in keys_of(grads) if key in lifetimes.live}
+        micro.note_gradients(lifetimes, [*step.model.parameters(), *iter_tensors((args, kwargs))])
         micro.phases += [(forward_name, middle - start), (backward_name, lifetimes.samples - middle)]
     lifetimes.close()
     micro.loss = loss  # the last micro-batch's: alive until the step's run lets go of it, as a training loop's
@@ -367,8 +371,7 @@ def _scheduled(step: Step, args: tuple, kwargs: dict, lifetimes: Lifetimes, gemm
             if micro.forward_gemms is None:
                 micro.forward_gemms = dataclasses.replace(gemms)
         else:
-            grads = [p.grad for p in step.model.parameters() if p.grad is not None]
-            micro.gradients |= {id(lifetimes.live[key]) for key in keys_of(grads) if key in lifetimes.live}
+            micro.note_gradients(lifetimes, list(step.model.parameters()))
 
     region = torch.autocast(step.target, dtype=step.autocast) if step.autocast is not None else contextlib.nullcontext()
     held = sends_held_by_their_work() if in_fake_world() else contextlib.nullcontext()

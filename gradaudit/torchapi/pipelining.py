@@ -73,11 +73,17 @@ def statically_shaped(stage: Any) -> bool:
     return getattr(stage, "inputs_meta", None) is not None and getattr(stage, "_outputs_meta", None) is not None
 
 
+def _input_metas(stage: Any) -> Any:
+    """The shapes ``stage`` was given for its inputs (``input_args``), or None: torch >= 2.14 keeps them as
+    metadata (``_user_meta.inputs``), earlier releases as the example tensors (``inputs_meta``)."""
+    user = getattr(stage, "_user_meta", None)
+    return user.inputs if user is not None else getattr(stage, "inputs_meta", None)
+
+
 def example_inputs(stage: Any) -> Optional[list[torch.Tensor]]:
     """Tensors like one micro-batch's inputs of ``stage`` (zeros of its static ``input_args``' shapes,
     strides and dtypes, requiring grad as they did, on the stage's device); None where it was given none."""
-    user = getattr(stage, "_user_meta", None)  # torch >= 2.14: metadata; before, the example tensors
-    metas = user.inputs if user is not None else getattr(stage, "inputs_meta", None)
+    metas = _input_metas(stage)
     if not metas:
         return None
     device = getattr(stage, "device", None) or torch.device("cpu")
@@ -94,8 +100,7 @@ def sends_no_gradient_back(stage: Any) -> bool:
     backward then sends no gradient back, and in a real run the stage before waits for one forever."""
     if stage.stage_index == 0:
         return False
-    user = getattr(stage, "_user_meta", None)  # torch >= 2.14: metadata; before, the example tensors
-    metas = user.inputs if user is not None else getattr(stage, "inputs_meta", None)
+    metas = _input_metas(stage)
     return bool(metas) and not any(getattr(meta, "requires_grad", False) for meta in metas)
 
 
