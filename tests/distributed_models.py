@@ -237,23 +237,38 @@ class MLPStage(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-def _interleaved_mlp(micro_batches: int, rank: int, world_size: int):
-    """Two MLP stages per rank (stages rank and rank + world_size of 2 * world_size) under
-    Interleaved1F1B."""
+class ResidualMLPStage(MLPStage):
+    """MLPStage with its input added back: the zero-bubble schedules detach a stage's output in place after
+    the backward of its input, which PyTorch refuses for a view (a Linear's output over a 3-D input)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + super().forward(x)
+
+
+def _interleaved_mlp(micro_batches: int, rank: int, world_size: int, schedule: str = "interleaved"):
+    """Two MLP stages per rank under a schedule of several stages per rank: Interleaved1F1B and
+    InterleavedZeroBubble ("zb") loop (stages rank and rank + world_size of 2 * world_size); ZBVZeroBubble
+    ("zbv") and DualPipeV ("dualpipev") run a V (stages rank and 2 * world_size - 1 - rank)."""
     import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import PipelineStage, schedules
 
     data = torch.Generator().manual_seed(1)
     batch, target = torch.randn(PP_BATCH, SEQ, D, generator=data), torch.randn(PP_BATCH, SEQ, D, generator=data)
     size, count = PP_BATCH // micro_batches, 2 * world_size
+    v_shaped = schedule in ("zbv", "dualpipev")
     stages = []
-    for index in (rank, rank + world_size):
+    for index in (rank, 2 * world_size - 1 - rank) if v_shaped else (rank, rank + world_size):
         torch.manual_seed(index)
         example_in = torch.randn(size, SEQ, D, requires_grad=index > 0)
-        stages.append(PipelineStage(MLPStage(), index, count, torch.device("cpu"), input_args=(example_in,),
+        module = MLPStage() if schedule == "interleaved" else ResidualMLPStage()
+        stages.append(PipelineStage(module, index, count, torch.device("cpu"), input_args=(example_in,),
                                     output_args=(torch.randn(size, SEQ, D, requires_grad=True),)))
-    built = ScheduleInterleaved1F1B(stages, n_microbatches=micro_batches,
-                                    loss_fn=lambda output, target: F.mse_loss(output, target))
+    kind = {"interleaved": "ScheduleInterleaved1F1B", "zb": "ScheduleInterleavedZeroBubble",
+            "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}[schedule]
+    built = getattr(schedules, kind)(stages, n_microbatches=micro_batches,
+                                     loss_fn=lambda output, target: F.mse_loss(output, target))
+    if v_shaped:  # rank 0 runs the first stage and the last: the batch and the target, by keyword
+        return built, {"x": batch, "target": target} if rank == 0 else ()
     return built, (batch,) if rank == 0 else ({"target": target} if rank == world_size - 1 else ())
 
 
@@ -261,8 +276,8 @@ def _pipeline(model: str, schedule: str, micro_batches: int, rank: int, world_si
     import torch.nn.functional as F
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    if schedule == "interleaved":
-        return _interleaved_mlp(micro_batches, rank, world_size)
+    if schedule in ("interleaved", "zb", "zbv", "dualpipev"):
+        return _interleaved_mlp(micro_batches, rank, world_size, schedule)
 
     first, last = rank == 0, rank == world_size - 1
     data = torch.Generator().manual_seed(1)

@@ -30,21 +30,22 @@ D, SEQ, BATCH, MICRO = 64, 16, 32, 4
 
 
 def build(rank: int, world: int, device: str = "cpu", static: bool = True, schedule: str = "1f1b",
-          input_grad: bool = True):
-    """One stage of a 2- or 4-stage MLP pipeline, and this rank's step inputs."""
+          input_grad: bool = True, batch: int = BATCH, micro: int = MICRO, seq: int = SEQ):
+    """One stage of a 2- or 4-stage MLP pipeline (``micro`` micro-batches of ``batch // micro``), and this
+    rank's step inputs."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     with torch.device(device):
         torch.manual_seed(rank)
         module = MLPStage()
-        x, y = torch.randn(BATCH, SEQ, D), torch.randn(BATCH, SEQ, D)
+        x, y = torch.randn(batch, seq, D), torch.randn(batch, seq, D)
         shapes = {}
         if static:
-            shapes = {"input_args": (torch.randn(BATCH // MICRO, SEQ, D, requires_grad=rank > 0 and input_grad),),
-                      "output_args": (torch.randn(BATCH // MICRO, SEQ, D, requires_grad=True),)}
+            shapes = {"input_args": (torch.randn(batch // micro, seq, D, requires_grad=rank > 0 and input_grad),),
+                      "output_args": (torch.randn(batch // micro, seq, D, requires_grad=True),)}
     stage = PipelineStage(module, rank, world, torch.device(device), **shapes)
     kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
-    built = kind(stage, n_microbatches=MICRO, loss_fn=lambda out, target: nn.functional.mse_loss(out, target))
+    built = kind(stage, n_microbatches=micro, loss_fn=lambda out, target: nn.functional.mse_loss(out, target))
     return built, ((x,) if rank == 0 else ({"target": y} if rank == world - 1 else ()))
 
 
@@ -105,9 +106,72 @@ def test_what_a_schedule_cannot_take_is_said():
         schedule, inputs = build(1, 2, input_grad=False)
         fitted = gradaudit.fit(schedule, inputs, memory="1GiB")
         assert any("stage 1's input_args do not require grad" in note for note in fitted.notes)
-        # where it does not fit, no remedy is searched, and the note says why
-        assert any("no remedy is searched for a pipeline stage" in note
-                   for note in gradaudit.fit(schedule, inputs, memory="100KiB").notes)
+        # where nothing fits (100 KiB: less than the stage's parameters), every schedule change is measured
+        # and the note names what each peaked at
+        starved = gradaudit.fit(schedule, inputs, memory="100KiB")
+        assert starved.remedy is None and starved.remedy_searched
+        assert any("no schedule change measured brings the stage within memory (Schedule1F1B with 8 micro-batches "
+                   "of 4" in note for note in starved.notes)
+
+
+def _fitted(rank: int, memory: str = "1GiB", **shape) -> gradaudit.Fit:
+    """The fit of this rank's stage (in the fake world entered) of a pipeline built at ``shape``."""
+    schedule, inputs = build(rank, 2, **shape)
+    return gradaudit.fit(schedule, inputs, memory=memory)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_largest_micro_batch_sequence_and_count_that_fit_are_measured_answers(rank):
+    """A stage's ``Fit.largest`` rebuilds the schedule at each size (its class and loss, fresh stages
+    over the same module): what it measures equals a pipeline built at that size by hand, and each answer
+    is exact where the memory is that hand-built pipeline's peak (the peak grows with every size)."""
+    with fake_world(2, rank):
+        fitted = _fitted(rank, schedule="gpipe")  # 4 micro-batches of 8, sequence 16
+        sizes = fitted.live.size_search
+        hand = {"batch": _fitted(rank, schedule="gpipe", batch=4 * 5),  # micro-batches of 5
+                "seq": _fitted(rank, schedule="gpipe", seq=20),
+                "micro_batches": _fitted(rank, schedule="gpipe", batch=6 * 8, micro=6)}  # 6 micro-batches of 8
+        for dimension, n in (("batch", 5), ("seq", 20), ("micro_batches", 6)):
+            assert sizes.measure(dimension, n) == (hand[dimension].peak_bytes, 0), dimension
+            memory = hand[dimension].peak_bytes
+            assert gradaudit.fit(*build(rank, 2, schedule="gpipe"), memory=memory).largest(dimension) == n
+        assert sizes.named("batch", 5) == "micro-batches of 5 (4 of them: a batch of 20)"
+        with pytest.raises(GradauditError, match="'batch' or 'seq' or 'micro_batches' here, not 'width'"):
+            fitted.largest("width")
+    with pytest.raises(GradauditError, match="in a fake process group only"):
+        fitted.largest("batch")
+
+
+def test_a_count_the_memory_does_not_bound_is_said(monkeypatch):
+    """Under 1F1B a stage holds at most (stages - its index) micro-batches in flight: more micro-batches
+    add their receive buffers and losses only, so a large memory does not bound their count; the search
+    stops at the most it runs (a step runs every micro-batch)."""
+    from gradaudit.fitting import pipeline
+    from gradaudit.fitting.largest import Unbounded
+
+    monkeypatch.setattr(pipeline, "MOST_MICRO_BATCHES", 16)
+    with fake_world(2, 1):
+        with pytest.raises(Unbounded, match="16, the most searched, fits"):
+            _fitted(1).largest("micro_batches")
+
+
+def test_a_stage_that_does_not_fit_gets_a_schedule_change():
+    """The remedy of a stage: 1F1B for GPipe first (the same micro-batches, fewer in flight), then more,
+    smaller micro-batches keeping the batch; each measured, its peak that of the pipeline built so by hand."""
+    with fake_world(2, 0):
+        gpipe, one_f_one_b = _fitted(0, schedule="gpipe"), _fitted(0)
+        assert one_f_one_b.peak_bytes < gpipe.peak_bytes  # stage 0 of 2: 2 micro-batches in flight, not 4
+        remedied = _fitted(0, memory=str(one_f_one_b.peak_bytes), schedule="gpipe")
+        assert not remedied.fits and remedied.remedy.describe() == "Schedule1F1B with 4 micro-batches of 8"
+        assert remedied.remedy.peak_bytes == one_f_one_b.peak_bytes
+        # 1F1B already: 8 micro-batches of 4 hold half the activations in flight
+        smaller = _fitted(0, batch=32, micro=8)
+        remedied = _fitted(0, memory=str(smaller.peak_bytes))
+        assert remedied.remedy.describe() == "Schedule1F1B with 8 micro-batches of 4"
+        assert (remedied.remedy.peak_bytes, remedied.remedy.breakdown) == (smaller.peak_bytes, smaller.breakdown)
+        assert "n_microbatches=8" in remedied.remedy.loop_change()
+        document = remedied.to_dict()["remedy"]
+        assert (document["schedule"], document["micro_batches"], document["micro_batch"]) == ("Schedule1F1B", 8, 4)
 
 
 CLI_FACTORY = '''
@@ -141,6 +205,13 @@ def test_command_line(tmp_path, monkeypatch):
     for group in json.loads(result.stdout)["groups"]:
         assert group["document"]["summary"]["saved_bytes"] == 131072
         assert any("on one micro-batch of 4" in note for note in group["document"]["notes"])
+    # the largest micro-batch count whose step fits, per rank (GPipe: every micro-batch in flight)
+    result = runner.invoke(cli, ["fit", f"{path}:build", "--world-size", "2", "--memory", "2MiB", "--largest",
+                                 "micro-batches", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    found = [g["document"]["largest"]["micro-batches"] for g in json.loads(result.stdout)["groups"]]
+    assert all(n >= 4 for n in found)
+    assert f"largest micro-batches that fits as it is: {found[0]}, {found[0]} micro-batches of 8" in result.stderr
     result = runner.invoke(cli, ["plan", f"{path}:build", "--world-size", "2", "--budget", "1MiB"])
     assert result.exit_code == 2 and "plan takes a module (the stage's: stage.submod)" in result.output
 

@@ -44,10 +44,7 @@ def run_fit(options: CommandOptions, memory_text: str, optimizer: str, loss_spec
                  target=options.target if where == "meta" else None,
                  autocast=getattr(torch, AUTOCAST_DTYPES[autocast]) if autocast else None,
                  accumulation=accumulation, headroom=headroom, remedy=remedy, progress=options.progress)
-    found = None
-    if largest:
-        options.progress(f"searching the largest {largest} that fits")
-        found = result.largest(largest)
+    found, found_note = _largest(result, largest, options) if largest else (None, None)
     options.progress.done()
     if html_path:
         from ..report import fithtml
@@ -60,14 +57,30 @@ def run_fit(options: CommandOptions, memory_text: str, optimizer: str, loss_spec
 
         output.write(memory_viz_path, pickle.dumps(memory_viz.fit_snapshot(result)), "--memory-viz",
                      "memory_viz snapshot")
-    if largest:
-        output.note(f"largest {largest} that fits as it is: {found} (measured: {found} fits, {found + 1} does not)")
+    if found_note:
+        output.note(found_note)
     if options.json:
         output.write_json(options.json, {**result.to_dict(), **({"largest": {largest: found}} if largest else {})},
                           "JSON fit")
     output.echo(fittext.render(result, quiet=options.quiet))
     output.announce(quiet=options.quiet)
     return EXIT_OK if result.fits or result.remedy is not None else EXIT_ERROR
+
+
+def _largest(result: Any, largest: str, options: CommandOptions) -> tuple[Optional[int], str]:
+    """The largest size along ``largest`` that fits (None where the memory does not bound it), and the
+    line that says so."""
+    from ..fitting.largest import Unbounded
+
+    dimension = largest.replace("-", "_")
+    options.progress(f"searching the largest {largest} that fits")
+    try:
+        found = result.largest(dimension)
+    except Unbounded as unbounded:
+        return None, f"largest {largest} that fits as it is: not bounded by the memory ({unbounded})"
+    named = result.live.size_search.named(dimension, found)
+    return found, (f"largest {largest} that fits as it is: {found}{f', {named}' if named else ''} (measured: "
+                   f"{found} fits, {found + 1} does not)")
 
 
 @click.command("fit", epilog=EXIT_CODES_HELP, short_help="Will a training step fit in memory, and what makes it.")
@@ -89,8 +102,10 @@ def run_fit(options: CommandOptions, memory_text: str, optimizer: str, loss_spec
               "left free by the verdict and the remedy (default: on CUDA, what the caching allocator would reserve "
               "beyond the peak, estimated for each step; on the CPU nothing).")
 @click.option("--no-remedy", is_flag=True, help="Do not search for a change that makes the step fit.")
-@click.option("--largest", type=click.Choice(["batch", "seq"]), help="Also find the largest batch (dimension 0 of "
-              "the inputs) or sequence length (dimension 1) whose step fits as it is, by measured steps.")
+@click.option("--largest", type=click.Choice(["batch", "seq", "micro-batches"]), help="Also find the largest batch "
+              "(dimension 0 of the inputs) or sequence length (dimension 1) whose step fits as it is, by measured "
+              "steps; for a pipeline stage, its micro-batch (the count kept), their sequence length, or their count "
+              "(micro-batches, each as it is).")
 @click.option("--json", "json_path", metavar="PATH", help="Write the fit as JSON ('-' for stdout).")
 @click.option("--html", "html_path", metavar="PATH", help="Write the fit as a self-contained HTML page (the "
               "step's memory over time by category, with the memory as a line, before and after the remedy).")

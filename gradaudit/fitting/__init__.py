@@ -15,12 +15,13 @@ from ..errors import GradauditError
 from ..report.units import human_bytes
 from ..sizes import as_bytes
 from ..torchapi.ddp import bucket_view_setting
+from ..torchapi.distributed import in_fake_world
 from ..torchapi.pipelining import is_schedule
 from . import optimizers
-from .largest import search
+from .largest import InputSizes, search
 from .levers import other_levers
 from .remedy import Alternative, search_levers
-from .pipeline import stage_step
+from .pipeline import STAGE_NO_REMEDY, StageSizes, stage_remedy, stage_step
 from .result import Figures, Fit, Live, allocated, figures
 from .step import BUCKETS, CATEGORIES, GRADIENTS, STATE, Step, prepared_step
 
@@ -93,14 +94,14 @@ def fit(
     measured = figures(run := step.run(), target)
     result = _as_fit(step, run, measured, memory_bytes, headroom_of)
     if schedule is None:
-        result.live.size_search = (lambda scaled: _peak_and_headroom(step.on(scaled), headroom_of), inputs)
+        result.live.size_search = InputSizes(lambda scaled: _peak_and_headroom(step.on(scaled), headroom_of), inputs)
+    else:
+        result.live.size_search = StageSizes(step, lambda other: figures(other.run(), other.target), headroom_of)
     if result.fits:
         return result
     result.levers = _levers(step, run, measured)
     if remedy and schedule is not None:
-        result.notes.append("no remedy is searched for a pipeline stage: checkpointing within the stage's module, "
-                            "fewer or more micro-batches, or another split or schedule are the levers; fit each "
-                            "(gradaudit.per_rank) to compare")
+        _search_stage_remedy(result, memory_bytes, say)
     elif remedy and measured.floor_bytes + headroom_of(measured) > memory_bytes:
         result.remedy_searched = True
         result.notes.append(_beyond_remedy(measured.floor_bytes))
@@ -199,6 +200,19 @@ def _search_remedy(result: Fit, step: Step, memory_bytes: int, headroom_of: _Hea
     result.alternatives += _smaller_batch(result, say)
     if result.remedy is not None and result.remedy.plan is not None:
         result.notes += [n for n in result.remedy.plan.notes if n not in result.notes]
+
+
+def _search_stage_remedy(result: Fit, memory_bytes: int, say: Callable[[str], None]) -> None:
+    """A pipeline stage's remedy: a schedule change, measured (fitting/pipeline.py); in a fake process group
+    only, where the schedule can be rebuilt and stepped alone."""
+    if not in_fake_world():
+        result.notes.append("no remedy is searched for a pipeline stage outside a fake process group (each change "
+                            "would have to run on every rank): fit it with gradaudit.per_rank or --world-size")
+        return
+    result.remedy_searched = True
+    result.remedy, notes = stage_remedy(result.live.size_search, memory_bytes, say)
+    result.no_remedy = STAGE_NO_REMEDY
+    result.notes += notes
 
 
 def _smaller_batch(result: Fit, say: Callable[[str], None]) -> list[Any]:

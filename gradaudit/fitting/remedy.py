@@ -40,6 +40,10 @@ class Remedy:
     accumulation: int = 1
     batch: Optional[int] = None  # the batch as given (dimension 0 of the inputs), where it is split
     headroom: int = 0  # what the device needs beside this step's peak (the fit's headroom, for this step)
+    # a pipeline stage's remedy (fitting/pipeline.py): the schedule class and its micro-batch count, the
+    # batch kept (None: a module's remedy)
+    schedule: Optional[str] = None
+    micro_batches: Optional[int] = None
 
     @property
     def trim(self) -> bool:
@@ -73,6 +77,11 @@ class Remedy:
 
     def loop_change(self) -> Optional[str]:
         """What the training loop changes, in words (None: nothing)."""
+        if self.schedule is not None:
+            size = self.micro_batch or self.batch // self.micro_batches
+            return (f"build every rank's schedule as {self.schedule} with n_microbatches={self.micro_batches}, each "
+                    f"PipelineStage's input_args and output_args for micro-batches of {size} (the batch of "
+                    f"{self.batch} kept; every stage takes the same count: fit the others with it)")
         if not self.micro_batch:
             return None
         return (f"split each batch of {self.batch} into {self.split} micro-batches of {self.micro_batch}: "
@@ -80,6 +89,8 @@ class Remedy:
                 f"(a loss averaged over its batch keeps the effective batch's gradient)")
 
     def describe(self) -> str:
+        if self.schedule is not None:
+            return f"{self.schedule} with {self.micro_batches} micro-batches of {self.batch // self.micro_batches}"
         parts = []
         if self.micro_batch:
             parts.append(f"micro-batches of {self.micro_batch} with {self.accumulation} accumulation steps")
@@ -96,7 +107,9 @@ class Remedy:
                 "checkpointed": list(self.checkpointed), "selective": list(self.selective),
                 "extra_compute": self.extra_compute,
                 "extra_flops": self.plan.extra_flops if self.plan is not None else 0,
-                "peak_bytes": self.peak_bytes, "headroom": self.headroom, "breakdown": dict(self.breakdown)}
+                "peak_bytes": self.peak_bytes, "headroom": self.headroom, "breakdown": dict(self.breakdown),
+                # a pipeline stage's remedy only: the schedule's class and micro-batch count
+                **({"schedule": self.schedule, "micro_batches": self.micro_batches} if self.schedule else {})}
 
 
 class _NothingApplied:

@@ -185,6 +185,7 @@ class Fit:
     remedy: Optional["Remedy"] = None  # the cheapest change whose step fits (None: fits as it is, or nothing does)
     remedy_searched: bool = False  # whether a remedy was looked for (only when it does not fit)
     alternatives: list[Any] = field(default_factory=list)  # what users otherwise try, measured beside the remedy
+    no_remedy: str = ""  # where a search found none, what it tried, in words (empty: a module's levers)
     # not the fit's data: what it keeps of the live step (the step's storages, a measurer of other sizes)
     live: Live = field(default_factory=Live, repr=False, compare=False)
 

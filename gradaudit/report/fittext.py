@@ -67,8 +67,8 @@ def render(fit: Any, *, quiet: bool = False) -> str:
             lines.append("  apply it in Python: fit = gradaudit.fit(model, inputs, memory=...); "
                          "fit.remedy.apply(model)")
     elif fit.remedy_searched:
-        lines.append("no remedy: neither smaller micro-batches, trim nor any checkpoint plan of the repeated blocks "
-                     "brings the step within memory")
+        lines.append(fit.no_remedy or "no remedy: neither smaller micro-batches, trim nor any checkpoint plan of the "
+                     "repeated blocks brings the step within memory")
     for alternative in fit.alternatives:
         extra = f", +{100 * alternative.extra_compute:.1f}% compute" if alternative.extra_compute is not None else ""
         lines.append(f"beside it, {alternative.name}: peak {human_bytes(alternative.peak_bytes)}{extra} "

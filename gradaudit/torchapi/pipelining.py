@@ -16,10 +16,13 @@ process as it would in a pipeline, given a stage built with static metadata (``i
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+
+from ..errors import GradauditError
 
 # the stage's methods that run one micro-batch's work (zero-bubble schedules split the backward in two)
 CHUNKS = (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
@@ -78,6 +81,93 @@ def _input_metas(stage: Any) -> Any:
     metadata (``_user_meta.inputs``), earlier releases as the example tensors (``inputs_meta``)."""
     user = getattr(stage, "_user_meta", None)
     return user.inputs if user is not None else getattr(stage, "inputs_meta", None)
+
+
+def _output_metas(stage: Any) -> Any:
+    """The shapes ``stage`` was given for its outputs (``output_args``), or None (as ``_input_metas``)."""
+    user = getattr(stage, "_user_meta", None)
+    return user.outputs if user is not None else getattr(stage, "_outputs_meta", None)
+
+
+def micro_batch_shape(schedule: Any) -> tuple[int, ...]:
+    """The shape of a micro-batch's first input on this rank's first stage (its static ``input_args``)."""
+    metas = _input_metas(stages_of(schedule)[0])
+    if not metas:
+        raise GradauditError("the schedule's stage was given no input_args: build each PipelineStage with input_args "
+                             "and output_args")
+    return tuple(metas[0].shape)
+
+
+def rebuilt(schedule: Any, micro_batches: int, resize: Callable[[tuple[int, ...]], tuple[int, ...]],
+            kind: Any = None) -> Any:
+    """A schedule of ``schedule``'s class (or ``kind``, taking the same arguments) and settings (its loss,
+    chunk specs, options, each read back from the attribute its constructor stored it in) with
+    ``micro_batches`` micro-batches, over fresh stages like its own (their modules, indices, process group),
+    every static shape of theirs ``resize``d (a micro-batch of another size). Only for PipelineStages given
+    their shapes; the modules are shared, not copied."""
+    from torch.distributed.pipelining import PipelineStage
+
+    stages = []
+    for stage in stages_of(schedule):
+        if type(stage) is not PipelineStage or _input_metas(stage) is None or _output_metas(stage) is None:
+            raise GradauditError(f"only a PipelineStage built with input_args and output_args can be rebuilt at "
+                                 f"another size, not a {type(stage).__name__}")
+        stages.append(_restaged(stage, resize))
+    for spec in [*(getattr(schedule, "_args_chunk_spec", None) or ()),
+                 *(getattr(schedule, "_kwargs_chunk_spec", None) or {}).values()]:
+        if getattr(spec, "split_dim", 0) != 0:
+            raise GradauditError(f"the schedule splits an input along dimension {spec.split_dim}: only micro-batches "
+                                 f"split along dimension 0 are rebuilt at another size")
+    values: dict[str, Any] = {}
+    kind = kind or type(schedule)
+    for name, parameter in list(inspect.signature(kind.__init__).parameters.items())[1:]:
+        if name in ("stage", "stages"):
+            values[name] = stages[0] if name == "stage" else stages
+        elif name == "n_microbatches":
+            values[name] = micro_batches
+        elif parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            raise GradauditError(f"{kind.__name__} takes *args or **kwargs: it cannot be rebuilt at "
+                                 f"another size from what it keeps")
+        else:
+            found = [attribute for attribute in (name, f"_{name}") if hasattr(schedule, attribute)]
+            if not found:
+                raise GradauditError(f"{type(schedule).__name__} keeps no {name!r} (torch {torch.__version__}): it "
+                                     f"cannot be rebuilt at another size")
+            values[name] = getattr(schedule, found[0])
+    try:
+        return kind(**values)
+    except (ValueError, AssertionError, RuntimeError) as error:  # e.g. a count its stages do not divide
+        raise GradauditError(f"{kind.__name__} refuses {micro_batches} micro-batches: {error}") from error
+
+
+def _restaged(stage: Any, resize: Callable[[tuple[int, ...]], tuple[int, ...]]) -> Any:
+    """A fresh PipelineStage like ``stage``, its static shapes ``resize``d."""
+    from torch.distributed.pipelining import PipelineStage
+
+    def like(meta: Any) -> Optional[torch.Tensor]:
+        if meta is None:
+            return None
+        if not isinstance(meta, torch.Tensor) and not hasattr(meta, "stride"):
+            raise GradauditError(f"a stage given {type(meta).__name__} shapes (DTensor) cannot be rebuilt at another "
+                                 f"size")
+        shape = tuple(meta.shape)
+        stride = meta.stride() if callable(meta.stride) else meta.stride
+        new = resize(shape)
+        made = (torch.empty_strided(shape, tuple(stride), dtype=meta.dtype, device="meta") if new == shape else
+                torch.empty(new, dtype=meta.dtype, device="meta"))
+        return made.requires_grad_(bool(meta.requires_grad)) if made.is_floating_point() else made
+
+    user = getattr(stage, "_user_meta", None)
+    if user is not None and user.has_dtensors():
+        raise GradauditError("a stage given DTensor shapes cannot be rebuilt at another size")
+    shapes: dict[str, Any] = {"input_args": tuple(like(m) for m in _input_metas(stage)),
+                              "output_args": tuple(like(m) for m in _output_metas(stage))}
+    for name in ("input_grads", "output_grads"):  # torch >= 2.14 takes the gradients' shapes too
+        given = getattr(user, name, None)
+        if given is not None:
+            shapes[name] = tuple(like(m) for m in given)
+    return PipelineStage(stage.submod, stage.stage_index, stage.num_stages, stage.device, group=stage.group,
+                         dw_builder=stage.dw_builder, **shapes)
 
 
 def example_inputs(stage: Any) -> Optional[list[torch.Tensor]]:
