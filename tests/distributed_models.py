@@ -272,10 +272,44 @@ def _interleaved_mlp(micro_batches: int, rank: int, world_size: int, schedule: s
     return built, (batch,) if rank == 0 else ({"target": target} if rank == world_size - 1 else ())
 
 
+class ResidualMLP(nn.Module):
+    """Four residual MLP blocks (ResidualMLPStage each), split by torch's ``pipeline()`` into as many stages
+    as ranks (``traced``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(ResidualMLPStage() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _traced_mlp(schedule: str, micro_batches: int, rank: int, world_size: int):
+    """ResidualMLP split by ``pipeline()`` at every (4 / world_size)-th block, this rank's stage traced
+    (``pipe.build_stage``: its shapes are the trace's) under GPipe or 1F1B."""
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+
+    data = torch.Generator().manual_seed(1)
+    batch, target = torch.randn(PP_BATCH, SEQ, D, generator=data), torch.randn(PP_BATCH, SEQ, D, generator=data)
+    torch.manual_seed(0)
+    per = 4 // world_size
+    split = {f"layers.{k * per}": SplitPoint.BEGINNING for k in range(1, world_size)}
+    pipe = pipeline(ResidualMLP(), mb_args=(batch[:PP_BATCH // micro_batches],), split_spec=split)
+    stage = pipe.build_stage(rank, torch.device("cpu"))
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    built = kind(stage, n_microbatches=micro_batches, loss_fn=lambda output, target: F.mse_loss(output, target))
+    return built, (batch,) if rank == 0 else ({"target": target} if rank == world_size - 1 else ())
+
+
 def _pipeline(model: str, schedule: str, micro_batches: int, rank: int, world_size: int):
     import torch.nn.functional as F
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    if model == "traced":
+        return _traced_mlp(schedule, micro_batches, rank, world_size)
     if schedule in ("interleaved", "zb", "zbv", "dualpipev"):
         return _interleaved_mlp(micro_batches, rank, world_size, schedule)
 
@@ -324,7 +358,7 @@ def _pipeline(model: str, schedule: str, micro_batches: int, rank: int, world_si
 def __getattr__(name: str):
     """``pp_{model}_{schedule}_m{M}`` builders (see above)."""
     parts = name.split("_")
-    if len(parts) == 4 and parts[0] == "pp" and parts[1] in ("mlp", "llama") and parts[3].startswith("m"):
+    if len(parts) == 4 and parts[0] == "pp" and parts[1] in ("mlp", "llama", "traced") and parts[3].startswith("m"):
         model, schedule, micro_batches = parts[1], parts[2], int(parts[3][1:])
         return lambda rank, world_size: _pipeline(model, schedule, micro_batches, rank, world_size)
     raise AttributeError(name)

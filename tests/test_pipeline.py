@@ -174,6 +174,21 @@ def test_a_stage_that_does_not_fit_gets_a_schedule_change():
         assert (document["schedule"], document["micro_batches"], document["micro_batch"]) == ("Schedule1F1B", 8, 4)
 
 
+def test_a_stage_split_by_torchs_pipeline_fits_and_says_what_it_cannot_rebuild():
+    """A stage built by ``pipeline()`` knows its shapes from the trace (no run-time inference): fit runs its
+    schedule (checked against real gloo runs in test_pipeline_gloo.py); rebuilding it at another size would
+    need another trace, so largest() and the remedy say so."""
+    from distributed_models import pp_traced_1f1b_m4
+
+    with fake_world(2, 0):
+        fitted = gradaudit.fit(*pp_traced_1f1b_m4(0, 2), memory="100KiB")
+        assert fitted.model == "Schedule1F1B, stage 0 of 2, 4 micro-batches" and not fitted.fits
+        assert fitted.remedy is None and fitted.no_remedy == "no remedy: the schedule cannot be rebuilt at another size"
+        assert any("built by pipeline() (its shapes traced)" in note for note in fitted.notes)
+        with pytest.raises(GradauditError, match=r"built by pipeline\(\) \(its shapes traced\)"):
+            fitted.largest("batch")
+
+
 CLI_FACTORY = '''
 import sys
 import torch.distributed as dist

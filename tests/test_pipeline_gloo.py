@@ -7,7 +7,7 @@ steady-state step (the schedule's ``step``, then AdamW's) with gradaudit.measure
 ``gradaudit.per_rank`` fits each rank in its own fake world. A plain MLP and the stock Llama (4 decoder
 layers) under GPipe and 1F1B, with 2 and 4 stages and several micro-batch counts; the MLP also under
 Interleaved1F1B and InterleavedZeroBubble (its residual form: see ResidualMLPStage) with two stages on
-each of two ranks.
+each of two ranks; and a residual MLP split by torch's ``pipeline()`` (its stages' shapes traced).
 
 What the comparison caught on its way: a send's Work in a real backend holds the tensor it sends for
 the Work's life, and 1F1B's first stage keeps the Work of its first forward send until the step ends,
@@ -41,6 +41,7 @@ WORLDS = {
     "pp_llama_gpipe_m4": 2, "pp_llama_1f1b_m4": 2, "pp_llama_gpipe_m8": 4, "pp_llama_1f1b_m8": 4,
     "pp_mlp_interleaved_m4": 2,  # two stages per rank: four stages on two ranks
     "pp_mlp_zb_m4": 2, "pp_mlp_zb_m8": 2,  # InterleavedZeroBubble: the backward split in input and weights
+    "pp_traced_1f1b_m4": 2, "pp_traced_gpipe_m4": 4,  # stages split by torch's pipeline(), shapes traced
 }
 CASES = [(b, n) for b, n in WORLDS.items()]
 

@@ -21,7 +21,7 @@ from . import optimizers
 from .largest import InputSizes, search
 from .levers import other_levers
 from .remedy import Alternative, search_levers
-from .pipeline import STAGE_NO_REMEDY, StageSizes, stage_remedy, stage_step
+from .pipeline import StageSizes, stage_remedy, stage_step
 from .result import Figures, Fit, Live, allocated, figures
 from .step import BUCKETS, CATEGORIES, GRADIENTS, STATE, Step, prepared_step
 
@@ -210,8 +210,7 @@ def _search_stage_remedy(result: Fit, memory_bytes: int, say: Callable[[str], No
                             "would have to run on every rank): fit it with gradaudit.per_rank or --world-size")
         return
     result.remedy_searched = True
-    result.remedy, notes = stage_remedy(result.live.size_search, memory_bytes, say)
-    result.no_remedy = STAGE_NO_REMEDY
+    result.remedy, result.no_remedy, notes = stage_remedy(result.live.size_search, memory_bytes, say)
     result.notes += notes
 
 

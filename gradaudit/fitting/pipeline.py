@@ -67,7 +67,11 @@ class StageSizes:
         self.step = step
         self.figures_of, self.headroom_of = figures_of, headroom_of  # a step's Figures; what it needs beside them
         self.count = micro_batch_count(step.schedule)
-        self.shape = micro_batch_shape(step.schedule)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """A micro-batch's shape (its first input's on this rank's first stage)."""
+        return micro_batch_shape(self.step.schedule)
 
     def size(self, dimension: str) -> int:
         if dimension == "micro_batches":
@@ -118,16 +122,21 @@ class StageSizes:
                                    attribute=False, notes=[])
 
 
-def stage_remedy(sizes: StageSizes, memory: int, say: Callable[[str], None]) -> tuple[Optional[Remedy], list[str]]:
+def stage_remedy(sizes: StageSizes, memory: int,
+                 say: Callable[[str], None]) -> tuple[Optional[Remedy], str, list[str]]:
     """Where a stage's step does not fit: the schedule changes that may make it, each measured, cheapest
     first: 1F1B for GPipe (fewer micro-batches in flight, the same work), then smaller micro-batches (the
     batch kept: more of them, each size dividing it), under the schedule's class and, for GPipe, 1F1B.
-    Returns (the first that fits, or None; notes)."""
+    Returns (the first that fits, or None; where none, what the fit says instead; notes)."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     schedule = sizes.step.schedule
     kinds = [type(schedule)] + ([Schedule1F1B] if type(schedule) is ScheduleGPipe else [])
-    micro = sizes.shape[0]
+    try:
+        micro = sizes.shape[0]
+    except GradauditError as error:
+        return None, "no remedy: the schedule cannot be rebuilt at another size", [
+            f"no schedule change could be measured: {error}"]
     batch = sizes.count * micro
     candidates = [(kind, micro) for kind in kinds[1:]]
     candidates += [(kind, size) for size in range(micro - 1, 0, -1)
@@ -147,9 +156,9 @@ def stage_remedy(sizes: StageSizes, memory: int, say: Callable[[str], None]) -> 
         if measured.peak_bytes + headroom <= memory:
             return Remedy(plan=None, peak_bytes=measured.peak_bytes, breakdown=measured.breakdown,
                           timeline=measured.timeline, micro_batch=size if size != micro else None, batch=batch,
-                          headroom=headroom, micro_batches=batch // size, schedule=kind.__name__), []
+                          headroom=headroom, micro_batches=batch // size, schedule=kind.__name__), "", []
     shown = "; ".join(f"{kind.__name__} with {batch // size} micro-batches of {size}: peak {peak} bytes"
                       for kind, size, peak in tried[:4])
-    return None, [f"no schedule change measured brings the stage within memory ({shown or refused or 'none to try'}):"
+    return None, STAGE_NO_REMEDY, [f"no schedule change measured brings the stage within memory ({shown or refused or 'none to try'}):"
                   f" checkpointing within the stage's module, or another split of the model over the stages, are "
                   f"the levers left"]

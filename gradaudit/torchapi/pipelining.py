@@ -70,6 +70,8 @@ def statically_shaped(stage: Any) -> bool:
     which a fake process group needs (a stage that has run a step knows them either way)."""
     if getattr(stage, "_stage_initialized", False) or getattr(stage, "args_recv_info", None):
         return True
+    if getattr(stage, "pipe_info", None) is not None:  # built by pipeline(): its shapes are the trace's
+        return True
     user = getattr(stage, "_user_meta", None)  # torch >= 2.14
     if user is not None:
         return user.inputs is not None and user.outputs is not None
@@ -91,10 +93,12 @@ def _output_metas(stage: Any) -> Any:
 
 def micro_batch_shape(schedule: Any) -> tuple[int, ...]:
     """The shape of a micro-batch's first input on this rank's first stage (its static ``input_args``)."""
-    metas = _input_metas(stages_of(schedule)[0])
+    stage = stages_of(schedule)[0]
+    metas = _input_metas(stage)
     if not metas:
-        raise GradauditError("the schedule's stage was given no input_args: build each PipelineStage with input_args "
-                             "and output_args")
+        made = "built by pipeline() (its shapes traced)" if getattr(stage, "pipe_info", None) else "given no input_args"
+        raise GradauditError(f"the schedule's stage was {made}: only a PipelineStage built with input_args and "
+                             f"output_args is rebuilt at another size")
     return tuple(metas[0].shape)
 
 
