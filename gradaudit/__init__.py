@@ -39,11 +39,13 @@ _LAZY = {
     "per_rank": ("gradaudit.ranks", "per_rank"),
     # which GPU, torch release and cuDNN target="cuda" stands for
     "assume_gpu": ("gradaudit.cuda_choices", "assume_gpu"),
+    # a call's positional and keyword arguments together: gradaudit.Args(batch, target=labels)
+    "Args": ("gradaudit.tensors", "Args"),
 }
 
 __all__ = [
     "audit", "trim", "TrimHandle", "plan", "Plan", "PlanHandle", "BudgetError", "assert_no_waste", "declare", "declare_function", "Read", "Reads", "Bit",
-    "meta_device", "fit", "Fit", "fake_world", "per_rank", "assume_gpu", "Report", "Finding", "SavedTensor", "Disagreement", "SCHEMA_VERSION",
+    "meta_device", "fit", "Fit", "fake_world", "per_rank", "assume_gpu", "Args", "Report", "Finding", "SavedTensor", "Disagreement", "SCHEMA_VERSION",
     "GradauditError", "ForwardError", "NothingRequiresGradError", "UnknownCodeError", "NoMatchingParameterError",
     "__version__",
 ]

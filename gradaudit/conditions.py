@@ -17,7 +17,7 @@ from torch import nn
 
 from .errors import GradauditError, NoMatchingParameterError
 from .meta import TARGETS, standing_for
-from .tensors import ModelTree, first_meta_parameter, iter_tensors, split_inputs
+from .tensors import Args, ModelTree, first_meta_parameter, iter_tensors, split_inputs
 from .torchapi.distributed import in_fake_world
 from .torchapi.ddp import reduce_locally
 from .torchapi.modules import hook_counts_of, module_slots
@@ -197,10 +197,8 @@ def one_stage(schedule: Any, inputs: Any) -> tuple[nn.Module, Any, str]:
         args, kwargs = split_inputs(inputs)
         first = lambda value: value.tensor_split(count)[0] if isinstance(value, torch.Tensor) else value  # noqa: E731
         kwargs = {k: first(v) for k, v in kwargs.items() if k not in ("target", "losses", "return_outputs")}
-        if args and kwargs:
-            raise GradauditError("the first stage takes positional and keyword inputs: audit its module on one "
-                                 "micro-batch (audit(stage.submod, micro_batch)), or fit the schedule")
-        batch = tuple(first(a) for a in args) if args else kwargs
+        batch = Args(*(first(a) for a in args), **kwargs) if args and kwargs else (
+            tuple(first(a) for a in args) if args else kwargs)
     else:
         examples = example_inputs(stage)
         if examples is None:

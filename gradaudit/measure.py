@@ -441,17 +441,23 @@ def measured_schedule_step_peak(schedule: Any, inputs: Any,
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     state = [t for values in optimizer.state.values() for t in iter_tensors(values)]
-    buffers = [info.buffer for stage in stages
-               for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
-               for info in (infos if isinstance(infos, (tuple, list)) else (infos,))
-               if isinstance(getattr(info, "buffer", None), torch.Tensor)]
+    # a rank running adjacent stages (V-shaped schedules) passes their outputs and gradients in place of a
+    # receive: those buffers are the last step's tensors, freed when this step replaces them
+    here = {stage.stage_index for stage in stages}
+    infos = [info for stage in stages for per in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
+             for info in (per if isinstance(per, (tuple, list)) else (per,))
+             if isinstance(getattr(info, "buffer", None), torch.Tensor)]
+    buffers = [info.buffer for info in infos if getattr(info, "source", None) not in here]
+    passed = [info.buffer for info in infos if getattr(info, "source", None) in here]
     always = {}
     for t in [*(p for m in modules for p in m.parameters()), *(b for m in modules for b in m.buffers()),
               *iter_tensors((args, kwargs)), *state, *buffers]:
         for part in local_parts(t):
             always[storage_id(part.untyped_storage())] = part.untyped_storage().nbytes()
-    del buffers
     tracker = PeakTracker(set(always))
+    # followed from the start, until freed (a comprehension: a loop's variable would keep the last alive)
+    tracker.live.update({storage_id(t.untyped_storage()): StorageWeakRef(t.untyped_storage()) for t in passed})
+    del buffers, passed, infos
     with tracker:
         step()
         optimizer.step()

@@ -1,6 +1,6 @@
 """Small tensor and storage helpers every stage may import (below them only gradaudit.torchapi).
 
-Inputs as the caller gives them (a tensor, a tuple, a dict), tensors nested in outputs, and the
+Inputs as the caller gives them (a tensor, a tuple, a dict, ``Args``), tensors nested in outputs, and the
 identity and extent of storages: the recorder, the analysis, the proof, the measurements and
 ``trim`` all count bytes by storage, with one key and one span formula.
 """
@@ -14,21 +14,44 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from .errors import GradauditError
+from .torchapi.dispatch import register_pytree_node
 from .torchapi.distributed import local_of
 from .torchapi.modules import module_slots
 from .torchapi.storages import sparse_coo_parts, storage_key
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
-__all__ = ["split_inputs", "iter_tensors", "flatten", "holds_tensors", "unique", "storage_key", "storage_span", "strided_parts",
+__all__ = ["Args", "split_inputs", "iter_tensors", "flatten", "holds_tensors", "unique", "storage_key", "storage_span", "strided_parts",
            "dtype_name", "itemsize", "tensor_attributes", "ModelTree"]
 
 
+class Args:
+    """Positional and keyword arguments together, for a call that takes both:
+    ``gradaudit.Args(batch, target=labels)`` stands for ``model(batch, target=labels)`` (or, given with a
+    pipeline schedule, ``schedule.step(batch, target=labels)``: the rank of a V-shaped schedule runs the
+    first stage and the last). A tuple alone is positional arguments, a dict alone keyword arguments."""
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __repr__(self) -> str:
+        return f"Args({', '.join([*map(repr, self.args), *(f'{k}={v!r}' for k, v in self.kwargs.items())])})"
+
+
+# what maps over inputs (to meta, scaled, ...) maps over an Args' arguments
+register_pytree_node(Args, lambda a: ([a.args, a.kwargs], None), lambda children, _: Args(*children[0], **children[1]))
+
+
 def split_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Tensor -> one positional argument; tuple -> positional arguments; dict -> keyword arguments.
+    """Tensor -> one positional argument; tuple -> positional arguments; dict -> keyword arguments;
+    ``Args`` -> its positional and keyword arguments.
 
     Anything else (a list, a custom object) is passed as one positional argument.
     """
+    if isinstance(inputs, Args):
+        return inputs.args, dict(inputs.kwargs)
     if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
         return inputs, {}
     if isinstance(inputs, dict):
@@ -42,6 +65,8 @@ def iter_tensors(value: Any, _depth: int = 0) -> Iterator[torch.Tensor]:
         return
     if isinstance(value, torch.Tensor):
         yield value
+    elif isinstance(value, Args):
+        yield from iter_tensors((value.args, value.kwargs), _depth + 1)
     elif isinstance(value, dict):  # includes transformers' ModelOutput (an OrderedDict)
         for v in value.values():
             yield from iter_tensors(v, _depth + 1)

@@ -136,6 +136,19 @@ class Lifetimes(TorchDispatchMode):
         # storage lives): its weak reference's callback runs when the storage is freed
         self._references[key] = weakref.ref(storage, functools.partial(self._freed, key))
 
+    def adopt(self, tensors: Iterable[torch.Tensor], op: str) -> list[Life]:
+        """Follow the storages of ``tensors``, made before the tracking began (by ``op``), as alive from
+        the first sample until freed: what a previous step left that this one frees. Their lives."""
+        self._op = op
+        tensors = list(tensors)
+        for t in tensors:
+            for part in strided_parts(t):
+                self._note(part.untyped_storage())
+        adopted = [self.live[key] for key in keys_of(tensors) if key in self.live]
+        for life in adopted:
+            life.born = max(life.born, 1)  # sample 1 is the first a sweep counts
+        return adopted
+
     def _freed(self, key: int, _reference: Any) -> None:
         life = self.live.pop(key, None)
         self._references.pop(key, None)

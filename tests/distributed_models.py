@@ -210,6 +210,16 @@ def llama_ddp(rank: int, world_size: int):
     return _data_parallel(_llama(), bucket_cap_mb=0.1), _llama_inputs()
 
 
+def resnet_ddp(rank: int, world_size: int):
+    """torchvision's ResNet-18 (10 classes) in training under DDP with 1 MiB buckets, its batch norms'
+    running statistics broadcast from rank 0 before each forward (DDP's default broadcast_buffers)."""
+    from torchvision.models import resnet18
+
+    torch.manual_seed(0)
+    inputs = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    return _data_parallel(Summed(resnet18(num_classes=10)), bucket_cap_mb=1), inputs
+
+
 # -- pipeline parallelism: one stage per rank -----------------------------------------------------
 #
 # The Llama's stages are examples/pipeline_llama.py's (its layers, the embedding on the first stage, the
@@ -217,8 +227,11 @@ def llama_ddp(rank: int, world_size: int):
 #
 # ``pp_{model}_{schedule}_m{M}`` (e.g. pp_mlp_1f1b_m4): a model split into as many stages as the world
 # has ranks, this rank's stage under ``torch.distributed.pipelining``'s schedule ("gpipe", "1f1b"; for the
-# MLP also "interleaved": two stages per rank under Interleaved1F1B) with M micro-batches; it returns (schedule, what this rank's ``schedule.step`` takes): the batch on the first
-# stage, ``{"target": ...}`` on the last, nothing between. Each PipelineStage is given its shapes
+# MLP also two stages per rank: "interleaved" (Interleaved1F1B), "zb" (InterleavedZeroBubble), "zbv" and
+# "dualpipev", V-shaped) with M micro-batches. Models: "mlp" (MLPStage), "ckpt" (each stage's MLP under
+# activation checkpointing), "llama", "traced" (split by torch's pipeline()). It returns (schedule, what
+# this rank's ``schedule.step`` takes): the batch on the first stage, ``{"target": ...}`` on the last,
+# nothing between (``gradaudit.Args`` of both on a rank that runs both). Each PipelineStage is given its shapes
 # (input_args, output_args: a fake process group cannot infer them at run time), the activations
 # passed between stages requiring grad (else the next stage sends no gradient back, and a real run
 # waits for it forever).
@@ -267,9 +280,21 @@ def _interleaved_mlp(micro_batches: int, rank: int, world_size: int, schedule: s
             "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}[schedule]
     built = getattr(schedules, kind)(stages, n_microbatches=micro_batches,
                                      loss_fn=lambda output, target: F.mse_loss(output, target))
-    if v_shaped:  # rank 0 runs the first stage and the last: the batch and the target, by keyword
-        return built, {"x": batch, "target": target} if rank == 0 else ()
+    if v_shaped:  # rank 0 runs the first stage and the last: step(batch, target=target)
+        from gradaudit import Args
+
+        return built, Args(batch, target=target) if rank == 0 else ()
     return built, (batch,) if rank == 0 else ({"target": target} if rank == world_size - 1 else ())
+
+
+class CheckpointedMLPStage(ResidualMLPStage):
+    """ResidualMLPStage with its MLP under activation checkpointing (non-reentrant): the stage holds each
+    micro-batch's input only, and recomputes the MLP in its backward (``ckpt``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return x + checkpoint(MLPStage.forward, self, x, use_reentrant=False)
 
 
 class ResidualMLP(nn.Module):
@@ -316,9 +341,9 @@ def _pipeline(model: str, schedule: str, micro_batches: int, rank: int, world_si
     first, last = rank == 0, rank == world_size - 1
     data = torch.Generator().manual_seed(1)
     size = PP_BATCH // micro_batches
-    if model == "mlp":
+    if model in ("mlp", "ckpt"):
         torch.manual_seed(rank)
-        stage_module = MLPStage()
+        stage_module = MLPStage() if model == "mlp" else CheckpointedMLPStage()
         batch = torch.randn(PP_BATCH, SEQ, D, generator=data)
         target = torch.randn(PP_BATCH, SEQ, D, generator=data)
         example_in = torch.randn(size, SEQ, D, requires_grad=not first)
@@ -358,7 +383,8 @@ def _pipeline(model: str, schedule: str, micro_batches: int, rank: int, world_si
 def __getattr__(name: str):
     """``pp_{model}_{schedule}_m{M}`` builders (see above)."""
     parts = name.split("_")
-    if len(parts) == 4 and parts[0] == "pp" and parts[1] in ("mlp", "llama", "traced") and parts[3].startswith("m"):
+    if len(parts) == 4 and parts[0] == "pp" and parts[1] in ("mlp", "ckpt", "llama", "traced") and \
+            parts[3].startswith("m"):
         model, schedule, micro_batches = parts[1], parts[2], int(parts[3][1:])
         return lambda rank, world_size: _pipeline(model, schedule, micro_batches, rank, world_size)
     raise AttributeError(name)

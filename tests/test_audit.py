@@ -52,6 +52,23 @@ def test_a_tuple_is_positional_arguments_and_a_dict_keyword_arguments():
     assert by_tuple.saved_bytes == by_dict.saved_bytes == 2 * 3 * 5 * 4  # 120: two tanh results
 
 
+def test_args_are_positional_and_keyword_arguments_together():
+    """``gradaudit.Args(x, y=y)`` calls ``model(x, y=y)``: the same audit as the tuple's and the dict's,
+    on the CPU and beside a meta model (its tensors moved to meta, as a tuple's are), and a fit's batch
+    scales through it."""
+    model = TwoArgs()
+    x, y = torch.randn(3, 6), torch.randn(3, 6)
+    mixed = gradaudit.audit(model, gradaudit.Args(x, y=y))
+    assert _tanh_results(mixed) == ["", ""] and mixed.saved_bytes == 2 * 3 * 5 * 4  # 120, as by tuple
+    with gradaudit.meta_device():
+        on_meta = TwoArgs()
+    assert gradaudit.audit(on_meta, gradaudit.Args(x, y=y)).saved_bytes == 120
+    fitted = gradaudit.fit(model, gradaudit.Args(x, y=y), memory="1MiB")
+    assert fitted.live.size_search.measure("batch", 6)[0] == gradaudit.fit(
+        model, gradaudit.Args(torch.cat([x, x]), y=torch.cat([y, y])), memory="1MiB").peak_bytes
+    assert repr(gradaudit.Args(1, y=2)) == "Args(1, y=2)"
+
+
 def test_anything_else_is_one_positional_argument():
     class TakesList(nn.Module):
         def __init__(self):

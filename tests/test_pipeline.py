@@ -189,6 +189,32 @@ def test_a_stage_split_by_torchs_pipeline_fits_and_says_what_it_cannot_rebuild()
             fitted.largest("batch")
 
 
+def test_a_v_shaped_rank_keeps_what_its_stages_pass_each_other():
+    """ZBVZeroBubble over 4 stages on 2 ranks: rank 1 runs stages 1 and 2, adjacent. Stage 1's output for
+    each micro-batch is stage 2's input, and stage 2's input gradient stage 1's output gradient, passed in
+    place of a send, and (before torch 2.15) kept in the receiving stage's receive info until the next step
+    replaces it. The step followed is the second: the first's 2 * 4 passed tensors (8*16*64*4 = 32768
+    bytes each) alive at its start and freed as it replaces them, its own 8 alive at its end, beside the
+    8 buffers rank 1 receives from rank 0, kept throughout. (Checked against real gloo runs in
+    test_pipeline_gloo.py.) Rank 0 runs the first stage and the last: ``step(batch, target=target)``,
+    given as ``gradaudit.Args``."""
+    from distributed_models import pp_mlp_zbv_m4
+
+    with fake_world(2, 1):
+        fitted = gradaudit.fit(*pp_mlp_zbv_m4(1, 2), memory="1GiB")
+    passed = sorted((life.op, life.nbytes, life.died is None) for life in fitted.live.run.lives
+                    if life.category.value == "pipeline_buffers")
+    if PER_RECEIVE:  # torch 2.15 hands each received or passed tensor to the computation and keeps none
+        assert passed == [] and "pipeline_buffers" not in fitted.breakdown
+    else:
+        assert passed == [("add", 32768, True)] * 8 + [("the last step's pass", 32768, False)] * 8
+        assert fitted.live.run.persistent["pipeline_buffers"] == [32768] * 8
+        assert any("adjacent stages pass each other" in note for note in fitted.notes)
+    with fake_world(2, 0):
+        first = gradaudit.fit(*pp_mlp_zbv_m4(0, 2), memory="1GiB")
+    assert first.model == "ScheduleZBVZeroBubble, stages 0, 3 of 4, 4 micro-batches"
+
+
 CLI_FACTORY = '''
 import sys
 import torch.distributed as dist

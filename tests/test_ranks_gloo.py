@@ -42,12 +42,12 @@ WORLDS = {
     "linear_tp": 2,
     "mlp_ddp": 2,
     "mlp_ddp_view": 2,
-    **({"resnet_fsdp2": 2} if HAS_TV else {}),
+    **({"resnet_fsdp2": 2, "resnet_ddp": 2} if HAS_TV else {}),
     **({"llama_fsdp2": 2, "llama_tp": 2, "llama_tp_sp": 2, "llama_fsdp2_tp": 4, "llama_ddp": 2} if HAS_HF else {}),
 }
 ALL = ["linear_fsdp2", "linear_tp", "resnet_fsdp2", "llama_fsdp2", "llama_tp", "llama_tp_sp", "llama_fsdp2_tp",
-       "mlp_ddp", "mlp_ddp_view", "llama_ddp"]
-DDP = ["mlp_ddp", "mlp_ddp_view", "llama_ddp"]
+       "mlp_ddp", "mlp_ddp_view", "llama_ddp", "resnet_ddp"]
+DDP = ["mlp_ddp", "mlp_ddp_view", "llama_ddp", "resnet_ddp"]
 # no FSDP2: no reduce-scatter, peaks comparable (DDP's all-reduce works in place on its buckets)
 NO_FSDP = ["linear_tp", "llama_tp", "llama_tp_sp", *DDP]
 

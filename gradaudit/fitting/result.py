@@ -112,7 +112,8 @@ def figures(run: StepRun, target: str) -> Figures:
     from .allocator import replay
 
     # DDP's gradient buckets and a pipeline stage's buffers are categories where there are some
-    categories = tuple(c for c in CATEGORIES if c not in (BUCKETS, STAGE_BUFFERS) or run.persistent.get(c))
+    categories = tuple(c for c in CATEGORIES if c not in (BUCKETS, STAGE_BUFFERS) or run.persistent.get(c)
+                       or any(life.category == c for life in run.lives))
     steady = {c: sum(allocated(n, target) for n in run.persistent.get(c, ())) for c in categories}
     samples = sum(count for _, count in run.phases)
     rows = sweep(run.lives, samples, categories, lambda n: allocated(n, target))

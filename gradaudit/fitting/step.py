@@ -40,7 +40,8 @@ from ..tensors import default_loss, first_meta_parameter, iter_tensors, split_in
 from ..torchapi.autograd import current_node, node_sequence_number
 from ..torchapi.ddp import bucket_view_setting, buckets_seen, no_sync
 from ..torchapi.distributed import in_fake_world, local_of
-from ..torchapi.pipelining import following_chunks, sends_held_by_their_work, stage_buffers, stages_of
+from ..torchapi.pipelining import (following_chunks, passes_between_own_stages, sends_held_by_their_work,
+                                   stage_buffers, stages_of)
 from ..torchapi.optimizers import fused_optimizers_on_meta
 from ..tracking import Category, Life, Lifetimes, forward_backward, keys_of
 from . import optimizers
@@ -163,7 +164,7 @@ class Step:
                     micro = _micro_batches(self, args, kwargs, lifetimes, gemms)
             notes += _buckets_apart(lifetimes, buckets, persistent, model)
             if self.schedule is not None:
-                notes += _stage_buffers_apart(lifetimes, self.schedule, persistent)
+                notes += _stage_buffers_apart(lifetimes, self.schedule, persistent, len(micro.passed))
             if self.target == "cuda":
                 persistent.sizes[WORKSPACES], note = _workspaces(micro.forward_gemms, gemms.minus(micro.forward_gemms))
                 notes += [note] if note else []
@@ -278,6 +279,9 @@ class _MicroBatches:
     # a pipeline schedule's step: what a forward made and the step still holds at its end (the last
     # stage's output chunks, its losses) is kept until the next step, not held for a backward
     kept_over: bool = False
+    # lives of what a V-shaped schedule's stages pass each other, kept in their receive infos until the next
+    # step replaces them (the previous step's, followed from the start, and this one's): by identity
+    passed: set[int] = field(default_factory=set)
 
     def note_gradients(self, lifetimes: Lifetimes, tensors: Sequence[torch.Tensor]) -> None:
         """The lives that are the gradients of ``tensors`` now (when a backward ends)."""
@@ -342,15 +346,23 @@ def _buckets_apart(lifetimes: Lifetimes, buckets: Sequence[torch.Tensor], persis
             f"in the fake process group they are reduced by no communication"]
 
 
-def _stage_buffers_apart(lifetimes: Lifetimes, schedule: Any, persistent: _Persistent) -> list[str]:
-    """A pipeline stage's receive buffers, alive throughout from its first step on; the note saying so."""
-    buffers = [b for stage in stages_of(schedule) for b in stage_buffers(stage)]
+def _stage_buffers_apart(lifetimes: Lifetimes, schedule: Any, persistent: _Persistent, passed: int) -> list[str]:
+    """A pipeline stage's receive buffers, alive throughout from its first step on (but those its rank's
+    own stages fill: their ``passed`` lives are the step's); the notes saying so."""
+    stages = stages_of(schedule)
+    here = {stage.stage_index for stage in stages}
+    buffers = [b for stage in stages for b in stage_buffers(stage, passed=False, here=here)]
     nbytes = _alive_throughout(lifetimes, buffers, persistent, STAGE_BUFFERS)
-    if not nbytes:
-        return []
-    return [f"the pipeline stage keeps {len(buffers)} receive buffers ({nbytes} bytes) from its first step on: for "
-            f"each micro-batch, the activations it is sent (every stage but the first) and the gradients sent back "
-            f"to it (every stage but the last)"]
+    notes = []
+    if nbytes:
+        notes.append(f"the pipeline stage keeps {len(buffers)} receive buffers ({nbytes} bytes) from its first step "
+                     f"on: for each micro-batch, the activations it is sent (every stage but the first) and the "
+                     f"gradients sent back to it (every stage but the last)")
+    if passed:
+        notes.append("this rank's adjacent stages pass each other their outputs and gradients, which stay in the "
+                     "receiving stage's buffers until the next step replaces them (pipeline_buffers): the step "
+                     "followed is the second, which starts with the first's")
+    return notes
 
 
 def _scheduled(step: Step, args: tuple, kwargs: dict, lifetimes: Lifetimes, gemms: GemmCount) -> _MicroBatches:
@@ -374,15 +386,21 @@ def _scheduled(step: Step, args: tuple, kwargs: dict, lifetimes: Lifetimes, gemm
             micro.note_gradients(lifetimes, list(step.model.parameters()))
 
     region = torch.autocast(step.target, dtype=step.autocast) if step.autocast is not None else contextlib.nullcontext()
-    held = sends_held_by_their_work() if in_fake_world() else contextlib.nullcontext()
-    with lifetimes, following_chunks(stages, begin, end), held, region:
-        try:
-            output = step.schedule.step(*args, **kwargs)
-        except GradauditError:
-            raise
-        except Exception as error:
-            raise ForwardError(f"the schedule's step raised {type(error).__name__}: {error}") from error
-        del output  # the last stage's merged output: the training loop drops it (its chunks stay, the stage's)
+    held = sends_held_by_their_work if in_fake_world() else contextlib.nullcontext
+    here = {stage.stage_index for stage in stages}
+    if passes_between_own_stages(step.schedule):
+        # what its stages pass each other stays in their receive infos until the next step replaces it: a
+        # step first, so that the followed one starts as a training loop's does, with the last step's
+        with held(), region:
+            _schedule_step(step.schedule, args, kwargs)
+        for parameter in step.model.parameters():
+            parameter.grad = None  # zero_grad(set_to_none=True) after it
+        micro.passed |= {id(life) for life in lifetimes.adopt(
+            [b for stage in stages for b in stage_buffers(stage, passed=True, here=here)], "the last step's pass")}
+    with lifetimes, following_chunks(stages, begin, end), held(), region:
+        _schedule_step(step.schedule, args, kwargs)
+    passed = keys_of([b for stage in stages for b in stage_buffers(stage, passed=True, here=here)])
+    micro.passed |= {id(lifetimes.live[key]) for key in passed if key in lifetimes.live}
     lifetimes.close()
     ends = [start for _, start in starts[1:]] + [lifetimes.samples]
     first = starts[0][1] if starts else lifetimes.samples
@@ -391,11 +409,26 @@ def _scheduled(step: Step, args: tuple, kwargs: dict, lifetimes: Lifetimes, gemm
     return micro
 
 
+def _schedule_step(schedule: Any, args: tuple, kwargs: dict) -> None:
+    """``schedule.step(*args, **kwargs)``, its merged output dropped as a training loop drops it (its
+    chunks stay, the stage's); what it raises said as the forward's error."""
+    try:
+        output = schedule.step(*args, **kwargs)
+    except GradauditError:
+        raise
+    except Exception as error:
+        raise ForwardError(f"the schedule's step raised {type(error).__name__}: {error}") from error
+    del output
+
+
 def _categorise(lives: Sequence[Life], gradient_keys: set[int], micro: _MicroBatches) -> None:
-    """Each life's category: a gradient alive at the end (or one when a backward ended), an activation
-    held from a forward into its backward (the loss aside), else a temporary."""
+    """Each life's category: what a V-shaped schedule's stages pass each other, kept for the next step, a
+    pipeline buffer; a gradient alive at the end (or one when a backward ended), an activation held from
+    a forward into its backward (the loss aside), else a temporary."""
     for life in lives:
-        if (life.died is None and life.key in gradient_keys) or id(life) in micro.gradients:
+        if id(life) in micro.passed:
+            life.category = STAGE_BUFFERS
+        elif (life.died is None and life.key in gradient_keys) or id(life) in micro.gradients:
             life.category = GRADIENTS
         elif id(life) in micro.held and id(life) not in micro.losses and not (micro.kept_over and life.died is None):
             life.category = ACTIVATIONS

@@ -8,7 +8,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (the storage trackers' base)
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass  # noqa: F401  (measure's wrappers)
-from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401
+from torch.utils._pytree import register_pytree_node, tree_flatten, tree_map  # noqa: F401
 
 
 def without_dispatch_modes() -> Any:

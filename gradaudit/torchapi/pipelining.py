@@ -53,16 +53,27 @@ def micro_batch_count(schedule: Any) -> int:
     return int(schedule._n_microbatches)
 
 
-def stage_buffers(stage: Any) -> list[torch.Tensor]:
+def stage_buffers(stage: Any, passed: Optional[bool] = None, here: Any = ()) -> list[torch.Tensor]:
     """The receive buffers ``stage`` has allocated (none before its first step): the activations of each
-    micro-batch and the gradients sent back for each."""
+    micro-batch and the gradients sent back for each. ``passed``: True, only those a stage on this rank
+    fills (their sources among the stage indices ``here``: a V-shaped schedule passes the outputs between
+    a rank's adjacent stages, each buffer then the other stage's tensor, kept until the next step replaces
+    it); False, only the others; None, all."""
     buffers = []
     for infos in [*getattr(stage, "args_recv_info", {}).values(), *getattr(stage, "grad_recv_info", {}).values()]:
         for info in infos if isinstance(infos, (tuple, list)) else (infos,):
             buffer = getattr(info, "buffer", None)
             if isinstance(buffer, torch.Tensor) and not getattr(info, "is_root_arg", False):
-                buffers.append(buffer)
+                if passed is None or (getattr(info, "source", None) in here) == passed:
+                    buffers.append(buffer)
     return buffers
+
+
+def passes_between_own_stages(schedule: Any) -> bool:
+    """Whether this rank runs two adjacent stages (a V-shaped schedule: ZBVZeroBubble, DualPipeV), which
+    pass their outputs and gradients to each other in place of a send and a receive."""
+    indices = {stage.stage_index for stage in stages_of(schedule)}
+    return any(index + 1 in indices for index in indices)
 
 
 def statically_shaped(stage: Any) -> bool:
