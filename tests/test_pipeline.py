@@ -177,7 +177,7 @@ def test_a_stage_that_does_not_fit_gets_a_schedule_change():
 def test_a_stage_split_by_torchs_pipeline_fits_and_says_what_it_cannot_rebuild():
     """A stage built by ``pipeline()`` knows its shapes from the trace (no run-time inference): fit runs its
     schedule (checked against real gloo runs in test_pipeline_gloo.py); rebuilding it at another size would
-    need another trace, so largest() and the remedy say so."""
+    need another trace, so largest() and the remedy say so. Its audit runs on the trace's shapes."""
     from distributed_models import pp_traced_1f1b_m4
 
     with fake_world(2, 0):
@@ -187,6 +187,12 @@ def test_a_stage_split_by_torchs_pipeline_fits_and_says_what_it_cannot_rebuild()
         assert any("built by pipeline() (its shapes traced)" in note for note in fitted.notes)
         with pytest.raises(GradauditError, match=r"built by pipeline\(\) \(its shapes traced\)"):
             fitted.largest("batch")
+    # the audit of a traced stage past the first runs its module on zeros shaped as the trace's placeholders:
+    # two residual blocks of Linear(64, 256), ReLU, Linear(256, 64) on a micro-batch of (8, 16, 64): each
+    # ReLU's result (8*16*256*4 = 131072 bytes) and the second block's input (the first's sum, 8*16*64*4 =
+    # 32768 bytes), 294912; the stage's own input is the caller's, not held
+    with fake_world(2, 1):
+        assert gradaudit.audit(*pp_traced_1f1b_m4(1, 2)).saved_bytes == 2 * 131072 + 32768 == 294912
 
 
 def test_a_v_shaped_rank_keeps_what_its_stages_pass_each_other():

@@ -216,7 +216,9 @@ class Fit:
         return "bytes of the storages alive, as the CPU allocator is asked for them"
 
     def largest(self, dimension: str = "batch") -> int:
-        """The largest batch (``"batch"``) or sequence length (``"seq"``) whose step fits ``memory``."""
+        """The largest batch (``"batch"``) or sequence length (``"seq"``) whose step fits ``memory``; for a
+        pipeline stage, its micro-batch (``"batch"``, their count kept), their ``"seq"``, or their count
+        (``"micro_batches"``), the schedule rebuilt at each (fitting/pipeline.py)."""
         from .largest import largest
 
         return largest(self, dimension)

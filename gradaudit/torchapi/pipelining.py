@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import types
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -185,10 +186,26 @@ def _restaged(stage: Any, resize: Callable[[tuple[int, ...]], tuple[int, ...]]) 
                          dw_builder=stage.dw_builder, **shapes)
 
 
+def _traced_input_metas(stage: Any) -> Optional[list[Any]]:
+    """The shapes of a stage built by ``pipeline()`` (its submodule's placeholders as traced: the values
+    the trace saw, requiring grad where a backward sends a gradient back, as its receive buffers do), or
+    None for any other stage."""
+    graph = getattr(getattr(stage, "submod", None), "graph", None)
+    if getattr(stage, "pipe_info", None) is None or graph is None:
+        return None
+    metas = []
+    for node in graph.nodes:
+        if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
+            value = node.meta["val"]
+            metas.append(types.SimpleNamespace(shape=value.shape, stride=value.stride(), dtype=value.dtype,
+                                               requires_grad=value.is_floating_point() and stage.stage_index > 0))
+    return metas
+
+
 def example_inputs(stage: Any) -> Optional[list[torch.Tensor]]:
     """Tensors like one micro-batch's inputs of ``stage`` (zeros of its static ``input_args``' shapes,
     strides and dtypes, requiring grad as they did, on the stage's device); None where it was given none."""
-    metas = _input_metas(stage)
+    metas = _input_metas(stage) or _traced_input_metas(stage)
     if not metas:
         return None
     device = getattr(stage, "device", None) or torch.device("cpu")
