@@ -40,19 +40,19 @@ pytestmark = [
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 
-# builder -> world size (the number of stages)
-WORLDS = {
-    "pp_mlp_gpipe_m2": 2, "pp_mlp_gpipe_m8": 2, "pp_mlp_1f1b_m2": 2, "pp_mlp_1f1b_m8": 2,
-    "pp_mlp_gpipe_m4": 4, "pp_mlp_1f1b_m4": 4, "pp_mlp_1f1b_m8": 4,
-    "pp_llama_gpipe_m4": 2, "pp_llama_1f1b_m4": 2, "pp_llama_gpipe_m8": 4, "pp_llama_1f1b_m8": 4,
-    "pp_mlp_interleaved_m4": 2,  # two stages per rank: four stages on two ranks
-    "pp_mlp_zb_m4": 2, "pp_mlp_zb_m8": 2,  # InterleavedZeroBubble: the backward split in input and weights
-    "pp_traced_1f1b_m4": 2, "pp_traced_gpipe_m4": 4,  # stages split by torch's pipeline(), shapes traced
-    "pp_ckpt_1f1b_m4": 2, "pp_ckpt_gpipe_m4": 2,  # each stage's MLP under activation checkpointing
+# (builder, world size: the number of stages); a builder may run in worlds of several sizes
+WORLDS = [
+    ("pp_mlp_gpipe_m2", 2), ("pp_mlp_gpipe_m8", 2), ("pp_mlp_1f1b_m2", 2), ("pp_mlp_1f1b_m8", 2),
+    ("pp_mlp_gpipe_m4", 4), ("pp_mlp_1f1b_m4", 4), ("pp_mlp_1f1b_m8", 4),
+    ("pp_llama_gpipe_m4", 2), ("pp_llama_1f1b_m4", 2), ("pp_llama_gpipe_m8", 4), ("pp_llama_1f1b_m8", 4),
+    ("pp_mlp_interleaved_m4", 2),  # two stages per rank: four stages on two ranks
+    ("pp_mlp_zb_m4", 2), ("pp_mlp_zb_m8", 2),  # InterleavedZeroBubble: the backward split in input and weights
+    ("pp_traced_1f1b_m4", 2), ("pp_traced_gpipe_m4", 4),  # stages split by torch's pipeline(), shapes traced
+    ("pp_ckpt_1f1b_m4", 2), ("pp_ckpt_gpipe_m4", 2),  # each stage's MLP under activation checkpointing
     # V-shaped: rank 0 runs stages 0 and 3, rank 1 stages 1 and 2, which pass each other their tensors
-    "pp_mlp_zbv_m4": 2, "pp_mlp_dualpipev_m4": 2, "pp_mlp_dualpipev_m8": 2,
-}
-CASES = [(b, n) for b, n in WORLDS.items()]
+    ("pp_mlp_zbv_m4", 2), ("pp_mlp_dualpipev_m4", 2), ("pp_mlp_dualpipev_m8", 2),
+]
+CASES = list(WORLDS)
 
 
 def _v_on_gloo() -> bool:
@@ -75,7 +75,7 @@ def _why_not(builder: str) -> str:
 
 
 def _builders(size: int) -> list[str]:
-    return [b for b, n in WORLDS.items() if n == size and not _why_not(b)]
+    return [b for b, n in WORLDS if n == size and not _why_not(b)]
 
 
 def _fit(builder: str, world_size: int) -> dict[int, "object"]:
@@ -95,9 +95,9 @@ def _fit(builder: str, world_size: int) -> dict[int, "object"]:
 def runs():
     """{(builder, world size): (real figures by rank, gradaudit's Fit by rank)}."""
     worlds = {size: World([f"distributed_models:{b}" for b in _builders(size)], size, timeout=600)
-              for size in sorted(set(WORLDS.values()))}
+              for size in sorted({n for _, n in WORLDS})}
     try:
-        fitted = {(b, n): _fit(b, n) for b, n in WORLDS.items() if b in _builders(n)}
+        fitted = {(b, n): _fit(b, n) for b, n in WORLDS if b in _builders(n)}
         real = {}
         for size, world in worlds.items():
             for name, ranks in world.result().items():

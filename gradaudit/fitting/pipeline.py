@@ -159,6 +159,7 @@ def stage_remedy(sizes: StageSizes, memory: int,
                           headroom=headroom, micro_batches=batch // size, schedule=kind.__name__), "", []
     shown = "; ".join(f"{kind.__name__} with {batch // size} micro-batches of {size}: peak {peak} bytes"
                       for kind, size, peak in tried[:4])
-    return None, STAGE_NO_REMEDY, [f"no schedule change measured brings the stage within memory ({shown or refused or 'none to try'}):"
-                  f" checkpointing within the stage's module, or another split of the model over the stages, are "
-                  f"the levers left"]
+    return None, STAGE_NO_REMEDY, [
+        f"no schedule change measured brings the stage within memory ({shown or refused or 'none to try'}): "
+        f"checkpointing within the stage's module, or another split of the model over the stages, are the "
+        f"levers left"]

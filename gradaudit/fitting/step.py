@@ -40,8 +40,8 @@ from ..tensors import default_loss, first_meta_parameter, iter_tensors, split_in
 from ..torchapi.autograd import current_node, node_sequence_number
 from ..torchapi.ddp import bucket_view_setting, buckets_seen, no_sync
 from ..torchapi.distributed import in_fake_world, local_of
-from ..torchapi.pipelining import (following_chunks, passes_between_own_stages, sends_held_by_their_work,
-                                   stage_buffers, stages_of)
+from ..torchapi.pipelining import (following_chunks, passes_between_own_stages, received_buffers,
+                                   sends_held_by_their_work, stages_of)
 from ..torchapi.optimizers import fused_optimizers_on_meta
 from ..tracking import Category, Life, Lifetimes, forward_backward, keys_of
 from . import optimizers
@@ -349,9 +349,7 @@ def _buckets_apart(lifetimes: Lifetimes, buckets: Sequence[torch.Tensor], persis
 def _stage_buffers_apart(lifetimes: Lifetimes, schedule: Any, persistent: _Persistent, passed: int) -> list[str]:
     """A pipeline stage's receive buffers, alive throughout from its first step on (but those its rank's
     own stages fill: their ``passed`` lives are the step's); the notes saying so."""
-    stages = stages_of(schedule)
-    here = {stage.stage_index for stage in stages}
-    buffers = [b for stage in stages for b in stage_buffers(stage, passed=False, here=here)]
+    buffers = received_buffers(schedule, passed=False)
     nbytes = _alive_throughout(lifetimes, buffers, persistent, STAGE_BUFFERS)
     notes = []
     if nbytes:
@@ -387,7 +385,6 @@ def _scheduled(step: Step, args: tuple, kwargs: dict, lifetimes: Lifetimes, gemm
 
     region = torch.autocast(step.target, dtype=step.autocast) if step.autocast is not None else contextlib.nullcontext()
     held = sends_held_by_their_work if in_fake_world() else contextlib.nullcontext
-    here = {stage.stage_index for stage in stages}
     if passes_between_own_stages(step.schedule):
         # what its stages pass each other stays in their receive infos until the next step replaces it: a
         # step first, so that the followed one starts as a training loop's does, with the last step's
@@ -395,11 +392,11 @@ def _scheduled(step: Step, args: tuple, kwargs: dict, lifetimes: Lifetimes, gemm
             _schedule_step(step.schedule, args, kwargs)
         for parameter in step.model.parameters():
             parameter.grad = None  # zero_grad(set_to_none=True) after it
-        micro.passed |= {id(life) for life in lifetimes.adopt(
-            [b for stage in stages for b in stage_buffers(stage, passed=True, here=here)], "the last step's pass")}
+        micro.passed |= {id(life) for life in lifetimes.adopt(received_buffers(step.schedule, passed=True),
+                                                                "the last step's pass")}
     with lifetimes, following_chunks(stages, begin, end), held(), region:
         _schedule_step(step.schedule, args, kwargs)
-    passed = keys_of([b for stage in stages for b in stage_buffers(stage, passed=True, here=here)])
+    passed = keys_of(received_buffers(step.schedule, passed=True))
     micro.passed |= {id(lifetimes.live[key]) for key in passed if key in lifetimes.live}
     lifetimes.close()
     ends = [start for _, start in starts[1:]] + [lifetimes.samples]

@@ -54,19 +54,22 @@ def micro_batch_count(schedule: Any) -> int:
     return int(schedule._n_microbatches)
 
 
-def stage_buffers(stage: Any, passed: Optional[bool] = None, here: Any = ()) -> list[torch.Tensor]:
-    """The receive buffers ``stage`` has allocated (none before its first step): the activations of each
-    micro-batch and the gradients sent back for each. ``passed``: True, only those a stage on this rank
-    fills (their sources among the stage indices ``here``: a V-shaped schedule passes the outputs between
-    a rank's adjacent stages, each buffer then the other stage's tensor, kept until the next step replaces
-    it); False, only the others; None, all."""
+def received_buffers(schedule: Any, passed: bool) -> list[torch.Tensor]:
+    """The receive buffers this rank's stages hold (none before their first step): the activations of each
+    micro-batch and the gradients sent back for each. ``passed``: False, those other ranks send into
+    (allocated once, kept); True, those this rank's own adjacent stages fill (a V-shaped schedule passes
+    their outputs and gradients in place of a send: each buffer then the other stage's tensor, kept until
+    the next step replaces it)."""
+    stages = stages_of(schedule)
+    here = {stage.stage_index for stage in stages}
     buffers = []
-    for infos in [*getattr(stage, "args_recv_info", {}).values(), *getattr(stage, "grad_recv_info", {}).values()]:
-        for info in infos if isinstance(infos, (tuple, list)) else (infos,):
-            buffer = getattr(info, "buffer", None)
-            if isinstance(buffer, torch.Tensor) and not getattr(info, "is_root_arg", False):
-                if passed is None or (getattr(info, "source", None) in here) == passed:
-                    buffers.append(buffer)
+    for stage in stages:
+        for infos in [*getattr(stage, "args_recv_info", {}).values(), *getattr(stage, "grad_recv_info", {}).values()]:
+            for info in infos if isinstance(infos, (tuple, list)) else (infos,):
+                buffer = getattr(info, "buffer", None)
+                if isinstance(buffer, torch.Tensor) and not getattr(info, "is_root_arg", False):
+                    if (getattr(info, "source", None) in here) == passed:
+                        buffers.append(buffer)
     return buffers
 
 
@@ -166,12 +169,7 @@ def _restaged(stage: Any, resize: Callable[[tuple[int, ...]], tuple[int, ...]]) 
         if not isinstance(meta, torch.Tensor) and not hasattr(meta, "stride"):
             raise GradauditError(f"a stage given {type(meta).__name__} shapes (DTensor) cannot be rebuilt at another "
                                  f"size")
-        shape = tuple(meta.shape)
-        stride = meta.stride() if callable(meta.stride) else meta.stride
-        new = resize(shape)
-        made = (torch.empty_strided(shape, tuple(stride), dtype=meta.dtype, device="meta") if new == shape else
-                torch.empty(new, dtype=meta.dtype, device="meta"))
-        return made.requires_grad_(bool(meta.requires_grad)) if made.is_floating_point() else made
+        return _made_like(meta, torch.device("meta"), resize(tuple(meta.shape)))
 
     user = getattr(stage, "_user_meta", None)
     if user is not None and user.has_dtensors():
@@ -209,12 +207,19 @@ def example_inputs(stage: Any) -> Optional[list[torch.Tensor]]:
     if not metas:
         return None
     device = getattr(stage, "device", None) or torch.device("cpu")
-    tensors = []
-    for meta in metas:
-        stride = meta.stride() if callable(meta.stride) else meta.stride
-        made = torch.empty_strided(tuple(meta.shape), tuple(stride), dtype=meta.dtype, device=device)
-        tensors.append((made.zero_() if made.device.type != "meta" else made).requires_grad_(bool(meta.requires_grad)))
-    return tensors
+    return [_made_like(meta, device, zeroed=True) for meta in metas]
+
+
+def _made_like(meta: Any, device: Any, shape: Optional[tuple[int, ...]] = None, zeroed: bool = False) -> torch.Tensor:
+    """A tensor as ``meta`` describes one (its shape and strides, or ``shape``, contiguous; its dtype), on
+    ``device``, zeros where ``zeroed`` (not on meta), requiring grad as it did where it is floating."""
+    own = tuple(meta.shape)
+    stride = meta.stride() if callable(meta.stride) else meta.stride
+    made = (torch.empty_strided(own, tuple(stride), dtype=meta.dtype, device=device) if shape in (None, own) else
+            torch.empty(shape, dtype=meta.dtype, device=device))
+    if zeroed and made.device.type != "meta":
+        made.zero_()
+    return made.requires_grad_(bool(meta.requires_grad)) if made.is_floating_point() else made
 
 
 def sends_no_gradient_back(stage: Any) -> bool:
