@@ -48,13 +48,26 @@ def assert_identical(plain: list, trimmed: list) -> None:
 
 
 def plain_and_trimmed(model: nn.Module, inputs, **trim_options) -> tuple[list, list, dict]:
+    """Plain gradients, and trimmed ones from the forward trim decides fully (its counts returned).
+    A second trimmed forward, which follows the steady plan the first left, must give the same
+    gradients and change the same saves: those the first left changed (bit-packed ones given back
+    their tensor are kept), less drops that free nothing (empty saves, storages kept whole)."""
     state = copy.deepcopy(model.state_dict())
     plain = gradients(model, inputs)
     model.load_state_dict(state)  # train-mode BN updated its running statistics
     with trim(model, **trim_options) as handle:
         trimmed = gradients(model, inputs)
+        first = handle.stats
+        model.load_state_dict(state)
+        again = gradients(model, inputs)
+        steady = {k: v - first[k] for k, v in handle.stats.items()}
+        assert handle.forwards == {"full": 1, "steady": 1}, handle.forwards
     model.load_state_dict(state)
-    return plain, trimmed, handle.stats
+    assert_identical(trimmed, again)
+    assert steady["bitpacked"] == first["bitpacked"] - first["unpacked_again"], (first, steady)
+    assert steady["dropped"] <= first["dropped"] and (steady["dropped"] > 0) == (first["dropped"] > 0), \
+        (first, steady)
+    return plain, trimmed, first
 
 
 # ----------------------------------------------------------------------------------------------
@@ -692,3 +705,140 @@ def test_handle_forward_trims_work_that_does_not_call_the_model():
     with pytest.raises(GradauditError, match="was removed"):
         with handle.forward(x):
             pass
+
+
+# ----------------------------------------------------------------------------------------------
+# the steady plan: decided in the first forward, applied in the next ones only where it still holds
+
+
+class Branching(nn.Module):
+    """Which op follows the frozen convolution depends on the input's values: ReLU (its result one
+    bit per element) or tanh (its result needed as it is), at the same place in the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3).requires_grad_(False)
+        self.inner = nn.Identity()
+
+    def forward(self, x):
+        y = self.inner(self.conv(x))
+        return torch.relu(y) if x.sum() > 0 else torch.tanh(y)
+
+
+def test_a_branch_the_plan_did_not_see_keeps_what_it_needs():
+    model = Branching()
+    positive = torch.rand(2, 3, 8, 8).requires_grad_(True)
+    negative = (-torch.rand(2, 3, 8, 8)).requires_grad_(True)
+    plain = [gradients(model, (x,)) for x in (positive, negative, positive)]
+    with trim(model) as handle:
+        trimmed = []
+        for x in (positive, negative, positive):
+            before = handle.stats
+            trimmed.append(gradients(model, (x,)))
+            after = handle.stats
+            trimmed_counts = after["bitpacked"] - before["bitpacked"]
+            # the ReLU's result is packed where the branch is the planned one; tanh's is left alone
+            assert trimmed_counts == (1 if x is positive else 0)
+        assert handle.forwards == {"full": 1, "steady": 2}
+    for a, b in zip(plain, trimmed):
+        assert_identical(a, b)
+
+
+def test_a_hook_that_replaces_an_output_changes_nothing_trim_decides():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3)).requires_grad_(False)
+    model[1].register_forward_hook(lambda module, args, output: output * 2)  # the user's hook
+    x = torch.randn(2, 3, 10, 10).requires_grad_(True)
+    plain, trimmed, stats = plain_and_trimmed(model, (x,))
+    assert_identical(plain, trimmed)
+
+
+def test_a_changed_requires_grad_pattern_decides_again():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    model.requires_grad_(False)
+    x = torch.randn(2, 3, 10, 10).requires_grad_(True)
+    with trim(model) as handle:
+        gradients(model, (x,))
+        gradients(model, (x,))
+        assert handle.forwards == {"full": 1, "steady": 1}
+        model[2].weight.requires_grad_(True)  # now the second conv's input is needed
+        trimmed = gradients(model, (x,))
+        assert handle.forwards == {"full": 2, "steady": 1}
+        again = gradients(model, (x,))
+        assert handle.forwards == {"full": 2, "steady": 2}
+        model.eval()
+        gradients(model, (x,))
+        assert handle.forwards == {"full": 3, "steady": 2}
+    model.train()
+    plain = gradients(model, (x,))
+    assert_identical(plain, trimmed)
+    assert_identical(plain, again)
+
+
+def test_a_dropout_whose_p_changed_decides_again():
+    """The steady plan packs a stock dropout's mask without reading it (its value follows from p):
+    a forward after p changed decides fully again, and reads the new mask's value."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.25), nn.Linear(8, 2))
+    model[2].requires_grad_(False)
+    x = torch.randn(4, 6)
+    with trim(model) as handle:
+        gradients(model, (x,))
+        gradients(model, (x,))
+        model[1].p = 0.5
+        before = handle.stats
+        trimmed = gradients(model, (x,))
+        assert handle.stats["bitpacked"] == before["bitpacked"] + 1
+        assert handle.forwards == {"full": 2, "steady": 1}
+        again = gradients(model, (x,))
+        assert handle.forwards == {"full": 2, "steady": 2}
+    plain = gradients(model, (x,))
+    assert_identical(plain, trimmed)
+    assert_identical(plain, again)
+
+
+def test_a_steady_forward_syncs_nothing_and_adds_few_ops():
+    """The steady forward adds, per save it changes, only the operations of its pack and unpack
+    hooks, and none reads a value back to the host (a dropout mask is packed without checking it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    def added_ops(model: nn.Module, x: torch.Tensor) -> list:
+        def counted() -> list:
+            for p in model.parameters():
+                p.grad = None
+            with Count() as count:
+                torch.manual_seed(0)
+                model(x).sum().backward()
+            return count.names
+
+        plain = counted()
+        with trim(model) as handle:
+            counted()
+            steady = counted()
+            assert handle.forwards == {"full": 1, "steady": 1}
+        for name in plain:
+            steady.remove(name)
+        return sorted(steady)
+
+    # a frozen conv's input (the trainable conv's output) dropped: one unfilled tensor in backward,
+    # and two detaches autograd itself makes for a save with hooks (one as register_hooks hands
+    # the tensor to the pack hook, one as it attaches what the unpack hook returns to the graph)
+    drop = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3).requires_grad_(False))
+    assert added_ops(drop, torch.randn(2, 3, 10, 10)) == ["detach", "detach", "empty_strided"]
+    # a dropout's keep-mask before a frozen linear layer: bits (numpy packs them into a
+    # torch-allocated byte tensor), and in backward the values from the bits: no .item(), .all()
+    # or any other host read
+    mask = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 2).requires_grad_(False))
+    added = added_ops(mask, torch.randn(4, 6))
+    syncs = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "item"}
+    assert not syncs & set(added) and "ne" in added, added
+    # measured on 2.14.1: the flat view, the comparison, the bytes; in backward the scaled table,
+    # the values and their layout; and autograd's own detaches around the hooks
+    assert len(added) <= 12, added

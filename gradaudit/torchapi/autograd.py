@@ -73,6 +73,11 @@ def _slot_attributes_of(node: Any) -> tuple[tuple[tuple[str, str], ...], tuple[t
     return found
 
 
+def raw_slot_attribute(attr: str) -> str:
+    """The node attribute that holds tensor slot ``attr``'s raw SavedVariable (``getattr`` it)."""
+    return "_raw_saved_" + attr
+
+
 def raw_slot(node: Any, attr: str) -> Any:
     """The raw SavedVariable (or list of them) behind tensor slot ``attr`` (reading it unpacks nothing)."""
     return getattr(node, "_raw_saved_" + attr)

@@ -15,6 +15,8 @@ FEATURES: dict[str, bool] = {
     "node creation hook": hasattr(AUTOGRAD, "_push_node_creation_hook")
     and hasattr(AUTOGRAD, "_pop_node_creation_hook"),
     "sequence numbers": hasattr(AUTOGRAD, "_get_sequence_nr"),
+    # hooks given to one saved tensor of a built node (trim's steady plan)
+    "saved tensor hooks per save": hasattr(getattr(AUTOGRAD, "SavedTensor", None), "register_hooks"),
     "graph task id": hasattr(torch._C, "_current_graph_task_id"),
     "saved-tensor hook state": hasattr(AUTOGRAD, "_saved_tensors_hooks_is_enabled")
     and hasattr(AUTOGRAD, "_top_saved_tensors_default_hooks"),

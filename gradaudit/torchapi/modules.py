@@ -32,20 +32,25 @@ _REGISTER_POST = torch.nn.Module.register_forward_hook
 _Handle = torch.utils.hooks.RemovableHandle
 
 
-def add_forward_hooks(module: torch.nn.Module, pre: Callable, post: Callable) -> tuple:
+def add_forward_hooks(module: torch.nn.Module, pre: Callable, post: Callable, *, post_first: bool = False) -> tuple:
     """Give ``module`` a forward pre-hook and an always-called forward hook, as
     ``register_forward_pre_hook(pre)`` and ``register_forward_hook(post, always_call=True)`` do:
     the same dictionary entries under ids from torch's own counter, without the two handle
     objects (an audit hooks every module of the model, every time). A class that overrides either
-    method gets its own method called. Returns what ``remove_forward_hooks`` takes."""
+    method gets its own method called. ``post_first``: the forward hook runs before the module's
+    other forward hooks (it sees the output the forward returned, before a hook replaces it).
+    Returns what ``remove_forward_hooks`` takes."""
     cls = type(module)
     if cls.register_forward_pre_hook is not _REGISTER_PRE or cls.register_forward_hook is not _REGISTER_POST:
-        return (module.register_forward_pre_hook(pre), module.register_forward_hook(post, always_call=True))
+        return (module.register_forward_pre_hook(pre),
+                module.register_forward_hook(post, always_call=True, prepend=post_first))
     key = _Handle.next_id
     _Handle.next_id = key + 2
     pres, posts, always = module._forward_pre_hooks, module._forward_hooks, module._forward_hooks_always_called
     pres[key] = pre
     posts[key + 1] = post
+    if post_first:
+        posts.move_to_end(key + 1, last=False)
     always[key + 1] = True
     return (key, pres, posts, always)
 

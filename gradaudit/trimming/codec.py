@@ -19,7 +19,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..knowledge import Bit
-from ..tensors import storage_span
 
 try:
     import numpy
@@ -72,8 +71,8 @@ def _passes_if_gt_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 
 def _scaled_mask(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
-    if values.numel() == 0:
-        return None
+    if values.numel() == 0 or values.device.type == "meta":
+        return None  # no values to check: kept
     scale = values.max()
     bits = values == scale
     exact = bool(torch.logical_or(bits, values == 0).all()) and not bool(torch.signbit(values).any())
@@ -81,6 +80,15 @@ def _scaled_mask(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
         return None
     return pack_bits(bits), scale.item()
 
+
+
+def dropout_mask(values: torch.Tensor, scale: float) -> torch.Tensor:
+    """The bits of the keep-mask of a stock ``torch.nn`` dropout module on the CPU, with no look at its
+    values from the host: ``bernoulli_(1 - p)`` divided by ``1 - p`` holds +0.0 and one positive value
+    by construction (ATen's ``Dropout.cpp``), which for a given ``p`` and dtype is ``scale``, read off
+    the same module's mask in the forward trim decided fully. Only the steady plan uses it, for a
+    node it found made inside such a module with that ``p`` (``steady.Entry``)."""
+    return pack_bits(values != 0)
 
 
 Packer = Callable[[torch.Tensor], Optional[tuple[torch.Tensor, float]]]
@@ -97,16 +105,27 @@ def pack_bits(mask: torch.Tensor, inverted: bool = False) -> torch.Tensor:
     The packed bytes are allocated by torch, so storage trackers see them.
     """
     count = mask.numel()
+    if mask.device.type != "cpu" or numpy is None:
+        return _pack_bits_with_torch(mask, inverted)
+    # numpy's packbits is one C loop; the torch expression takes several passes
     packed = torch.empty(((count + 7) // 8,), dtype=torch.uint8, device=mask.device)
-    if mask.device.type == "cpu" and numpy is not None:
-        # numpy's packbits is one C loop; the torch expression below takes several passes
-        out = packed.numpy()
-        out[:] = numpy.packbits(mask.numpy(), bitorder="little")
-        if inverted:
-            numpy.invert(out, out=out)  # the padding bits become 1: never read (see _unpack_bits)
-        return packed
-    padded = torch.zeros((packed.numel() * 8,), dtype=torch.uint8, device=mask.device)
-    padded[:count] = mask.view(torch.uint8)
+    out = packed.numpy()
+    out[:] = numpy.packbits(mask.numpy(), bitorder="little")
+    if inverted:
+        numpy.invert(out, out=out)  # the padding bits become 1: never read (see _unpack_bits)
+    return packed
+
+
+def _pack_bits_with_torch(mask: torch.Tensor, inverted: bool) -> torch.Tensor:
+    """``pack_bits`` in torch operations (a GPU, meta): each is a dispatch, and on a GPU a kernel
+    launch, so as few as the layout allows (a count that is a multiple of 8 needs no padded copy)."""
+    count = mask.numel()
+    if count % 8 == 0 and mask.is_contiguous():
+        octets = mask.view(torch.uint8).view(-1, 8)
+    else:
+        octets = torch.zeros((((count + 7) // 8) * 8,), dtype=torch.uint8, device=mask.device)
+        octets[:count] = mask.view(torch.uint8)
+        octets = octets.view(-1, 8)
     weights = _BIT_WEIGHTS.get(mask.device)
     if weights is None:
         weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
@@ -115,7 +134,7 @@ def pack_bits(mask: torch.Tensor, inverted: bool = False) -> torch.Tensor:
             # which per save stalled every trimmed step (benchmarks/gpu_check.py on an H100). Never
             # a fake or meta one: it would outlive the mode that made it
             _BIT_WEIGHTS[mask.device] = weights
-    torch.sum(padded.view(-1, 8) * weights, dim=1, dtype=torch.uint8, out=packed)
+    packed = torch.sum(octets * weights, dim=1, dtype=torch.uint8)
     return packed.bitwise_not_() if inverted else packed
 
 
@@ -167,11 +186,17 @@ def unfilled_strided(box: Any) -> torch.Tensor:
             if len(_EMPTIES) < 256:
                 _EMPTIES[key] = empty
         return empty
-    span = storage_span(box.shape, box.stride)
     # Never filled: backward does not read these values (the op knowledge says so, verify=True
     # proves it, and the bit-identity tests would catch a read). Unfilled memory costs no pass over
-    # it, and the pages of a large allocation that nobody touches are never even committed.
-    return torch.empty((span,), dtype=box.dtype, device=box.device).as_strided(box.shape, box.stride)
+    # it, and the pages of a large allocation that nobody touches are never even committed. One
+    # operation: the storage spans the layout's first element to its last, as a view would need.
+    return torch.empty_strided(box.shape, box.stride, dtype=box.dtype, device=box.device)
+
+
+def shape_stand_in(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` whose every element is the one unfilled element of its storage (all
+    strides 0): for a save whose values and layout backward never reads, only its shape."""
+    return torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device)
 
 
 def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from typing import Any, Iterator, Optional
 
+import torch
 from torch import nn
 
+from .. import torchapi
 from ..conditions import ModelState
 from ..errors import GradauditError
 from ..tracking import forward_backward
 from ..tensors import iter_tensors, split_inputs, unique
-from .session import Session
+from ..torchapi.autograd import packed_by_checkpoint, saved_tensors_hooks_enabled, top_saved_tensors_hooks
+from . import steady
+from .session import DROPPED, PACKED, Session
 
 _TRIMMED: "weakref.WeakKeyDictionary[nn.Module, TrimHandle]" = weakref.WeakKeyDictionary()
 
@@ -29,18 +34,126 @@ def handle_of(model: nn.Module) -> Optional["TrimHandle"]:
     return handle if handle is not None and handle.installed else None
 
 
+class _Running(threading.local):
+    """The trim engines whose forward is running on this thread (a trimmed module inside a trimmed
+    model stands aside: the outer one covers it)."""
+
+    def __init__(self) -> None:
+        self.engines: list["Engine"] = []
+
+
+_RUNNING = _Running()
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+class Engine:
+    """Chooses, per forward of the model, how trim runs it: fully decided (``Session``: every save
+    boxed, every node decided; the first forward, and whenever what the decisions depend on changed,
+    ``conditions``), or by the steady plan the last such forward left (``steady``: only the saves it
+    changed are touched)."""
+
+    def __init__(self, model: nn.Module, bitpack: bool) -> None:
+        self.session = Session(model, bitpack)
+        self.plan: Optional[steady.SteadyPlan] = None
+        self.mode: Optional[str] = None  # "full" or "steady" while a forward runs
+        self.depth = 0
+        self.key: Any = None
+        self.can_steady = torchapi.has("saved tensor hooks per save")
+        self.parameters: Optional[list[nn.Parameter]] = None
+        self.modules: Optional[list[nn.Module]] = None
+        self.dropouts: list[nn.Module] = []
+        self.forwards = {"full": 0, "steady": 0}
+
+    def conditions(self, model: nn.Module, args: Any, kwargs: Any) -> Any:
+        """What the decisions depend on: which parameters and inputs need a gradient, their dtypes and
+        devices, train/eval, dropout probabilities, autocast. (Grad mode is on in every forward trim
+        runs.) A change makes the
+        next forward decide fully again; the steady plan also checks every node it changes, so a
+        change missed here costs memory, never a wrong gradient."""
+        if self.parameters is None:
+            self.parameters = list(model.parameters())
+            self.modules = list(model.modules())
+            self.dropouts = [m for m in self.modules if isinstance(m, steady.STOCK_DROPOUTS)]
+        return (tuple([(p.requires_grad, p.dtype, p.device) for p in self.parameters]),
+                tuple([m.training for m in self.modules]),
+                tuple([m.p for m in self.dropouts]),  # a dropout mask's value follows from p
+                tuple([(t.requires_grad, t.dtype, t.device) for t in iter_tensors((args, kwargs))]),
+                tuple([(torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES]))
+
+    def begin(self, model: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.mode is not None:
+            self.depth += 1  # the model calls itself; the outer call covers it
+            return
+        if _RUNNING.engines or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return
+        if not saved_tensors_hooks_enabled():
+            raise GradauditError(
+                "gradaudit.trim cannot work here: saved-tensor hooks are disabled around this forward "
+                "(torch.compile and some distributed wrappers do this). Remove the trim handle")
+        top = top_saved_tensors_hooks()
+        if top is not None:
+            home = getattr(top[0], "__module__", "") or ""
+            if home.startswith("gradaudit.") or packed_by_checkpoint(top[0]):
+                # gradaudit is auditing this forward, or checkpoint holds nothing here and needs
+                # every pack it counted
+                return
+            # the caller's own hooks around the model (save_on_cpu...): every save goes through
+            # them, so the boxes wrap what they pack, and no steady plan is made or used
+            self.session.begin(model, args, kwargs, top, record=False)
+            self.mode = "full"
+        else:
+            key = self.conditions(model, args, kwargs) if self.can_steady else None
+            if self.plan is not None and self.plan.key == key:
+                self.plan.begin()
+                self.mode = "steady"
+            else:
+                self.key = key
+                self.session.begin(model, args, kwargs, None, record=self.can_steady)
+                self.mode = "full"
+        self.forwards[self.mode] += 1
+        _RUNNING.engines.append(self)
+
+    def end(self, output: Any = None) -> None:
+        if self.mode is None:
+            return
+        if self.depth:
+            self.depth -= 1
+            return
+        mode, self.mode = self.mode, None
+        _RUNNING.engines.remove(self)
+        if mode == "steady":
+            self.plan.end(output)
+            return
+        session = self.session
+        session.end(output)
+        if session.record:
+            self.drop_plan()
+            try:
+                self.plan = steady.build(session, self.key, DROPPED, PACKED)
+                self.plan.install()
+            finally:
+                for call in session.calls:
+                    call.release()
+                session.calls, session.changed = [], []
+
+    def drop_plan(self) -> None:
+        if self.plan is not None:
+            self.plan.remove()
+            self.plan = None
+
+
 class TrimHandle:
     """Returned by ``trim``: ``remove()`` (or leaving the ``with`` block) restores the model."""
 
     def __init__(self, model: nn.Module, bitpack: bool) -> None:
         self._model_ref = weakref.ref(model)
-        self._session = session = Session(model, bitpack)
+        self._engine = engine = Engine(model, bitpack)
+        self._session = engine.session
         self._handles: list[Any] = []
         self._handles.append(model.register_forward_pre_hook(
-            lambda module, args, kwargs: session.begin(module, args, kwargs), with_kwargs=True, prepend=True))
-        session.modules.__enter__()
+            lambda module, args, kwargs: engine.begin(module, args, kwargs), with_kwargs=True, prepend=True))
         self._handles.append(model.register_forward_hook(
-            lambda module, args, output: session.end(output), always_call=True))
+            lambda module, args, output: engine.end(output), always_call=True))
 
     @property
     def installed(self) -> bool:
@@ -53,9 +166,18 @@ class TrimHandle:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counts since ``trim``: saves kept, dropped, bit-packed, and bit-packed saves given their
-        tensor back because a later save kept it (``unpacked_again``)."""
+        """Counts since ``trim``: saves dropped and bit-packed; and, in the forwards it decided fully
+        (the first, and those after a change of what the decisions depend on: ``forwards``), saves
+        kept and bit-packed saves given their tensor back because a later save kept it
+        (``unpacked_again``). A steady forward touches only the saves the plan changes, so it
+        counts no kept ones."""
         return dict(self._session.stats)
+
+    @property
+    def forwards(self) -> dict[str, int]:
+        """Forwards trimmed so far: ``full`` (every save looked at, decisions made) and ``steady``
+        (the decisions of the last full one applied to the saves they change, nothing else)."""
+        return dict(self._engine.forwards)
 
     @contextlib.contextmanager
     def forward(self, *args: Any, **kwargs: Any) -> Iterator[None]:
@@ -66,17 +188,17 @@ class TrimHandle:
         model = self._model_ref()
         if not self.installed or model is None:
             raise GradauditError("this trim handle was removed: trim(model) again to trim a forward")
-        self._session.begin(model, args, kwargs)
+        self._engine.begin(model, args, kwargs)
         try:
             yield
         finally:
-            self._session.end()
+            self._engine.end()
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._session.modules.__exit__(None, None, None)
+        self._engine.drop_plan()
         model = self._model_ref()
         if model is not None and _TRIMMED.get(model) is self:
             del _TRIMMED[model]
@@ -99,12 +221,16 @@ def trim(model: nn.Module, *, bitpack: bool = True) -> TrimHandle:
     Saves backward cannot read are forgotten (backward gets a placeholder of the same shape and strides, never read);
     saves one bit per element can stand for (ReLU results, dropout masks) become bits when
     ``bitpack``; everything else is kept. Decisions come from the static op knowledge
-    (gradaudit/knowledge) and are made at every module boundary of the forward, so the peak
-    falls too.
+    (gradaudit/knowledge) and are made at every module boundary of the first forward, so the peak
+    falls too. Later forwards follow those decisions and touch only the saves they change, through
+    hooks on the modules that make them (a forward where what the decisions depend on changed:
+    requires_grad, train/eval, dtype, device, a dropout's p or autocast, decides again; ``TrimHandle.forwards``
+    counts both kinds). A node that is not what was decided on is left as autograd made it.
 
     Composes with ``torch.utils.checkpoint`` and ``save_on_cpu``/saved-tensor hooks used inside the
     model (their saves are left alone), with hooks around the model call (unneeded saves are
-    dropped before the outer hook's unpack would run; nothing is bit-packed), and with autocast.
+    dropped before the outer hook's unpack would run; nothing is bit-packed; every such forward
+    is decided fully), and with autocast.
     Refuses (GradauditError) when saved-tensor hooks are disabled and in double backward.
 
     Returns a handle: ``handle.remove()`` restores the model exactly; ``with trim(model): ...``.
@@ -122,8 +248,9 @@ def trim(model: nn.Module, *, bitpack: bool = True) -> TrimHandle:
 def compare(model: nn.Module, inputs: Any, *, bitpack: bool = True) -> dict[str, int]:
     """Held bytes after the forward and peak bytes through forward+backward, plain vs trimmed.
 
-    Returns ``{"held_before", "held_after", "peak_before", "peak_after"}`` in bytes. Runs two
-    forwards and backwards; the model (``.grad``, buffers, flags, RNG) and the inputs' ``.grad``
+    Returns ``{"held_before", "held_after", "peak_before", "peak_after"}`` in bytes; the trimmed
+    figures are of a steady forward (the second: trim decides in the first). Runs three forwards and
+    backwards; the model (``.grad``, buffers, flags, RNG) and the inputs' ``.grad``
     are left as found.
     """
     if not isinstance(model, nn.Module):
@@ -144,6 +271,12 @@ def compare(model: nn.Module, inputs: Any, *, bitpack: bool = True) -> dict[str,
                 t.grad = None
             if trimmed:
                 with trim(model, bitpack=bitpack):
+                    # the first forward decides (every save looked at); what a training loop gets
+                    # from then on is the steady forward, measured from the same state
+                    forward_backward(model, args, kwargs)
+                    state.restore()
+                    for t in [*model.parameters(), *leaves]:
+                        t.grad = None
                     measured.append(forward_backward(model, args, kwargs))
             else:
                 measured.append(forward_backward(model, args, kwargs))

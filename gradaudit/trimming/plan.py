@@ -46,14 +46,14 @@ def kind_of(node: Any) -> NodeKind:
 KEEP = None
 
 
-def plan_for(kind: NodeKind, node: Any, module: tuple[str, str], boxes: list[tuple[str, Any]]) -> tuple[Any, ...]:
+def plan_for(kind: NodeKind, node: Any, module_class: str, boxes: list[tuple[str, Any]]) -> tuple[Any, ...]:
     """Per save of ``node``: KEEP, a bool (not needed; True when backward reads only its shape)
     or the packer of a bit-packable save. Cached: the op knowledge's outcome is a pure function of
     the node type, the scalars its variants are chosen by, its edge mask, the module's class and
     the saves' attributes and dtypes.
     """
     scalars = node_scalars(node, kind.scalars) if kind.scalars else {}
-    key = (module[1], tuple([fn is not None for fn, _ in node.next_functions]),
+    key = (module_class, tuple([fn is not None for fn, _ in node.next_functions]),
            tuple([(k, tuple(v) if type(v) is list else v) for k, v in scalars.items()]),
            tuple([(attr, box.dtype) for attr, box in boxes]))
     plan = kind.plans.get(key)
@@ -62,7 +62,7 @@ def plan_for(kind: NodeKind, node: Any, module: tuple[str, str], boxes: list[tup
     known = declaration(kind.name, scalars)
     actions = []
     for attr, box in boxes:
-        outcome = known.outcome(attr, key[1], module[1], dtype_name(box.dtype)) if known else None
+        outcome = known.outcome(attr, key[1], module_class, dtype_name(box.dtype)) if known else None
         if outcome is None:
             actions.append(KEEP)
         elif outcome.verdict == NOT_NEEDED:

@@ -12,9 +12,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import torchapi
 from ..errors import GradauditError
-from ..module_tracker import ModuleTracker
 from ..tensors import iter_tensors, storage_key
-from .codec import Packer, contiguous_strides, dense, unfilled_strided, unpack_bits
+from ..torchapi.modules import add_forward_hooks, remove_forward_hooks
+from .codec import Packer, contiguous_strides, dense, shape_stand_in, unfilled_strided, unpack_bits
 from .plan import KEEP, kind_of, plan_for
 from ..torchapi.autograd import (NO_SEQUENCE, called_from_autograd, caller_frame, in_backward,
                                  node_sequence_number, packed_by_checkpoint, pop_node_creation_hook,
@@ -23,19 +23,19 @@ from ..torchapi.autograd import (NO_SEQUENCE, called_from_autograd, caller_frame
 from ..torchapi.checkpoint import saving_checkpoint_inputs
 from ..torchapi.storages import storage_id, version_counter
 
-_KEPT, _DROPPED, _PACKED = 0, 1, 2
+KEPT, DROPPED, PACKED = 0, 1, 2  # what a box holds: the tensor, nothing, its bits
 
 class Box:
     """What autograd stores instead of a saved tensor while a model is trimmed."""
 
     __slots__ = ("session", "state", "payload", "shape", "dtype", "device", "version", "stride",
-                 "offset", "scale", "zero_stride", "outer_unpack", "module", "__weakref__")
+                 "offset", "scale", "zero_stride", "outer_unpack", "module", "packer", "storage", "__weakref__")
 
     def __init__(self, session: Optional["Session"], payload: Any, tensor: torch.Tensor,
-                 outer_unpack: Optional[Callable[[Any], Any]], module: tuple[str, str] = ("", "")) -> None:
+                 outer_unpack: Optional[Callable[[Any], Any]], module: Optional["Call"] = None) -> None:
         self.session = session
-        self.module = module  # (path, class) of the module running when it was saved
-        self.state = _KEPT
+        self.module = module  # the module call running when it was saved
+        self.state = KEPT
         self.payload = payload  # the tensor, the outer hook's packed object, or the packed bits
         self.shape = tensor.shape
         self.dtype = tensor.dtype
@@ -47,11 +47,15 @@ class Box:
         self.offset = 0
         self.zero_stride = False  # dropped: a zero-stride placeholder is enough
         self.scale = 1.0  # bit-packed: the value a set bit stands for
+        self.packer: Optional[Packer] = None  # bit-packed: the packer that made the bits
+        # dropped in a recorded forward: (its storage, that storage's key); when the forward ends,
+        # whether another save kept that storage whole (the drop freed nothing)
+        self.storage: Any = None
         self.outer_unpack = outer_unpack
 
 
 def unpack(box: Box) -> torch.Tensor:
-    if box.state == _KEPT:
+    if box.state == KEPT:
         return box.payload if box.outer_unpack is None else box.outer_unpack(box.payload)
     if torch.is_grad_enabled() and in_backward():
         # backward(create_graph=True) differentiates the backward formulas themselves, which may
@@ -59,9 +63,9 @@ def unpack(box: Box) -> torch.Tensor:
         raise GradauditError(
             "gradaudit.trim does not support double backward (create_graph=True): a save it "
             "dropped or bit-packed was read with grad mode on. Remove the trim handle for this model")
-    if box.state == _DROPPED:
+    if box.state == DROPPED:
         if box.zero_stride:
-            return torch.zeros((), dtype=box.dtype, device=box.device).expand(box.shape)
+            return shape_stand_in(box.shape, box.dtype, box.device)
         return unfilled_strided(box)
     return unpack_bits(box)
 
@@ -79,15 +83,45 @@ class _PackedUse:
         self.boxes: list[weakref.ref] = []
 
 
+class Call:
+    """One call of a module during a forward trim decides fully: what it ran, which autograd nodes it
+    made (sequence numbers ``start`` to ``end``) and the nodes its output tensors lead back to (where
+    the steady plan finds the nodes it changes, see ``steady``)."""
+
+    __slots__ = ("path", "cls", "module", "index", "start", "end", "outputs")
+
+    def __init__(self, path: str, module: nn.Module, index: int, start: int) -> None:
+        self.path = path
+        self.cls = type(module).__name__
+        self.module = module
+        self.index = index  # how many calls of this module came before it in this forward
+        self.start = start
+        self.end = start
+        self.outputs: list[Any] = []  # per output tensor (iter_tensors order), its grad_fn or None
+
+    def close(self, output: Any) -> None:
+        self.end = sequence_number()
+        self.outputs = [t.grad_fn if isinstance(t, torch.Tensor) else None for t in iter_tensors(output)]
+
+    def release(self) -> None:
+        """Let go of the graph and the module once the forward is over: the boxes of this call's saves
+        point here, and autograd's nodes hold the boxes (a cycle through C++ no collector sees)."""
+        self.outputs = []
+        self.module = None
+
+
 class Session:
-    """Trimming state for one model; active between the root's forward pre-hook and forward hook."""
+    """Trimming state for one model in a forward it decides fully: every save boxed by a
+    saved-tensor hook, every new node decided at the next module boundary (a hook on every module).
+    ``trim`` runs such a forward first and whenever the steady plan does not apply; the forward also
+    records what the steady plan needs (``changed``, ``calls``)."""
 
     def __init__(self, model: nn.Module, bitpack: bool) -> None:
         self.model_ref = weakref.ref(model)
         self.bitpack = bitpack
         self.active = False
         self.depth = 0
-        self.pending: list[tuple[Any, tuple[str, str]]] = []  # (node, module) since the last boundary
+        self.pending: list[tuple[Any, Optional[Call]]] = []  # (node, module call) since the last boundary
         # Without torch's node-creation hook (torch < 2.14) the nodes are found by walking the graph
         # back from the tensors at each boundary, down to the nodes decided or made before the
         # forward (sequence numbers: no strong reference keeps a dead branch alive), and each node
@@ -95,9 +129,16 @@ class Session:
         self.node_hook = torchapi.has("node creation hook")
         self.first_sequence = 0
         self.walked: set[int] = set()
-        # (path, class) of the modules running now; every boundary decides the pending nodes
-        self.modules = ModuleTracker(model, on_boundary=self.boundary)
-        self.stack = self.modules.stack
+        # the module calls running now (the root's first); every boundary decides the pending nodes
+        self.stack: list[Call] = []
+        self.module_hooks: list[tuple] = []
+        self.call_counts: dict[int, int] = {}
+        # what the steady plan is made of: every call that ended, and per node trim changed the
+        # call that made it and its boxes (their final state is read when the forward ends)
+        self.record = False
+        self.calls: list[Call] = []
+        self.changed: list[tuple[Any, Call, list[tuple[str, Box]]]] = []
+        self.kept_whole: Optional[set[int]] = None
         self.waiting: list[tuple[Box, Callable]] = []  # saves to bit-pack at the next boundary
         self.protected: set[int] = set()  # storages alive anyway (parameters, buffers, inputs)
         self.alive_anyway: Optional[list[torch.Tensor]] = None  # parameters and buffers
@@ -108,6 +149,40 @@ class Session:
         self.outer: Optional[tuple[Callable, Callable]] = None
         self.hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
         self.stats = {"kept": 0, "dropped": 0, "bitpacked": 0, "unpacked_again": 0}
+
+    # -- module boundaries ----------------------------------------------------------------------
+    def _hook_modules(self, model: nn.Module) -> None:
+        post = self._post
+        for path, module in model.named_modules():
+            if module is not model:
+                self.module_hooks.append(add_forward_hooks(module, self._make_pre(path), post, post_first=True))
+
+    def _unhook_modules(self) -> None:
+        for added in self.module_hooks:
+            remove_forward_hooks(added)
+        self.module_hooks = []
+
+    def _make_pre(self, path: str) -> Callable:
+        def pre(module: nn.Module, args: Any) -> None:
+            if not self.active:
+                return
+            self.boundary(args)
+            counts = self.call_counts
+            index = counts.get(id(module), 0)
+            counts[id(module)] = index + 1
+            self.stack.append(Call(path, module, index, sequence_number()))
+
+        return pre
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.active:
+            return
+        self.boundary(output)
+        if len(self.stack) > 1 and self.stack[-1].module is module:
+            call = self.stack.pop()
+            if self.record:
+                call.close(output)
+                self.calls.append(call)
 
     # -- hooks during the forward ---------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Box:
@@ -148,28 +223,12 @@ class Session:
             self.pending.append((node, None))  # the module: its saves' (see decide)
             todo.extend(fn for fn, _ in node.next_functions if fn is not None)
 
-    def begin(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self.active:
-            self.depth += 1  # the model calls itself; the outer call's session covers it
-            return
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-            return
-        if not saved_tensors_hooks_enabled():
-            raise GradauditError(
-                "gradaudit.trim cannot work here: saved-tensor hooks are disabled around this forward "
-                "(torch.compile and some distributed wrappers do this). Remove the trim handle")
-        top = top_saved_tensors_hooks()
-        if top is not None:
-            owner = getattr(top[0], "__self__", None)
-            home = getattr(top[0], "__module__", "") or ""
-            if isinstance(owner, Session) or home.startswith("gradaudit.") or \
-                    packed_by_checkpoint(top[0]):
-                # another trim session covers this forward, gradaudit is auditing it, or
-                # checkpoint holds nothing here and needs every pack it counted
-                return
-            self.outer = top
-        else:
-            self.outer = None
+    def begin(self, module: nn.Module, args: Any, kwargs: Any, outer: Optional[tuple[Callable, Callable]],
+              record: bool) -> None:
+        """Start deciding fully (``outer``: saved-tensor hooks in force around the model, whose
+        packing the boxes wrap; ``record``: note what the steady plan needs)."""
+        self.outer = outer
+        self.record = record
         if self.alive_anyway is None:
             # walking the module tree costs more than the storage look-ups: do it once. A parameter
             # replaced later is only treated like an activation (its unneeded saves dropped)
@@ -179,11 +238,16 @@ class Session:
         self.packed = {}
         self.pending = []
         self.waiting = []
-        self.modules.reset()
+        self.calls = []
+        self.changed = []
+        self.kept_whole = None
+        self.call_counts = {}
         self.walked = set()
         self.first_sequence = sequence_number()
+        self.stack = [Call("", module, 0, self.first_sequence)]
         self.active = True
         self.depth = 0
+        self._hook_modules(module)
         self.hooks = torch.autograd.graph.saved_tensors_hooks(called_from_autograd(self.pack),
                                                              called_from_autograd(unpack))
         self.hooks.__enter__()
@@ -191,17 +255,30 @@ class Session:
             push_node_creation_hook(called_from_autograd(self.on_node), "gradaudit.trim")
 
     def end(self, output: Any = None) -> None:
+        """Decide what is left when the forward ends (``output``: the model's, None when unknown)."""
         if not self.active:
-            return
-        if self.depth:
-            self.depth -= 1
             return
         try:
             if not self.node_hook:
                 self.walk_from(output)
             self.step(final=True)
+            if self.record and self.stack:
+                root = self.stack[0]
+                root.close(output)
+                self.calls.append(root)
+                # storages a save keeps whole when the forward ends: dropping another save of one
+                # frees nothing (known where bit-packing is on: ``keep`` follows them then)
+                self.kept_whole = {key for key, ref in self.kept.items()
+                                   if (box := ref()) is not None and box.state == KEPT}
+                for _, _, boxes in self.changed:
+                    for _, box in boxes:
+                        if box.storage is not None:  # alive and kept by another save: freed nothing
+                            ref, key = box.storage
+                            box.storage = not ref.expired() and key in self.kept_whole
         finally:
             self.active = False
+            self._unhook_modules()
+            self.stack = []
             if self.node_hook:
                 pop_node_creation_hook()
             hooks, self.hooks = self.hooks, None
@@ -242,7 +319,7 @@ class Session:
                     else:
                         self.keep(box)
 
-    def decide(self, node: Any, module: tuple[str, str]) -> None:
+    def decide(self, node: Any, module: Optional[Call]) -> None:
         kind = kind_of(node)
         boxes = []
         if kind.slots is None:
@@ -269,7 +346,10 @@ class Session:
             for _, box in boxes:
                 self.keep(box)
             return
-        for (attr, box), action in zip(boxes, plan_for(kind, node, module, boxes)):
+        actions = plan_for(kind, node, module.cls, boxes)
+        if self.record and any(action is not KEEP for action in actions):
+            self.changed.append((node, module, boxes))
+        for (attr, box), action in zip(boxes, actions):
             if action is KEEP:
                 self.keep(box)
             elif type(action) is bool:  # dropped; True: a zero-stride placeholder may do
@@ -278,8 +358,11 @@ class Session:
                     continue
                 if box.outer_unpack is None:
                     box.stride = box.payload.stride()
+                    if self.record:
+                        storage = box.payload.untyped_storage()
+                        box.storage = (StorageWeakRef(storage), storage_id(storage))
                 box.zero_stride = action and box.stride == contiguous_strides(box.shape)
-                box.payload, box.state = None, _DROPPED
+                box.payload, box.state = None, DROPPED
                 self.stats["dropped"] += 1
             elif self.packable(box):
                 self.waiting.append((box, action))
@@ -303,7 +386,7 @@ class Session:
             return False
         ref = self.kept.get(key)
         keeper = ref() if ref is not None else None
-        return keeper is None or keeper.state != _KEPT
+        return keeper is None or keeper.state != KEPT
 
     def keep(self, box: Box) -> None:
         self.stats["kept"] += 1
@@ -322,11 +405,11 @@ class Session:
         # tensor was modified in place since: then the bits hold what backward must see)
         for ref in use.boxes:
             packed_box = ref()
-            if packed_box is not None and packed_box.state == _PACKED \
+            if packed_box is not None and packed_box.state == PACKED \
                     and version_counter(tensor) == packed_box.version:
                 view = torch.empty((0,), dtype=packed_box.dtype, device=packed_box.device)
                 view.set_(storage, packed_box.offset, packed_box.shape, packed_box.stride)
-                packed_box.payload, packed_box.state = view, _KEPT
+                packed_box.payload, packed_box.state = view, KEPT
                 self.stats["unpacked_again"] += 1
 
     def pack_bits(self, box: Box, packer: Packer) -> None:
@@ -337,12 +420,13 @@ class Session:
             self.keep(box)
             return
         bits, box.scale = found
+        box.packer = packer
         box.stride, box.offset = tensor.stride(), tensor.storage_offset()
         storage = tensor.untyped_storage()
         use = self.packed.get(storage_id(storage))
         if use is None or use.ref.expired():
             use = self.packed[storage_id(storage)] = _PackedUse(StorageWeakRef(storage))
         use.boxes.append(weakref.ref(box))
-        box.payload, box.state = bits, _PACKED
+        box.payload, box.state = bits, PACKED
         self.stats["bitpacked"] += 1
 

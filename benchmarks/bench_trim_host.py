@@ -1,0 +1,279 @@
+"""What gradaudit.trim costs the host per training step, and what it frees: the steady plan against
+trim deciding every forward fully (how trim ran before the steady plan, and how its first forward
+runs now).
+
+On the meta device no kernel runs, so a step's time there is its host side alone: the dispatch and
+Python work a GPU step waits on when the host is the bottleneck. Per case, at GPU shapes on meta:
+- host time per forward+backward (thread CPU time; medians of interleaved rounds): plain, trim
+  deciding fully every forward ("full"), trim's steady plan ("steady"); the ms trim adds; and a
+  second plain column against the first, the noise floor;
+- aten ops dispatched per step (a TorchDispatchMode count): added by each, and by steady per save
+  it changed (dropped + bit-packed) and in all;
+- host syncs per step (``_local_scalar_dense``, ``is_nonzero``, ``equal``, ``nonzero``, ``item``);
+- on the CPU, at small shapes: held and peak bytes (``gradaudit.trimming.compare``: the trimmed
+  figures are the steady forward's) against trim deciding fully, and gradients bit-identical.
+
+    python benchmarks/bench_trim_host.py                  # every case, about 5 minutes on 2 cores
+    python benchmarks/bench_trim_host.py --cases resnet50-input-only llama-probe --rounds 5
+
+Goals (issue 41): ResNet-50 <= 1.0 ms added per step in every scenario, the Llama <= 0.3 ms, 0 syncs,
+<= 2 ops added per changed save, held and peak no worse than full decisions by more than 2%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradaudit.scenarios import SCENARIOS, apply_scenario
+from gradaudit.trimming import compare, trim
+
+_SYNCS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "item"}
+
+
+class OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if func.__name__.split(".")[0] in _SYNCS:
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+
+# -- cases: (build on a device) -> (model, args, kwargs, loss of the output) -------------------------
+
+def _resnet(scenario: str, batch: int, size: int, device: str) -> tuple:
+    import torchvision
+    with torch.device(device):
+        model = torchvision.models.resnet50(num_classes=1000)
+        x = torch.randn(batch, 3, size, size)
+    apply_scenario(model, scenario, x)
+    return model, (x,), {}, lambda out: out.float().sum()
+
+
+def _values_unread(device: str) -> None:
+    """On meta, Hugging Face's mask helpers would read values (``.all()`` of a padding mask, packed
+    sequences in the position ids): they skip those reads for traced tensors, so every tensor is
+    said to be traced (the same for plain and trimmed steps; the masks are built as given)."""
+    if device == "meta":
+        from transformers import masking_utils
+        masking_utils.is_tracing = lambda *args, **kwargs: True
+
+
+def _llama(lora: bool, batch: int, sequence: int, device: str) -> tuple:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    _values_unread(device)
+    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096,
+                         use_cache=False, attn_implementation="sdpa")
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        ids = torch.randint(0, 32000, (batch, sequence)) if device != "meta" else \
+            torch.zeros((batch, sequence), dtype=torch.long)
+    model.requires_grad_(False)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    else:
+        model.model.layers[4].requires_grad_(True)  # the probe: one block trains
+    model.train()
+    return model, (), {"input_ids": ids, "labels": ids}, lambda out: out.loss
+
+
+def _bert(batch: int, sequence: int, device: str) -> tuple:
+    from transformers import BertConfig, BertForSequenceClassification
+    _values_unread(device)
+    config = BertConfig(hidden_size=768, num_hidden_layers=6, num_attention_heads=12, intermediate_size=3072,
+                        hidden_act="relu", attn_implementation="eager")
+    with torch.device(device):
+        model = BertForSequenceClassification(config).train()
+        ids = torch.zeros((batch, sequence), dtype=torch.long)
+        labels = torch.zeros((batch,), dtype=torch.long)
+        mask = torch.ones((batch, sequence), dtype=torch.long)
+    model.bert.embeddings.requires_grad_(False)
+    return model, (), {"input_ids": ids, "attention_mask": mask, "labels": labels}, lambda out: out.loss
+
+
+def cases(device: str, small: bool) -> dict[str, Callable[[], tuple]]:
+    b, s = (2, 64) if small else (32, 224)
+    found: dict[str, Callable[[], tuple]] = {}
+    for scenario in SCENARIOS:
+        found[f"resnet50-{scenario}"] = lambda scenario=scenario: _resnet(scenario, b, s, device)
+    lb, ls = (1, 32) if small else (4, 1024)
+    found["llama-probe"] = lambda: _llama(False, lb, ls, device)
+    found["llama-lora"] = lambda: _llama(True, lb, ls, device)
+    bb, bs = (2, 32) if small else (32, 128)
+    found["bert-dropout"] = lambda: _bert(bb, bs, device)
+    return found
+
+
+# -- measuring --------------------------------------------------------------------------------------
+
+def step(model: nn.Module, args: tuple, kwargs: dict, loss: Callable) -> None:
+    for p in model.parameters():
+        p.grad = None
+    loss(model(*args, **kwargs)).backward()
+
+
+class Variant:
+    """plain, trim deciding fully every forward, or trim's steady plan: entered around a step."""
+
+    def __init__(self, model: nn.Module, how: str) -> None:
+        self.model, self.how, self.handle = model, how, None
+
+    def __enter__(self) -> None:
+        if self.how != "plain":
+            self.handle = trim(self.model)
+            if self.how == "full":
+                self.handle._engine.can_steady = False  # what trim did before the steady plan
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+
+
+def host_times(model: nn.Module, args: tuple, kwargs: dict, loss: Callable, rounds: int) -> dict[str, float]:
+    """Median thread CPU seconds per step of plain, full, steady and plain again, interleaved."""
+    order = ["plain", "full", "steady", "plain2"]
+    handles = {how: Variant(model, how.rstrip("2")) for how in order}
+    times: dict[str, list[float]] = {how: [] for how in order}
+    for how in order:
+        handles[how].__enter__()
+        step(model, args, kwargs, loss)  # warm-up, and for trim the forward that decides
+        handles[how].__exit__()
+    # a steady trim keeps its plan between rounds: installed once, stepped once first
+    for r in range(rounds + 1):
+        for how in order:
+            with handles[how]:
+                if how == "steady":
+                    step(model, args, kwargs, loss)  # decides; the timed step is steady
+                gc.collect()
+                start = time.thread_time()
+                step(model, args, kwargs, loss)
+                elapsed = time.thread_time() - start
+            if r:
+                times[how].append(elapsed)
+    return {how: statistics.median(values) for how, values in times.items()}
+
+
+def op_counts(model: nn.Module, args: tuple, kwargs: dict, loss: Callable) -> dict[str, Any]:
+    counts: dict[str, Any] = {}
+    for how in ("plain", "full", "steady"):
+        variant = Variant(model, how)
+        variant.__enter__()
+        try:
+            step(model, args, kwargs, loss)
+            stats_before = dict(variant.handle.stats) if variant.handle else None
+            with OpCount() as counter:
+                step(model, args, kwargs, loss)
+            counts[how] = (counter.ops, counter.syncs)
+            if how == "steady":
+                after = variant.handle.stats
+                counts["changed"] = (after["dropped"] - stats_before["dropped"]) + \
+                    (after["bitpacked"] - stats_before["bitpacked"])
+                counts["forwards"] = variant.handle.forwards
+        finally:
+            variant.__exit__()
+    return counts
+
+
+def bytes_and_gradients(build: Callable[[], tuple]) -> tuple[dict[str, int], dict[str, int], bool]:
+    """On the CPU: compare() with the steady plan, and with full decisions; gradients of both equal."""
+    model, args, kwargs, loss = build()
+    inputs = kwargs if kwargs else args
+    steady_figures = compare(model, inputs)
+
+    # full decisions every forward: compare() installs its own handle; turn its steady plan off
+    import gradaudit.trimming.handle as handle_module
+    engine_init = handle_module.Engine.__init__
+
+    def full_only(self, *a: Any, **k: Any) -> None:
+        engine_init(self, *a, **k)
+        self.can_steady = False
+
+    handle_module.Engine.__init__ = full_only
+    try:
+        full_figures = compare(model, inputs)
+    finally:
+        handle_module.Engine.__init__ = engine_init
+    # gradients: plain against a steady trimmed step, from the same state and RNG
+    state = copy.deepcopy(model.state_dict())
+
+    def grads() -> list:
+        torch.manual_seed(0)
+        for t in [*model.parameters(), *args]:
+            t.grad = None
+        step(model, args, kwargs, loss)
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None] + \
+            [t.grad.clone() for t in args if isinstance(t, torch.Tensor) and t.grad is not None]
+
+    plain = grads()
+    model.load_state_dict(state)
+    with trim(model):
+        grads()
+        model.load_state_dict(state)
+        trimmed = grads()
+    model.load_state_dict(state)
+    same = len(plain) == len(trimmed) and all(torch.equal(a, b) for a, b in zip(plain, trimmed))
+    return steady_figures, full_figures, same
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    names = list(cases("meta", False))
+    parser.add_argument("--cases", nargs="*", default=names, choices=names)
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds of timed steps (median)")
+    parser.add_argument("--no-bytes", action="store_true", help="skip the CPU held/peak columns")
+    options = parser.parse_args()
+    torch.set_num_threads(1)
+    import transformers
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, python {sys.version.split()[0]}, "
+          f"1 thread; host time on meta at GPU shapes, median of {options.rounds} interleaved rounds")
+    print("| case | plain ms | full +ms | steady +ms | plain again +ms (noise) | ops plain | +ops full | +ops steady "
+          "| saves changed | +ops per changed save | syncs full / steady | held steady vs full | peak steady vs full "
+          "| gradients |")
+    print("|" + "---|" * 14)
+    meta_cases, cpu_cases = cases("meta", False), cases("cpu", True)
+    for name in options.cases:
+        model, args, kwargs, loss = meta_cases[name]()
+        times = host_times(model, args, kwargs, loss, options.rounds)
+        ops = op_counts(model, args, kwargs, loss)
+        del model
+        plain_ops = ops["plain"][0]
+        changed = ops["changed"]
+        added = ops["steady"][0] - plain_ops
+        per_save = f"{added / changed:.2f}" if changed else "-"
+        held = peak = grads = "-"
+        if not options.no_bytes:
+            steady_figures, full_figures, same = bytes_and_gradients(cpu_cases[name])
+            held = (f"{steady_figures['held_after']:,} vs {full_figures['held_after']:,} "
+                    f"({_change(steady_figures['held_after'], full_figures['held_after'])})")
+            peak = (f"{steady_figures['peak_after']:,} vs {full_figures['peak_after']:,} "
+                    f"({_change(steady_figures['peak_after'], full_figures['peak_after'])})")
+            grads = "bit-identical" if same else "DIFFER"
+        ms = {how: value * 1e3 for how, value in times.items()}
+        print(f"| {name} | {ms['plain']:.1f} | {ms['full'] - ms['plain']:+.2f} | {ms['steady'] - ms['plain']:+.2f} "
+              f"| {ms['plain2'] - ms['plain']:+.2f} | {plain_ops} | {ops['full'][0] - plain_ops:+d} | {added:+d} "
+              f"| {changed} | {per_save} | {ops['full'][1] - ops['plain'][1]} / {ops['steady'][1] - ops['plain'][1]} "
+              f"| {held} | {peak} | {grads} |", flush=True)
+
+
+def _change(new: int, old: int) -> str:
+    return f"{100.0 * (new - old) / old:+.2f}%" if old else "0"
+
+
+if __name__ == "__main__":
+    main()
