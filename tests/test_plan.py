@@ -1347,6 +1347,28 @@ def test_plan_on_top_of_trim_on_meta_equals_cpu(torchvision):
     assert report.saved_bytes - report.reclaimable_with_bitpacking_bytes == on_meta.held_bytes
 
 
+def test_a_plan_on_top_of_trim_measures_the_steady_step_a_training_loop_runs(vision_model):
+    """trim decides in a model's first forward and follows that plan in the next ones; a plan's peak is
+    the later steps', measured independently (measure.forward_backward, after a first trimmed step).
+    ResNet-50, input only: a steady forward bit-packs a ReLU's result at the end of the ReLU's call,
+    where the first forward waited for the next boundary (18,432 bytes more at the peak here): a plan
+    measuring only a first forward said 8,188,928."""
+    from gradaudit.measure import forward_backward
+    from gradaudit.scenarios import apply_scenario
+    from gradaudit.trimming import trim
+
+    model, x = vision_model("resnet50"), torch.randn(2, 3, 64, 64)
+    apply_scenario(model, "input-only", x)
+    chosen = plan(model, x, 10**12, trim=True)
+    with trim(model) as handle:
+        forward_backward(model, (x,), {})
+        x.grad = None
+        held, peak = forward_backward(model, (x,), {})
+        assert handle.forwards == {"full": 1, "steady": 1}
+    x.grad = None
+    assert (held, peak) == (chosen.held_bytes, chosen.peak_bytes) == (7_928_832, 8_207_360)
+
+
 def test_a_model_that_checkpoints_itself_reports_what_it_holds_with_trim():
     from torch.utils.checkpoint import checkpoint
 

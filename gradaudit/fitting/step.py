@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..conditions import as_audited, meta_inputs, prepare_data_parallel, resolve_target, runs_on_meta
+from ..conditions import as_audited, meta_inputs, prepare_data_parallel, resolve_target, runs_on_meta, trimmed_now
 from ..errors import ForwardError, GradauditError, NothingRequiresGradError
 from ..module_tracker import ModuleTracker
 from ..sites import user_source_line
@@ -130,6 +130,7 @@ class Step:
         is left as found."""
         args, kwargs = split_inputs(self.inputs)
         with as_audited(self.model, self.inputs, self.trainable, self.frozen, self.target), applied():
+            _steady_trim(self, args, kwargs)
             return forward_backward(self.model, args, kwargs, self.loss_fn or default_loss)
 
     def run(self, applied: Callable[[], Any] = contextlib.nullcontext) -> StepRun:
@@ -158,6 +159,7 @@ class Step:
             gemms = GemmCount()  # the matrix products run (on CUDA they hold cuBLAS's workspaces)
             lifetimes = Lifetimes(persistent.seen, persistent.counts, where, observe=gemms.count)
             with applied(), tracker, buckets_seen() as buckets:
+                _steady_trim(self, args, kwargs)
                 if self.schedule is not None:
                     micro = _scheduled(self, args, kwargs, lifetimes, gemms)
                 else:
@@ -443,6 +445,24 @@ def _device_of(model: nn.Module, inputs: Any) -> str:
     for t in [*model.parameters(), *iter_tensors(inputs)]:
         return t.device.type
     return "cpu"
+
+
+def _steady_trim(step: Step, args: tuple, kwargs: dict) -> None:
+    """With gradaudit.trim installed on the step's model, its first forward decides and the later ones
+    follow its steady plan, which is what a training loop runs and so what a step measures: one
+    forward and backward first, untracked, the model put back after it (``trimming.handle.settle``)."""
+    if step.schedule is not None or not trimmed_now(step.model):
+        return
+    from ..trimming.handle import settle
+
+    def run() -> None:
+        region = (torch.autocast(step.target, dtype=step.autocast) if step.autocast is not None
+                  else contextlib.nullcontext())
+        with region:
+            loss = (step.loss_fn or default_loss)(step.model(*args, **kwargs))
+        loss.backward()
+
+    settle(step.model, args, kwargs, run)
 
 
 def _forward(model: nn.Module, args: tuple, kwargs: dict, lifetimes: Lifetimes, loss_fn: Optional[Callable],

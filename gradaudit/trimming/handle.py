@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -43,7 +43,22 @@ class _Running(threading.local):
 
 
 _RUNNING = _Running()
-_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_devices() -> tuple[str, ...]:
+    """The device types whose autocast state this torch reports (some builds refuse some)."""
+    known = []
+    for device in ("cpu", "cuda"):
+        try:
+            torch.is_autocast_enabled(device)
+            torch.get_autocast_dtype(device)
+        except (RuntimeError, ValueError, TypeError):
+            continue
+        known.append(device)
+    return tuple(known)
+
+
+_AUTOCAST_DEVICES = _autocast_devices()
 
 
 class Engine:
@@ -213,6 +228,28 @@ class TrimHandle:
         model = self._model_ref()
         name = type(model).__name__ if model is not None else "<gone>"
         return f"<gradaudit.TrimHandle {name} {'installed' if self.installed else 'removed'}>"
+
+
+def settle(model: nn.Module, args: tuple, kwargs: dict, run: Callable[[], Any]) -> None:
+    """Where trim is installed on ``model`` and its next forward on these inputs would decide fully, run
+    ``run()`` (a forward and backward of them) once first, and put the model back as it was (weights,
+    buffers, ``.grad``, flags, RNG): the forward that follows is steady, as a training loop's are from
+    its second step on. What measures a trimmed step (plan's and fit's probes) measures that one."""
+    handle = handle_of(model)
+    if handle is None:
+        return
+    engine = handle._engine
+    if not engine.can_steady or (engine.plan is not None and engine.plan.key == engine.conditions(model, args, kwargs)):
+        return
+    leaves = [t for t in unique(list(iter_tensors((args, kwargs)))) if t.requires_grad and t.is_leaf]
+    input_grads = [(t, t.grad) for t in leaves]
+    state = ModelState(model)
+    try:
+        run()
+    finally:
+        state.restore()
+        for t, grad in input_grads:
+            t.grad = grad
 
 
 def trim(model: nn.Module, *, bitpack: bool = True) -> TrimHandle:
