@@ -5,8 +5,9 @@ runs now).
 On the meta device no kernel runs, so a step's time there is its host side alone: the dispatch and
 Python work a GPU step waits on when the host is the bottleneck. Per case, at GPU shapes on meta:
 - host time per forward+backward (thread CPU time; the fastest of interleaved rounds): plain, trim
-  deciding fully every forward ("full"), trim's steady plan ("steady"); the ms trim adds; and a
-  second plain column against the first, the noise floor;
+  deciding fully every forward ("full"), trim's steady plan ("steady"), and that with
+  ``masks="bytes"`` ("bytes"); the ms trim adds; and a second plain column against the first, the
+  noise floor;
 - aten ops dispatched per step (a TorchDispatchMode count): added by each, and by steady per save
   it changed (dropped + bit-packed) and in all;
 - host syncs per step (``_local_scalar_dense``, ``is_nonzero``, ``equal``, ``nonzero``, ``item``);
@@ -129,14 +130,15 @@ def step(model: nn.Module, args: tuple, kwargs: dict, loss: Callable) -> None:
 
 
 class Variant:
-    """plain, trim deciding fully every forward, or trim's steady plan: entered around a step."""
+    """plain, trim deciding fully every forward, trim's steady plan, or that with masks="bytes":
+    entered around a step."""
 
     def __init__(self, model: nn.Module, how: str) -> None:
         self.model, self.how, self.handle = model, how, None
 
     def __enter__(self) -> None:
         if self.how != "plain":
-            self.handle = trim(self.model)
+            self.handle = trim(self.model, masks="bytes" if self.how == "bytes" else "bits")
             if self.how == "full":
                 self.handle._engine.can_steady = False  # what trim did before the steady plan
 
@@ -148,7 +150,7 @@ class Variant:
 def host_times(model: nn.Module, args: tuple, kwargs: dict, loss: Callable, rounds: int) -> dict[str, float]:
     """Thread CPU seconds per step of plain, full, steady and plain again: the fastest of interleaved
     rounds (the median moved by +-10% between runs here; the minimum by under 1%)."""
-    order = ["plain", "full", "steady", "plain2"]
+    order = ["plain", "full", "steady", "bytes", "plain2"]
     handles = {how: Variant(model, how.rstrip("2")) for how in order}
     times: dict[str, list[float]] = {how: [] for how in order}
     for how in order:
@@ -159,7 +161,7 @@ def host_times(model: nn.Module, args: tuple, kwargs: dict, loss: Callable, roun
     for r in range(rounds + 1):
         for how in order:
             with handles[how]:
-                if how == "steady":
+                if how in ("steady", "bytes"):
                     step(model, args, kwargs, loss)  # decides; the timed step is steady
                 gc.collect()
                 start = time.thread_time()
@@ -173,7 +175,7 @@ def host_times(model: nn.Module, args: tuple, kwargs: dict, loss: Callable, roun
 
 def op_counts(model: nn.Module, args: tuple, kwargs: dict, loss: Callable) -> dict[str, Any]:
     counts: dict[str, Any] = {}
-    for how in ("plain", "full", "steady"):
+    for how in ("plain", "full", "steady", "bytes"):
         variant = Variant(model, how)
         variant.__enter__()
         try:
@@ -182,7 +184,7 @@ def op_counts(model: nn.Module, args: tuple, kwargs: dict, loss: Callable) -> di
             with OpCount() as counter:
                 step(model, args, kwargs, loss)
             counts[how] = (counter.ops, counter.syncs)
-            if how == "steady":
+            if how in ("steady", "bytes"):
                 after = variant.handle.stats
                 counts["changed"] = (after["dropped"] - stats_before["dropped"]) + \
                     (after["bitpacked"] - stats_before["bitpacked"])
@@ -244,10 +246,10 @@ def main() -> None:
     import transformers
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, python {sys.version.split()[0]}, "
           f"1 thread; host time on meta at GPU shapes, fastest of {options.rounds} interleaved rounds")
-    print("| case | plain ms | full +ms | steady +ms | plain again +ms (noise) | ops plain | +ops full | +ops steady "
-          "| saves changed | +ops per changed save | syncs full / steady | held steady vs full | peak steady vs full "
-          "| gradients |")
-    print("|" + "---|" * 14)
+    print("| case | plain ms | full +ms | steady +ms | bytes +ms | plain again +ms (noise) | ops plain | +ops full "
+          "| +ops steady | +ops bytes | saves changed | +ops per changed save (bytes) | syncs full / steady "
+          "| held steady vs full | peak steady vs full | gradients |")
+    print("|" + "---|" * 16)
     meta_cases, cpu_cases = cases("meta", False), cases("cpu", True)
     for name in options.cases:
         model, args, kwargs, loss = meta_cases[name]()
@@ -257,7 +259,8 @@ def main() -> None:
         plain_ops = ops["plain"][0]
         changed = ops["changed"]
         added = ops["steady"][0] - plain_ops
-        per_save = f"{added / changed:.2f}" if changed else "-"
+        added_bytes = ops["bytes"][0] - plain_ops
+        per_save = f"{added / changed:.2f} ({added_bytes / changed:.2f})" if changed else "-"
         held = peak = grads = "-"
         if not options.no_bytes:
             steady_figures, full_figures, same = bytes_and_gradients(cpu_cases[name])
@@ -268,8 +271,8 @@ def main() -> None:
             grads = "bit-identical" if same else "DIFFER"
         ms = {how: value * 1e3 for how, value in times.items()}
         print(f"| {name} | {ms['plain']:.1f} | {ms['full'] - ms['plain']:+.2f} | {ms['steady'] - ms['plain']:+.2f} "
-              f"| {ms['plain2'] - ms['plain']:+.2f} | {plain_ops} | {ops['full'][0] - plain_ops:+d} | {added:+d} "
-              f"| {changed} | {per_save} | {ops['full'][1] - ops['plain'][1]} / {ops['steady'][1] - ops['plain'][1]} "
+              f"| {ms['bytes'] - ms['plain']:+.2f} | {ms['plain2'] - ms['plain']:+.2f} | {plain_ops} "
+              f"| {ops['full'][0] - plain_ops:+d} | {added:+d} | {added_bytes:+d} | {changed} | {per_save} | {ops['full'][1] - ops['plain'][1]} / {ops['steady'][1] - ops['plain'][1]} "
               f"| {held} | {peak} | {grads} |", flush=True)
 
 

@@ -77,14 +77,15 @@ def plain_and_trimmed(model: nn.Module, inputs, **trim_options) -> tuple[list, l
 @pytest.mark.parametrize("activation", [nn.ReLU(), nn.ReLU(inplace=True), nn.LeakyReLU(0.1),
                                         nn.Threshold(0.0, 0.0)], ids=["relu", "relu_", "leaky", "threshold"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_bitpacked_sign_gives_identical_gradients_on_special_values(activation, dtype):
+@pytest.mark.parametrize("masks", ["bits", "bytes"])
+def test_bitpacked_sign_gives_identical_gradients_on_special_values(activation, dtype, masks):
     special = torch.tensor([0.0, -0.0, 1e-30, -1e-30, float("inf"), float("-inf"), float("nan"), 3.0, -2.0],
                            dtype=dtype)
     # 9 special values, then 13 random ones: 22 elements, not a multiple of 8 (padding of the last byte)
     x0 = torch.cat([special, torch.randn(13, dtype=dtype)]).view(2, 11)
     model = nn.Sequential(nn.Linear(11, 11).to(dtype), activation)
     x = x0.clone().requires_grad_(True)
-    plain, trimmed, stats = plain_and_trimmed(model, (x,))
+    plain, trimmed, stats = plain_and_trimmed(model, (x,), masks=masks)
     assert stats["bitpacked"] == 1
     assert_identical(plain, trimmed)
 
@@ -145,11 +146,13 @@ def test_dropped_save_with_overlapping_strides():
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.3])
-def test_dropout_mask_bitpacked_with_its_scale(p):
-    """nn.Dropout on CPU saves a float mask of 0 and 1/(1-p): one bit plus the scale, reproduced exactly."""
+@pytest.mark.parametrize("masks", ["bits", "bytes"])
+def test_dropout_mask_bitpacked_with_its_scale(p, masks):
+    """nn.Dropout on CPU saves a float mask of 0 and 1/(1-p): one bit (or bool) plus the scale,
+    reproduced exactly."""
     model = nn.Sequential(nn.Linear(6, 50), nn.Dropout(p), nn.Linear(50, 3)).train()
     x = torch.randn(7, 6, requires_grad=True)  # 7*50 = 350 mask elements, not a multiple of 8
-    plain, trimmed, stats = plain_and_trimmed(model, (x,))
+    plain, trimmed, stats = plain_and_trimmed(model, (x,), masks=masks)
     assert stats["bitpacked"] == 1
     assert_identical(plain, trimmed)
 
@@ -842,3 +845,53 @@ def test_a_steady_forward_syncs_nothing_and_adds_few_ops():
     # measured on 2.14.1: the flat view, the comparison, the bytes; in backward the scaled table,
     # the values and their layout; and autograd's own detaches around the hooks
     assert len(added) <= 12, added
+
+
+def test_masks_as_bytes_hold_one_byte_per_element_and_cost_one_operation_each_way():
+    """masks="bytes": a frozen conv after a ReLU in eval, input gradient: the ReLU's result (2*4*8*8 =
+    512 float32 elements, 2048 bytes) is held as 512 bools; packing is one comparison, unpacking one
+    select (and views)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)).requires_grad_(False)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    figures = {masks: compare(model, x, masks=masks) for masks in ("bits", "bytes")}
+    # held: the ReLU's result packed (the second conv's input is that result: dropped), the first
+    # conv's input is x (alive anyway): bits 512 / 8 = 64 bytes, bools 512 bytes
+    assert figures["bits"]["held_after"] == 64 and figures["bytes"]["held_after"] == 512
+    assert figures["bytes"]["held_before"] == 2048
+
+    def counted() -> list:
+        x.grad = None
+        with Count() as count:
+            model(x).sum().backward()
+        return count.names
+
+    plain = counted()
+    with trim(model, masks="bytes") as handle:
+        counted()
+        steady = counted()
+        assert handle.forwards == {"full": 1, "steady": 1} and handle.masks == "bytes"
+    for name in plain:
+        steady.remove(name)
+    kernels = [name for name in steady if name not in ("as_strided", "detach", "view")]
+    # the comparison, the select; the second conv's input dropped: one unfilled tensor
+    assert sorted(kernels) == ["empty_strided", "le", "where"], steady
+
+
+def test_masks_takes_bits_or_bytes_and_plans_count_bits():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2).requires_grad_(False))
+    with pytest.raises(GradauditError, match="choose one of 'bits', 'bytes'"):
+        trim(model, masks="bit")
+    with trim(model, masks="bytes"):
+        with pytest.raises(GradauditError, match="masks='bytes'"):
+            gradaudit.plan(model, torch.randn(3, 4), 10**9)

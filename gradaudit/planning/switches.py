@@ -113,6 +113,10 @@ def trim_options(model: nn.Module, trim: Optional[bool], bitpack: Optional[bool]
             raise GradauditError(f"bitpack={bitpack} is an option of trim: pass trim=True with it (--trim)")
         return None, None
     if installed is not None:
+        if installed.bitpack and installed.masks != "bits":
+            raise GradauditError(f"gradaudit.trim is installed on this model with masks={installed.masks!r}, which "
+                                 f"plans and fits do not count (they count masks as bits): remove the trim handle, "
+                                 f"or install trim(model) with masks='bits'")
         if bitpack is not None and bitpack != installed.bitpack:
             raise GradauditError(f"gradaudit.trim is installed on this model with bitpack={installed.bitpack}: plan "
                                  f"with bitpack={installed.bitpack}, or remove the trim handle first")

@@ -17,6 +17,7 @@ from ..tracking import forward_backward
 from ..tensors import iter_tensors, split_inputs, unique
 from ..torchapi.autograd import packed_by_checkpoint, saved_tensors_hooks_enabled, top_saved_tensors_hooks
 from . import steady
+from .codec import MASK_FORMATS
 from .session import DROPPED, PACKED, Session
 
 _TRIMMED: "weakref.WeakKeyDictionary[nn.Module, TrimHandle]" = weakref.WeakKeyDictionary()
@@ -67,8 +68,8 @@ class Engine:
     ``conditions``), or by the steady plan the last such forward left (``steady``: only the saves it
     changed are touched)."""
 
-    def __init__(self, model: nn.Module, bitpack: bool) -> None:
-        self.session = Session(model, bitpack)
+    def __init__(self, model: nn.Module, bitpack: bool, masks: str = "bits") -> None:
+        self.session = Session(model, bitpack, masks)
         self.plan: Optional[steady.SteadyPlan] = None
         self.mode: Optional[str] = None  # "full" or "steady" while a forward runs
         self.depth = 0
@@ -160,9 +161,9 @@ class Engine:
 class TrimHandle:
     """Returned by ``trim``: ``remove()`` (or leaving the ``with`` block) restores the model."""
 
-    def __init__(self, model: nn.Module, bitpack: bool) -> None:
+    def __init__(self, model: nn.Module, bitpack: bool, masks: str = "bits") -> None:
         self._model_ref = weakref.ref(model)
-        self._engine = engine = Engine(model, bitpack)
+        self._engine = engine = Engine(model, bitpack, masks)
         self._session = engine.session
         self._handles: list[Any] = []
         self._handles.append(model.register_forward_pre_hook(
@@ -178,6 +179,11 @@ class TrimHandle:
     def bitpack(self) -> bool:
         """The ``bitpack`` option it was installed with."""
         return self._session.bitpack
+
+    @property
+    def masks(self) -> str:
+        """The ``masks`` option it was installed with: ``"bits"`` or ``"bytes"``."""
+        return self._session.masks
 
     @property
     def stats(self) -> dict[str, int]:
@@ -252,7 +258,7 @@ def settle(model: nn.Module, args: tuple, kwargs: dict, run: Callable[[], Any]) 
             t.grad = grad
 
 
-def trim(model: nn.Module, *, bitpack: bool = True) -> TrimHandle:
+def trim(model: nn.Module, *, bitpack: bool = True, masks: str = "bits") -> TrimHandle:
     """Make every forward of ``model`` keep only what backward can need; gradients stay bit-identical.
 
     Saves backward cannot read are forgotten (backward gets a placeholder of the same shape and strides, never read);
@@ -270,19 +276,26 @@ def trim(model: nn.Module, *, bitpack: bool = True) -> TrimHandle:
     is decided fully), and with autocast.
     Refuses (GradauditError) when saved-tensor hooks are disabled and in double backward.
 
+    ``masks``: what a save needed only as a sign or a two-valued mask becomes (with ``bitpack``):
+    ``"bits"`` (the default), one bit per element, ~97% of a float32 save freed, made and unpacked by
+    several operations (numpy's on the CPU; on a GPU each is a kernel launch); ``"bytes"``, one bool per
+    element, 75% freed, one operation to make and one to unpack. ``plan`` and ``fit`` count bits.
+
     Returns a handle: ``handle.remove()`` restores the model exactly; ``with trim(model): ...``.
     """
     if not isinstance(model, nn.Module):
         raise GradauditError(f"trim() needs a torch.nn.Module, got {type(model).__name__}")
+    if masks not in MASK_FORMATS:
+        raise GradauditError(f"trim(masks={masks!r}): choose one of {', '.join(map(repr, MASK_FORMATS))}")
     if model in _TRIMMED:
         raise GradauditError(f"{type(model).__name__} is already trimmed; remove the first handle first")
-    handle = TrimHandle(model, bitpack)
+    handle = TrimHandle(model, bitpack, masks)
     _TRIMMED[model] = handle
     return handle
 
 
 
-def compare(model: nn.Module, inputs: Any, *, bitpack: bool = True) -> dict[str, int]:
+def compare(model: nn.Module, inputs: Any, *, bitpack: bool = True, masks: str = "bits") -> dict[str, int]:
     """Held bytes after the forward and peak bytes through forward+backward, plain vs trimmed.
 
     Returns ``{"held_before", "held_after", "peak_before", "peak_after"}`` in bytes; the trimmed
@@ -307,7 +320,7 @@ def compare(model: nn.Module, inputs: Any, *, bitpack: bool = True) -> dict[str,
             for t in [*model.parameters(), *leaves]:
                 t.grad = None
             if trimmed:
-                with trim(model, bitpack=bitpack):
+                with trim(model, bitpack=bitpack, masks=masks):
                     # the first forward decides (every save looked at); what a training loop gets
                     # from then on is the steady forward, measured from the same state
                     forward_backward(model, args, kwargs)

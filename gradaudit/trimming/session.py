@@ -14,7 +14,7 @@ from .. import torchapi
 from ..errors import GradauditError
 from ..tensors import iter_tensors, storage_key
 from ..torchapi.modules import add_forward_hooks, remove_forward_hooks
-from .codec import Packer, contiguous_strides, dense, shape_stand_in, unfilled_strided, unpack_bits
+from .codec import BYTES, Packer, contiguous_strides, dense, shape_stand_in, unfilled_strided, unpack_bits
 from .plan import KEEP, kind_of, plan_for
 from ..torchapi.autograd import (NO_SEQUENCE, called_from_autograd, caller_frame, in_backward,
                                  node_sequence_number, packed_by_checkpoint, pop_node_creation_hook,
@@ -116,9 +116,10 @@ class Session:
     ``trim`` runs such a forward first and whenever the steady plan does not apply; the forward also
     records what the steady plan needs (``changed``, ``calls``)."""
 
-    def __init__(self, model: nn.Module, bitpack: bool) -> None:
+    def __init__(self, model: nn.Module, bitpack: bool, masks: str = "bits") -> None:
         self.model_ref = weakref.ref(model)
         self.bitpack = bitpack
+        self.masks = masks  # codec.MASK_FORMATS: what a bit-packable save becomes
         self.active = False
         self.depth = 0
         self.pending: list[tuple[Any, Optional[Call]]] = []  # (node, module call) since the last boundary
@@ -413,6 +414,8 @@ class Session:
                 self.stats["unpacked_again"] += 1
 
     def pack_bits(self, box: Box, packer: Packer) -> None:
+        if self.masks == "bytes":
+            packer = BYTES[packer]
         tensor = box.payload
         # dense: the values in memory order, whatever the layout (unpacking restores the strides)
         found = packer(tensor.as_strided((tensor.numel(),), (1,))) if dense(tensor) else None

@@ -27,7 +27,7 @@ from torch import nn
 from ..errors import GradauditError
 from ..tensors import iter_tensors
 from ..torchapi.autograd import in_backward, node_scalars, node_sequence_number, raw_slot_attribute, sequence_number
-from .codec import (PACKERS, contiguous_strides, dense, dropout_mask, scaled_mask, shape_stand_in, unfilled_strided,
+from .codec import (BYTES, PACKERS, contiguous_strides, dense, dropout_mask, scaled_mask, shape_stand_in, unfilled_strided,
                     unpack_bits)
 from .plan import kind_of
 
@@ -110,16 +110,19 @@ def _unpack_bits(saved: Any) -> torch.Tensor:
 
 
 # one pack function per packer, made once (the steady state's saves share them)
-_PACK_BITS = {packer: _bit_packer(packer) for packer in [*PACKERS.values(), scaled_mask]}
+_PACK_BITS = {packer: _bit_packer(packer) for packer in [*PACKERS.values(), scaled_mask, *BYTES.values()]}
+_CHECKED_MASKS = (_PACK_BITS[scaled_mask], _PACK_BITS[BYTES[scaled_mask]])
 
 
-def _dropout_packer(scale: float, dtype: torch.dtype) -> Callable[[torch.Tensor], Any]:
-    """The pack hook of a stock dropout module's keep-mask of ``dtype``, whose set value is ``scale``."""
+def _dropout_packer(scale: float, dtype: torch.dtype, as_bytes: bool) -> Callable[[torch.Tensor], Any]:
+    """The pack hook of a stock dropout module's keep-mask of ``dtype``, whose set value is ``scale``
+    (``as_bytes``: a bool per element, else bits)."""
     def pack(t: torch.Tensor) -> Any:
         if t.dtype != dtype or t.numel() == 0 or not dense(t):
             return _Kept(t)
         with torch.no_grad():
-            return _Bits(dropout_mask(t.as_strided((t.numel(),), (1,)), scale), scale, t)
+            flat = t.as_strided((t.numel(),), (1,))
+            return _Bits(flat != 0 if as_bytes else dropout_mask(flat, scale), scale, t)
 
     return pack
 
@@ -322,11 +325,12 @@ def build(session: Any, key: Any, dropped: int, packed: int) -> SteadyPlan:
                 plan.unreached += 1
                 continue
             fresh = None
-            if fresh_allowed and where[1] == () and any(slot.pack is _PACK_BITS[scaled_mask] for slot in slots):
+            if fresh_allowed and where[1] == () and any(slot.pack in _CHECKED_MASKS for slot in slots):
                 fresh = call.module.p
                 for slot in slots:
-                    if slot.pack is _PACK_BITS[scaled_mask]:
-                        slot.pack = _dropout_packer(slot.box.scale, slot.box.dtype)
+                    if slot.pack in _CHECKED_MASKS:
+                        slot.pack = _dropout_packer(slot.box.scale, slot.box.dtype,
+                                                    slot.pack is _CHECKED_MASKS[1])
             # elsewhere a mask keeps the packer that checks its values
             for slot in slots:
                 slot.box = None
