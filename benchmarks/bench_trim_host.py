@@ -8,6 +8,10 @@ Python work a GPU step waits on when the host is the bottleneck. Per case, at GP
   deciding fully every forward ("full"), trim's steady plan ("steady"), and that with
   ``masks="bytes"`` ("bytes"); the ms trim adds; and a second plain column against the first, the
   noise floor;
+- the time spent inside trim per steady step, timed around each of its callbacks (the steady plan's
+  module hooks with the packing they run, the unpack hooks, the root's begin and end), plus what
+  nn.Module's hook path adds to each hooked module call (measured apart): steadier than the step
+  time differences on a shared machine, which move by more than trim adds;
 - aten ops dispatched per step (a TorchDispatchMode count): added by each, and by steady per save
   it changed (dropped + bit-packed) and in all;
 - host syncs per step (``_local_scalar_dense``, ``is_nonzero``, ``equal``, ``nonzero``, ``item``);
@@ -173,6 +177,79 @@ def host_times(model: nn.Module, args: tuple, kwargs: dict, loss: Callable, roun
     return {how: min(values) for how, values in times.items()}
 
 
+def _hook_call_cost(calls: int = 20000) -> float:
+    """Seconds a module call costs more with one forward hook that returns at once than with none
+    (what nn.Module's hook path adds to each call of a module trim hooks), fastest of 5 rounds."""
+    module = nn.Identity()
+    x = torch.zeros(())
+
+    def rounds() -> float:
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                module(x)
+            best = min(best, time.perf_counter() - start)
+        return best / calls
+
+    bare = rounds()
+    handle = module.register_forward_hook(lambda m, a, o: None)
+    try:
+        return max(0.0, rounds() - bare)
+    finally:
+        handle.remove()
+
+
+def trim_own_time(model: nn.Module, args: tuple, kwargs: dict, loss: Callable, masks: str,
+                  rounds: int) -> tuple[float, int]:
+    """(seconds spent inside trim per steady step, module calls that ran a hook of trim's): the steady
+    plan's hooks (which register the changed saves' hooks and run their packing), the unpack hooks in
+    backward, and the root's begin and end, each timed around its call, the fastest of ``rounds``
+    steps. What this leaves out is what nn.Module's hook path adds to each hooked call (see
+    ``_hook_call_cost``) and autograd's own work for a save with hooks (its detaches)."""
+    from gradaudit.trimming import steady
+
+    spent = [0.0]
+    calls = [0]
+
+    def timed(fn: Callable, count: bool = False) -> Callable:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[0] += time.perf_counter() - start
+                calls[0] += count
+        return wrapper
+
+    handle = trim(model, masks=masks)
+    try:
+        step(model, args, kwargs, loss)  # decides
+        engine = handle._engine
+        plan = engine.plan
+        plan.remove()
+        for _, per_call in plan.modules.values():
+            for entries in per_call:
+                for entry in entries:
+                    for slot in entry.slots:
+                        slot.unpack = timed(slot.unpack)
+        original_post, original_pre = plan._make_post, plan._pre
+        plan._make_post = lambda per_call: timed(original_post(per_call), count=True)
+        plan._pre = timed(original_pre)
+        plan.install()
+        engine.begin, engine.end = timed(engine.begin), timed(engine.end)
+        best = float("inf")
+        for _ in range(rounds):
+            spent[0], calls[0] = 0.0, 0
+            gc.collect()
+            step(model, args, kwargs, loss)
+            assert engine.mode is None and plan is engine.plan, "the timed step was not a steady one"
+            best = min(best, spent[0])
+        return best, calls[0]
+    finally:
+        handle.remove()
+
+
 def op_counts(model: nn.Module, args: tuple, kwargs: dict, loss: Callable) -> dict[str, Any]:
     counts: dict[str, Any] = {}
     for how in ("plain", "full", "steady", "bytes"):
@@ -246,15 +323,22 @@ def main() -> None:
     import transformers
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, python {sys.version.split()[0]}, "
           f"1 thread; host time on meta at GPU shapes, fastest of {options.rounds} interleaved rounds")
-    print("| case | plain ms | full +ms | steady +ms | bytes +ms | plain again +ms (noise) | ops plain | +ops full "
-          "| +ops steady | +ops bytes | saves changed | +ops per changed save (bytes) | syncs full / steady "
-          "| held steady vs full | peak steady vs full | gradients |")
-    print("|" + "---|" * 16)
+    hook_cost = _hook_call_cost()
+    print(f"a module call with a forward hook: +{hook_cost * 1e6:.2f} us")
+    print("| case | plain ms | full +ms | steady +ms | bytes +ms | plain again +ms (noise) | inside trim, steady ms "
+          "(bytes) | hooked calls | ops plain | +ops full | +ops steady | +ops bytes | saves changed "
+          "| +ops per changed save (bytes) | syncs full / steady | held steady vs full | peak steady vs full "
+          "| gradients |")
+    print("|" + "---|" * 19)
     meta_cases, cpu_cases = cases("meta", False), cases("cpu", True)
     for name in options.cases:
         model, args, kwargs, loss = meta_cases[name]()
         times = host_times(model, args, kwargs, loss, options.rounds)
         ops = op_counts(model, args, kwargs, loss)
+        inside, hooked = trim_own_time(model, args, kwargs, loss, "bits", options.rounds)
+        inside_bytes, _ = trim_own_time(model, args, kwargs, loss, "bytes", options.rounds)
+        inside += hooked * hook_cost
+        inside_bytes += hooked * hook_cost
         del model
         plain_ops = ops["plain"][0]
         changed = ops["changed"]
@@ -271,7 +355,8 @@ def main() -> None:
             grads = "bit-identical" if same else "DIFFER"
         ms = {how: value * 1e3 for how, value in times.items()}
         print(f"| {name} | {ms['plain']:.1f} | {ms['full'] - ms['plain']:+.2f} | {ms['steady'] - ms['plain']:+.2f} "
-              f"| {ms['bytes'] - ms['plain']:+.2f} | {ms['plain2'] - ms['plain']:+.2f} | {plain_ops} "
+              f"| {ms['bytes'] - ms['plain']:+.2f} | {ms['plain2'] - ms['plain']:+.2f} "
+              f"| {inside * 1e3:.2f} ({inside_bytes * 1e3:.2f}) | {hooked} | {plain_ops} "
               f"| {ops['full'][0] - plain_ops:+d} | {added:+d} | {added_bytes:+d} | {changed} | {per_save} | {ops['full'][1] - ops['plain'][1]} / {ops['steady'][1] - ops['plain'][1]} "
               f"| {held} | {peak} | {grads} |", flush=True)
 
