@@ -15,6 +15,7 @@ from gradaudit.errors import GradauditError
 from gradaudit.knowledge import Bit
 from gradaudit import torchapi
 from gradaudit.trimming import compare, trim
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 from gradaudit.scenarios import SCENARIOS, apply_scenario
@@ -714,6 +715,20 @@ def test_handle_forward_trims_work_that_does_not_call_the_model():
 # the steady plan: decided in the first forward, applied in the next ones only where it still holds
 
 
+class OpNames(TorchDispatchMode):
+    """The names of the aten ops dispatched inside it, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+
+
 class Branching(nn.Module):
     """Which op follows the frozen convolution depends on the input's values: ReLU (its result one
     bit per element) or tanh (its result needed as it is), at the same place in the graph."""
@@ -801,22 +816,11 @@ def test_a_dropout_whose_p_changed_decides_again():
 def test_a_steady_forward_syncs_nothing_and_adds_few_ops():
     """The steady forward adds, per save it changes, only the operations of its pack and unpack
     hooks, and none reads a value back to the host (a dropout mask is packed without checking it)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
     def added_ops(model: nn.Module, x: torch.Tensor) -> list:
         def counted() -> list:
             for p in model.parameters():
                 p.grad = None
-            with Count() as count:
+            with OpNames() as count:
                 torch.manual_seed(0)
                 model(x).sum().backward()
             return count.names
@@ -851,17 +855,6 @@ def test_masks_as_bytes_hold_one_byte_per_element_and_cost_one_operation_each_wa
     """masks="bytes": a frozen conv after a ReLU in eval, input gradient: the ReLU's result (2*4*8*8 =
     512 float32 elements, 2048 bytes) is held as 512 bools; packing is one comparison, unpacking one
     select (and views)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)).requires_grad_(False)
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
     figures = {masks: compare(model, x, masks=masks) for masks in ("bits", "bytes")}
@@ -872,7 +865,7 @@ def test_masks_as_bytes_hold_one_byte_per_element_and_cost_one_operation_each_wa
 
     def counted() -> list:
         x.grad = None
-        with Count() as count:
+        with OpNames() as count:
             model(x).sum().backward()
         return count.names
 

@@ -4,7 +4,8 @@ the saves it changed.
 Each changed save is found again from a forward hook on the module whose call made its node: from
 that call's output tensor, a recorded path of ``next_functions`` indices leads to the node. What
 the decision rests on is checked on the node found (its type, which inputs need a gradient, the
-scalars the op knowledge reads, the saved tensor's dtype), so a forward that differs from the
+scalars the op knowledge reads; the pack hooks check the tensor itself: a float, dense, the dtype a
+dropout mask was planned for), so a forward that differs from the
 planned one (a data-dependent branch, a hook that replaced an output, a module called more or fewer
 times) can only leave a save as autograd made it, never change the wrong one. The save is then
 handed its own pack and unpack hooks (``SavedTensor.register_hooks``): autograd lets go of the
