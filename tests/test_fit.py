@@ -952,3 +952,19 @@ def test_a_cuda_fit_says_where_cudnns_convolution_workspaces_are_left_out():
     on_cpu = gradaudit.fit(convolutional, torch.empty(2, 3, 16, 16, device="meta"), memory="1GiB", target="cpu",
                            optimizer="sgd", loss=lambda output: output.sum())
     assert not [n for n in on_cpu.notes if "cuDNN" in n]
+
+
+def test_no_remedy_names_the_limit_the_floor_passes():
+    """Issue 45, 3: what no remedy reduces (parameters, buffers, optimizer state, gradients) can be under
+    the memory and over the memory less the headroom; the note says which limit, with both figures."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+    x = torch.randn(16, 64)
+    # parameters 64*128+128+128*8+8 = 9352 floats = 37,408 B; SGD keeps no state; their gradients as much
+    floor = 2 * 37_408
+    tight = gradaudit.fit(model, x, memory=floor + 1000, headroom=floor, optimizer="sgd")
+    note = next(n for n in tight.notes if n.startswith("no remedy"))
+    assert "take 73.1 KiB, more than the memory less the headroom (74 KiB - 73.1 KiB = 1000 B)" in note, note
+    below = gradaudit.fit(model, x, memory=floor - 1000, optimizer="sgd")
+    note = next(n for n in below.notes if n.startswith("no remedy"))
+    assert "take 73.1 KiB, more than the memory (72.1 KiB)" in note, note

@@ -104,7 +104,7 @@ def fit(
         _search_stage_remedy(result, memory_bytes, say)
     elif remedy and measured.floor_bytes + headroom_of(measured) > memory_bytes:
         result.remedy_searched = True
-        result.notes.append(_beyond_remedy(measured.floor_bytes))
+        result.notes.append(_beyond_remedy(measured.floor_bytes, memory_bytes, headroom_of(measured)))
     elif remedy:
         _search_remedy(result, step, memory_bytes, headroom_of, split_batch, say)
     return result
@@ -131,9 +131,15 @@ def _levers(step: Step, run: Any, measured: Figures) -> list[Any]:
                         measured.attribution, measured.breakdown.get(GRADIENTS, 0) if copied else 0)
 
 
-def _beyond_remedy(floor_bytes: int) -> str:
+def _beyond_remedy(floor_bytes: int, memory_bytes: int, headroom_bytes: int) -> str:
+    """The note where what no remedy reduces does not fit beside the headroom: naming the limit it passes."""
+    if floor_bytes > memory_bytes:
+        limit = f"more than the memory ({human_bytes(memory_bytes)})"
+    else:
+        limit = (f"more than the memory less the headroom ({human_bytes(memory_bytes)} - "
+                 f"{human_bytes(headroom_bytes)} = {human_bytes(memory_bytes - headroom_bytes)})")
     return (f"no remedy: the parameters, buffers, optimizer state and gradients alone take "
-            f"{human_bytes(floor_bytes)}, more than the memory, and neither smaller micro-batches, trim "
+            f"{human_bytes(floor_bytes)}, {limit}, and neither smaller micro-batches, trim "
             f"nor checkpointing reduces them (train fewer parameters, keep less optimizer state, or shard the model)")
 
 
