@@ -80,7 +80,7 @@ def raw_slot_attribute(attr: str) -> str:
 
 def raw_slot(node: Any, attr: str) -> Any:
     """The raw SavedVariable (or list of them) behind tensor slot ``attr`` (reading it unpacks nothing)."""
-    return getattr(node, "_raw_saved_" + attr)
+    return getattr(node, raw_slot_attribute(attr))
 
 
 def graph_nodes(roots: Iterable[Any]) -> Iterator[Any]:

@@ -323,10 +323,7 @@ def compare(model: nn.Module, inputs: Any, *, bitpack: bool = True, masks: str =
                 with trim(model, bitpack=bitpack, masks=masks):
                     # the first forward decides (every save looked at); what a training loop gets
                     # from then on is the steady forward, measured from the same state
-                    forward_backward(model, args, kwargs)
-                    state.restore()
-                    for t in [*model.parameters(), *leaves]:
-                        t.grad = None
+                    settle(model, args, kwargs, lambda: forward_backward(model, args, kwargs))
                     measured.append(forward_backward(model, args, kwargs))
             else:
                 measured.append(forward_backward(model, args, kwargs))

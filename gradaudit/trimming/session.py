@@ -17,9 +17,8 @@ from ..torchapi.modules import add_forward_hooks, remove_forward_hooks
 from .codec import BYTES, Packer, contiguous_strides, dense, shape_stand_in, unfilled_strided, unpack_bits
 from .plan import KEEP, kind_of, plan_for
 from ..torchapi.autograd import (NO_SEQUENCE, called_from_autograd, caller_frame, in_backward,
-                                 node_sequence_number, packed_by_checkpoint, pop_node_creation_hook,
-                                 push_node_creation_hook, raw_saved_slots, raw_slot,
-                                 saved_tensors_hooks_enabled, sequence_number, top_saved_tensors_hooks)
+                                 node_sequence_number, pop_node_creation_hook, push_node_creation_hook,
+                                 raw_saved_slots, raw_slot, sequence_number)
 from ..torchapi.checkpoint import saving_checkpoint_inputs
 from ..torchapi.storages import storage_id, version_counter
 
@@ -121,7 +120,6 @@ class Session:
         self.bitpack = bitpack
         self.masks = masks  # codec.MASK_FORMATS: what a bit-packable save becomes
         self.active = False
-        self.depth = 0
         self.pending: list[tuple[Any, Optional[Call]]] = []  # (node, module call) since the last boundary
         # Without torch's node-creation hook (torch < 2.14) the nodes are found by walking the graph
         # back from the tensors at each boundary, down to the nodes decided or made before the
@@ -139,7 +137,6 @@ class Session:
         self.record = False
         self.calls: list[Call] = []
         self.changed: list[tuple[Any, Call, list[tuple[str, Box]]]] = []
-        self.kept_whole: Optional[set[int]] = None
         self.waiting: list[tuple[Box, Callable]] = []  # saves to bit-pack at the next boundary
         self.protected: set[int] = set()  # storages alive anyway (parameters, buffers, inputs)
         self.alive_anyway: Optional[list[torch.Tensor]] = None  # parameters and buffers
@@ -241,13 +238,11 @@ class Session:
         self.waiting = []
         self.calls = []
         self.changed = []
-        self.kept_whole = None
         self.call_counts = {}
         self.walked = set()
         self.first_sequence = sequence_number()
         self.stack = [Call("", module, 0, self.first_sequence)]
         self.active = True
-        self.depth = 0
         self._hook_modules(module)
         self.hooks = torch.autograd.graph.saved_tensors_hooks(called_from_autograd(self.pack),
                                                              called_from_autograd(unpack))
@@ -269,13 +264,13 @@ class Session:
                 self.calls.append(root)
                 # storages a save keeps whole when the forward ends: dropping another save of one
                 # frees nothing (known where bit-packing is on: ``keep`` follows them then)
-                self.kept_whole = {key for key, ref in self.kept.items()
-                                   if (box := ref()) is not None and box.state == KEPT}
+                kept_whole = {key for key, ref in self.kept.items()
+                              if (box := ref()) is not None and box.state == KEPT}
                 for _, _, boxes in self.changed:
                     for _, box in boxes:
                         if box.storage is not None:  # alive and kept by another save: freed nothing
                             ref, key = box.storage
-                            box.storage = not ref.expired() and key in self.kept_whole
+                            box.storage = not ref.expired() and key in kept_whole
         finally:
             self.active = False
             self._unhook_modules()
