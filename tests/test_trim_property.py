@@ -15,6 +15,8 @@ from gradaudit.trimming import trim  # noqa: E402
 from test_trim import assert_identical, gradients  # noqa: E402
 
 
+GROUP_NORM_CHANNELS_LAST_CRASHES = torch.__version__ < "2.12"
+
 # layers whose saves the op knowledge decides (conv, BN, pooling, ReLU family) and some it keeps
 LAYERS = ("conv", "conv_nobias", "bn", "relu", "relu_", "leaky", "threshold", "maxpool", "avgpool",
           "gelu", "tanh", "dropout", "groupnorm", "residual")
@@ -80,6 +82,9 @@ class Residual(nn.Module):
 )
 def test_trimming_never_changes_gradients(layers, channels, size, training, input_grad, frozen, channels_last,
                                          bitpack, seed):
+    # torch 2.11's CPU group-norm backward crashes the process (SIGSEGV, reproduced without gradaudit)
+    # on a channels-last input when the weight or bias wants a gradient and the input does not
+    hypothesis.assume(not (GROUP_NORM_CHANNELS_LAST_CRASHES and channels_last and "groupnorm" in layers))
     torch.manual_seed(seed)
     model = build(layers, channels)
     x = torch.randn(2, channels, size, size)
