@@ -51,18 +51,20 @@ def _is_internal(code: Any) -> bool:
 
 
 def short_path(filename: str, cwd: Optional[str] = None) -> str:
-    """A path readable and stable across machines: relative to cwd or to site-packages.
+    """A path readable and stable across machines: a file of an installed package by the package's
+    own path (``torchvision/models/resnet.py``, wherever site-packages is, a virtual environment inside
+    the project included); any other file relative to cwd when under it, else as given.
 
     ``cwd``: the working directory to take it relative to (default: the current one).
     """
     if not os.path.isabs(filename):
         return filename
+    for marker in _LIBRARY_DIRS:
+        if marker in filename:
+            return filename.rsplit(marker, 1)[1]
     cwd = (os.getcwd() if cwd is None else cwd) + os.sep
     if filename.startswith(cwd):
         return filename[len(cwd):]
-    marker = os.sep + "site-packages" + os.sep
-    if marker in filename:
-        return filename.split(marker, 1)[1]
     return filename
 
 

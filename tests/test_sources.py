@@ -22,7 +22,7 @@ import gradaudit
 from gradaudit import loading
 from gradaudit.cli import cli
 from gradaudit.report import text
-from gradaudit.sites import _is_internal, construction_site, noting_construction
+from gradaudit.sites import _is_internal, construction_site, noting_construction, short_path
 
 # Each layer's line carries "# built: <module path>"; findings: GA401 (the ReLU's sign-only save),
 # GA301 (the max-pool's unread input), GA101 (the frozen convolution's input), on one layer each.
@@ -191,3 +191,16 @@ def test_driver_libraries_are_internal_model_libraries_are_not():
     for library in ("transformers/models/bert/modeling_bert.py", "torchvision/models/resnet.py", "timm/layers/mlp.py"):
         assert not _is_internal(code(os.path.join(site, *library.split("/")))), library
     assert not _is_internal(code(os.path.join(os.sep, "home", "me", "model.py")))
+
+
+def test_installed_files_are_named_by_their_package_path_even_under_the_project():
+    # issue 45 item 7: with the venv inside the project (python -m venv .venv, uv's and poetry's default)
+    # a torchvision frame used to read ".venv/lib/python3.11/site-packages/torchvision/models/resnet.py"
+    project = os.path.join(os.sep, "work", "proj")
+    for venv_lib in (os.path.join(project, ".venv", "lib", "python3.11", "site-packages"),
+                     os.path.join(os.sep, "usr", "lib", "python3", "dist-packages")):
+        resnet = os.path.join(venv_lib, "torchvision", "models", "resnet.py")
+        assert short_path(resnet, cwd=project) == os.path.join("torchvision", "models", "resnet.py")
+    # the user's own files stay relative to where they ran it, and elsewhere as given
+    assert short_path(os.path.join(project, "src", "model.py"), cwd=project) == os.path.join("src", "model.py")
+    assert short_path(os.path.join(os.sep, "elsewhere", "model.py"), cwd=project) == "/elsewhere/model.py"
