@@ -351,6 +351,63 @@ def test_the_largest_batch_and_sequence_that_fit_are_measured_answers(transforme
         fitted.largest("width")
 
 
+def test_largest_keeps_inputs_that_are_one_tensor_one_tensor(transformers):
+    """Issue 45 item 2: causal-LM batches are often {"input_ids": ids, "labels": ids}. The resized batch
+    used to make ``labels`` a tensor of its own (+ batch x 16 x 8 B), so a batch of 5 that fits with
+    1,000 B to spare was found not to fit from a fit at 2."""
+    from gradaudit.fitting.largest import scaled
+
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, vocab_size=100, use_cache=False)
+    torch.manual_seed(0)
+    with gradaudit.meta_device():
+        model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 100, (2, 16))
+    batch = {"input_ids": ids, "labels": ids}
+    resized = scaled(batch, 0, 2, 5)
+    assert resized["labels"] is resized["input_ids"] and resized["input_ids"].shape == (5, 16)
+    assert scaled({"a": ids, "b": ids[:, 1:]}, 0, 2, 5)["b"].shape == (5, 15)  # a different view: its own
+    memory = gradaudit.fit(model, resized, memory="1GiB", optimizer="sgd", remedy=False).peak_bytes + 1000
+    n = gradaudit.fit(model, batch, memory=memory, optimizer="sgd", remedy=False).largest("batch")
+    assert n == 5  # measured: 5 fits with 1,000 B to spare, and so the search must find it
+    assert not gradaudit.fit(model, scaled(batch, 0, 2, 6), memory=memory, optimizer="sgd", remedy=False).fits
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_largest_far_below_the_memory_is_found_or_said_unbounded(target):
+    """Issue 45 item 4: a 64-wide MLP needs about 1 KiB a row, so 1 GiB holds about a million rows; the
+    search used to bisect from 8 to its affine guess and give up after 24 steps. Found now, and checked
+    by fits of their own (on cuda the allocator's 2 MiB and 20 MiB rounding makes the peak a staircase);
+    a memory that holds 2 ** 24 rows does not bound the batch, and says so."""
+    from gradaudit.fitting.largest import MOST_SIZE, Unbounded, scaled
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2)).to("meta")
+    batch = torch.empty(4, 64, device="meta")
+
+    def fits(n: int) -> bool:
+        return gradaudit.fit(model, scaled(batch, 0, 4, n), memory="1GiB", target=target, optimizer="sgd",
+                             remedy=False).fits
+
+    n = gradaudit.fit(model, batch, memory="1GiB", target=target, optimizer="sgd", remedy=False).largest("batch")
+    assert 900_000 < n < 1_100_000 and fits(n) and not fits(n + 1)
+    huge = gradaudit.fit(model, batch, memory="80GiB", target=target, optimizer="sgd", remedy=False)
+    with pytest.raises(Unbounded, match=f"{MOST_SIZE}, the most searched, fits: the memory does not bound"):
+        huge.largest("batch")
+
+
+def test_a_size_this_machine_cannot_run_is_said_in_one_line():
+    from gradaudit.fitting.largest import InputSizes
+
+    def out_of_memory(inputs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 85899244288 bytes. Error code 12")
+
+    sizes = InputSizes(out_of_memory, torch.empty(4, 8))
+    with pytest.raises(GradauditError, match=r"the step at batch 9 ran out of this machine's memory .*"
+                                             r"fit on the meta device"):
+        sizes.measure("batch", 9)
+
+
 def test_when_weights_state_and_gradients_alone_exceed_memory_no_remedy_is_searched_for_long(llama):
     parameter_bytes = sum(p.numel() * 4 for p in llama.parameters())
     fitted = gradaudit.fit(llama, padded_batch(100), memory=parameter_bytes, optimizer="sgd")

@@ -1,8 +1,9 @@
 """The largest batch (or sequence length) whose step fits: the batch scaled along one dimension (its
 rows repeated in turn, so a padded batch stays padded alike; for a pipeline stage, its micro-batch, their
 count or their sequence, the schedule rebuilt at each: fitting/pipeline.py), the step's peak measured at two sizes,
-the affine guess between them, then the guess's neighbours measured until n fits and n+1 does not.
-On meta nothing is computed, so each measurement costs a forward and backward of shapes only.
+the affine guess between them and its neighbour, then the line through the two sizes either side of the
+answer, halving where that does not halve the range, until n fits and n+1 does not. On meta nothing is
+computed, so each measurement costs a forward and backward of shapes only.
 """
 
 from __future__ import annotations
@@ -14,22 +15,32 @@ import torch
 from ..errors import GradauditError
 from ..tensors import iter_tensors
 from ..torchapi.dispatch import tree_map
+from ..torchapi.storages import storage_key
 
 DIMENSIONS = {"batch": 0, "seq": 1}
-MOST_STEPS = 24  # measurements before giving up on the neighbours' walk
+MOST_STEPS = 40  # measurements before giving up on the search (halving 2 ** 24 takes 24)
+MOST_SIZE = 2 ** 24  # the largest batch or sequence searched: a memory that holds more does not bound it
 
 
 def scaled(inputs: Any, dimension: int, size: int, new: int) -> Any:
     """``inputs`` with every tensor whose ``dimension`` has ``size`` entries resized to ``new``
-    along it, by repeating its entries in turn (values kept, on meta too)."""
+    along it, by repeating its entries in turn (values kept, on meta too). Tensors that are one tensor
+    (``{"input_ids": ids, "labels": ids}``, as causal-LM batches often are), or views of one storage
+    alike in offset, shape and strides, stay one tensor: their bytes are counted once, as the batch's
+    were. Views of one storage that differ (``ids`` and ``ids[:, 1:]``) become tensors of their own."""
     from ..values import knowing_values
+
+    made: dict[tuple, torch.Tensor] = {}
 
     def resize(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() <= dimension or t.shape[dimension] != size:
             return t
-        index = torch.arange(new, device=t.device) % size
-        out = t.detach().index_select(dimension, index)
-        return out.requires_grad_(t.requires_grad) if t.requires_grad else out
+        key = (storage_key(t), t.storage_offset(), t.shape, t.stride(), t.dtype, t.requires_grad)
+        if key not in made:
+            index = torch.arange(new, device=t.device) % size
+            out = t.detach().index_select(dimension, index)
+            made[key] = out.requires_grad_(t.requires_grad) if t.requires_grad else out
+        return made[key]
 
     with knowing_values():
         return tree_map(resize, inputs)
@@ -64,7 +75,14 @@ class InputSizes:
 
     def measure(self, dimension: str, n: int) -> tuple[int, int]:
         axis = DIMENSIONS[dimension]
-        return self.peak_of_inputs(scaled(self.inputs, axis, size_of(self.inputs, axis), n))
+        try:
+            return self.peak_of_inputs(scaled(self.inputs, axis, size_of(self.inputs, axis), n))
+        except RuntimeError as error:  # torch.OutOfMemoryError is one too
+            if "memory" not in str(error):
+                raise
+            raise GradauditError(f"the step at {dimension} {n} ran out of this machine's memory "
+                                 f"({str(error).splitlines()[0][:160]}): fit on the meta device (--device meta, "
+                                 f"gradaudit.meta_device()) to search sizes this machine cannot run") from None
 
 
 class Unbounded(GradauditError):
@@ -86,51 +104,81 @@ def search(fit: Any, dimension: str) -> tuple[int, Optional[int], int]:
     if dimension not in sizes.dimensions:
         raise GradauditError(f"largest() scales {' or '.join(repr(d) for d in sizes.dimensions)} here, not "
                              f"{dimension!r}")
-    size, most = sizes.size(dimension), sizes.most(dimension)
-    # the step's peak and what it needs with its headroom, by size
-    measured: dict[int, tuple[int, int]] = {size: (fit.peak_bytes, fit.peak_bytes + fit.headroom)}
-
-    def peak(n: int) -> int:
-        """What the step of size ``n`` needs: its peak and its headroom."""
-        if n not in measured:
-            if len(measured) > MOST_STEPS:
-                raise GradauditError(f"the largest {dimension} was not found in {MOST_STEPS} steps: the peak is "
-                                     f"far from affine in it")
-            step_peak, headroom = sizes.measure(dimension, n)
-            measured[n] = (step_peak, step_peak + headroom)
-        return measured[n][1]
-
-    def fits(n: int) -> bool:
-        if most is not None and n > most:
-            if fits(most):
-                raise Unbounded(f"{most}, the most searched, fits: the memory does not bound the {dimension} "
-                                f"below that")
-            return False
-        return peak(n) <= fit.memory
-
-    if not fits(size):
+    size = sizes.size(dimension)
+    steps = Steps(fit, sizes, dimension, size)
+    if not steps.fits(size):
         low, high = 0, size  # 0: "nothing fits" until 1 is measured
     else:
-        other = size * 2 if most is None else min(size * 2, most)
-        if other == size:
-            fits(size + 1)  # the most searched: raises Unbounded
-        slope = (peak(other) - peak(size)) / (other - size)
-        if slope <= 0:
-            raise Unbounded(f"the step's peak does not grow with the {dimension} ({size} and {other} peak at "
-                            f"{measured[size][0]} and {measured[other][0]} bytes): the memory does not bound it")
-        # the affine guess and its neighbour first: where the peak is affine, they are the answer
-        guess = max(size + 1, int((fit.memory - peak(size)) / slope) + size)
-        if most is not None:
-            guess = min(guess, most)
-        if fits(guess):
-            low, high = guess, guess + 1
-            while fits(high):
-                low, high = high, high * 2
-        else:
-            low, high = size, guess
-            if fits(guess - 1):
-                low = guess - 1
+        low, high = _bracket(steps, size)
+    low = _narrow(steps, low, high)
+    return low, steps.measured[low][0] if low in steps.measured else None, size
+
+
+class Steps:
+    """The steps measured for one search, by size: their peaks and what they need with the headroom."""
+
+    def __init__(self, fit: Any, sizes: Any, dimension: str, size: int) -> None:
+        self.sizes, self.dimension, self.memory = sizes, dimension, fit.memory
+        most = sizes.most(dimension)
+        self.most = MOST_SIZE if most is None else most
+        self.measured: dict[int, tuple[int, int]] = {size: (fit.peak_bytes, fit.peak_bytes + fit.headroom)}
+
+    def need(self, n: int) -> int:
+        """What the step of size ``n`` needs: its peak and its headroom."""
+        if n not in self.measured:
+            if len(self.measured) > MOST_STEPS:
+                raise GradauditError(f"the largest {self.dimension} was not found in {MOST_STEPS} steps: the "
+                                     f"peak is far from affine in it")
+            step_peak, headroom = self.sizes.measure(self.dimension, n)
+            self.measured[n] = (step_peak, step_peak + headroom)
+        return self.measured[n][1]
+
+    def fits(self, n: int) -> bool:
+        if n > self.most:
+            if self.fits(self.most):
+                raise Unbounded(f"{self.most}, the most searched, fits: the memory does not bound the "
+                                f"{self.dimension} below that")
+            return False
+        return self.need(n) <= self.memory
+
+
+def _bracket(steps: Steps, size: int) -> tuple[int, int]:
+    """(a size that fits, a larger one that does not), from ``size``, which fits: the step measured at a
+    larger size (16 times larger each time while what it needs does not grow: the allocator's rounding),
+    the affine guess through the two and its neighbour (where the peak is affine, they are the answer)."""
+    other = size
+    while other < steps.most:
+        other = min(size * 2 if other == size else other * 16, steps.most)
+        if not steps.fits(other):
+            return size, other
+        if steps.need(other) > steps.need(size):
+            break
+    else:
+        steps.fits(steps.most + 1)  # the most searched fits: raises Unbounded
+    slope = (steps.need(other) - steps.need(size)) / (other - size)
+    guess = min(max(other + 1, int((steps.memory - steps.need(size)) / slope) + size), steps.most + 1)
+    if not steps.fits(guess):
+        return (guess - 1, guess) if steps.fits(guess - 1) else (other, guess - 1)
+    low, high = guess, guess + 1
+    while steps.fits(high):
+        low, high = high, high * 2
+    return low, high
+
+
+def _narrow(steps: Steps, low: int, high: int) -> int:
+    """The largest size that fits between ``low`` (fits, or 0) and ``high`` (does not): where the line
+    through the two ends' needs meets the memory (where the peak is affine, that size and its neighbour
+    end it), a halving after a step that did not halve the range (the allocator's rounding makes the
+    peak a staircase)."""
+    halve = low not in steps.measured
     while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low, measured[low][0] if low in measured else None, size
+        width = high - low
+        if halve:
+            low, high = (middle, high) if steps.fits(middle := (low + high) // 2) else (low, middle)
+        else:
+            rise = steps.need(high) - steps.need(low)
+            n = low + int((steps.memory - steps.need(low)) * width / rise) if rise > 0 else (low + high) // 2
+            n = min(max(n, low + 1), high - 1)
+            low, high = (n, high) if steps.fits(n) else (low, n)
+        halve = (high - low) * 2 > width or low not in steps.measured
+    return low
