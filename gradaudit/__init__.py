@@ -7,8 +7,8 @@ installed, and must not make unrelated test suites import torch.
 
 from typing import Any
 
-from .errors import (ForwardError, GradauditError, NoMatchingParameterError, NothingRequiresGradError,
-                     UnknownCodeError)
+from .errors import (ForwardError, GradauditError, LoopChangeWarning, NoMatchingParameterError,
+                     NothingRequiresGradError, UnknownCodeError)
 from .records import SCHEMA_VERSION, Disagreement, Finding, Report, SavedTensor
 
 __version__ = "0.1.0"
@@ -47,6 +47,7 @@ __all__ = [
     "audit", "trim", "TrimHandle", "plan", "Plan", "PlanHandle", "BudgetError", "assert_no_waste", "declare", "declare_function", "Read", "Reads", "Bit",
     "meta_device", "fit", "Fit", "fake_world", "per_rank", "assume_gpu", "Args", "Report", "Finding", "SavedTensor", "Disagreement", "SCHEMA_VERSION",
     "GradauditError", "ForwardError", "NothingRequiresGradError", "UnknownCodeError", "NoMatchingParameterError",
+    "LoopChangeWarning",
     "__version__",
 ]
 

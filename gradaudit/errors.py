@@ -44,3 +44,8 @@ class NoMatchingParameterError(GradauditError, ValueError):
 
 class RenderError(GradauditError):
     """Graphviz's ``dot`` failed to lay out the autograd graph."""
+
+
+class LoopChangeWarning(UserWarning):
+    """A fit's remedy was installed on the model, and its other part is the training loop's to make (its
+    micro-batches): without it the step does not fit (``Remedy.micro_batches_of`` splits a batch)."""

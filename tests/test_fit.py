@@ -10,6 +10,7 @@ import copy
 import functools
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -776,10 +777,10 @@ def test_a_remedy_of_micro_batches_and_checkpoints_is_true_and_trains_as_the_who
     assert remedy is not None and remedy.split > 1 and remedy.checkpointed and remedy.peak_bytes <= memory
     assert remedy.accumulation == remedy.split and remedy.micro_batch * remedy.split == 4
     assert "(loss / " in remedy.loop_change() and fitted.to_dict()["remedy"]["micro_batch"] == remedy.micro_batch
-    micro_batches = [{k: v[i:i + remedy.micro_batch].clone() for k, v in batch.items()}
-                     for i in range(0, 4, remedy.micro_batch)]
+    micro_batches = remedy.micro_batches_of(batch)  # views of the batch, which stays alive as a loop's does
+    assert len(micro_batches) == remedy.split and micro_batches[0]["input_ids"].shape[0] == remedy.micro_batch
     reference = _accumulated_gradients(model, [batch])
-    with remedy.apply(model):
+    with pytest.warns(gradaudit.LoopChangeWarning, match="split each batch of 4"), remedy.apply(model):
         # the prediction is the step an independent tracker measures, micro-batch by micro-batch
         assert measured_step_peak(model, micro_batches[0], sgd, hf_loss,
                                   accumulation=remedy.accumulation) == remedy.peak_bytes
@@ -810,7 +811,7 @@ def test_a_remedy_of_micro_batches_and_trim_is_true_and_trains_as_the_whole_batc
     remedy = fitted.remedy
     assert remedy is not None and remedy.trim and remedy.split > 1 and not remedy.checkpointed
     assert remedy.extra_compute == 0 and remedy.peak_bytes <= fitted.memory
-    micro = [images[i:i + remedy.micro_batch].clone() for i in range(0, len(images), remedy.micro_batch)]
+    micro = [part[0] for part in remedy.micro_batches_of((images,))]
 
     def gradients(batches):
         model.zero_grad(set_to_none=True)
@@ -821,13 +822,40 @@ def test_a_remedy_of_micro_batches_and_trim_is_true_and_trains_as_the_whole_batc
         return grads
 
     reference = gradients([images])
-    with remedy.apply(model):
+    with pytest.warns(gradaudit.LoopChangeWarning), remedy.apply(model):
         assert measured_step_peak(model, (micro[0],), sgd, mean_square,
                                   accumulation=remedy.accumulation) == remedy.peak_bytes
         accumulated = gradients(micro)
     assert reference.keys() == accumulated.keys() and len(reference) > 10
     for name, grad in reference.items():
         torch.testing.assert_close(accumulated[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_remedy_that_is_only_micro_batches_warns_when_applied_and_splits_any_batch():
+    """Issue 45 item 5: ``apply()`` of a remedy that is only a loop change used to return a handle that
+    did nothing, silently; a user who then ran the whole batch ran out of memory all the same."""
+    from gradaudit.fitting.remedy import Remedy
+
+    remedy = Remedy(None, 1000, {}, micro_batch=2, accumulation=3, batch=6)
+    model = nn.Linear(4, 4)
+    with pytest.warns(gradaudit.LoopChangeWarning, match=r"split each batch of 6 into 3 micro-batches of 2.*"
+                                                         r"Remedy.micro_batches_of\(batch\) makes them"):
+        handle = remedy.apply(model)
+    handle.remove()
+    ids, scale = torch.arange(12).reshape(6, 2), torch.tensor(2.0)
+    for batch, first in ((ids, lambda part: part), ((ids, scale), lambda part: part[0]),
+                         ({"input_ids": ids, "labels": ids, "scale": scale}, lambda part: part["labels"]),
+                         (gradaudit.Args(ids, target=ids), lambda part: part.kwargs["target"])):
+        parts = remedy.micro_batches_of(batch)
+        assert [first(part).tolist() for part in parts] == [ids[i:i + 2].tolist() for i in (0, 2, 4)]
+        assert all(first(part).untyped_storage().data_ptr() == ids.untyped_storage().data_ptr() for part in parts)
+    assert remedy.micro_batches_of({"input_ids": ids, "scale": scale})[0]["scale"] is scale
+    assert [len(p) for p in remedy.micro_batches_of(torch.zeros(5, 3))] == [2, 2, 1]  # a loader's last batch
+    whole = Remedy(None, 1000, {})
+    assert whole.micro_batches_of(ids) == [ids]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        whole.apply(model).remove()  # nothing for the loop to do: nothing to say
 
 
 def test_fits_leaves_the_headroom_free_by_default_the_allocators_reserve_on_cuda(llama):

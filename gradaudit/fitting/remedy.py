@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 
-from ..errors import GradauditError
+from ..errors import GradauditError, LoopChangeWarning
 from ..planning.switches import own_checkpointing_off
 
 NO_PLAN = 2**62  # a budget every plan fits: the frontier is wanted, not a choice
@@ -70,10 +72,31 @@ class Remedy:
     def apply(self, model: nn.Module) -> Any:
         """Install the model's part of it on ``model`` (trim where it has trim, the checkpoints): a
         handle, also a context manager, whose ``remove()`` restores the model (``Plan.apply``). The
-        micro-batches are the training loop's to make (``loop_change``)."""
+        micro-batches are the training loop's to make (``loop_change``; ``micro_batches_of`` splits a batch):
+        where the remedy has them, a ``LoopChangeWarning`` says so, since the whole batch does not fit."""
+        change = self.loop_change()
+        if change is not None:
+            helper = " (Remedy.micro_batches_of(batch) makes them)" if self.schedule is None else ""
+            warnings.warn(f"the model's part of the remedy is installed{' (nothing)' if self.plan is None else ''}; "
+                          f"the step fits only with the loop's part too: {change}{helper}", LoopChangeWarning,
+                          stacklevel=2)
         if self.plan is None:
             return _NothingApplied()
         return self.plan.apply(model)
+
+    def micro_batches_of(self, batch: Any) -> list[Any]:
+        """``batch`` (a tensor, tuple, list, dict or ``gradaudit.Args``, as the fit was given) split into
+        the remedy's micro-batches along dimension 0: every tensor with the batch's rows (those of its
+        first tensor) is split into views of ``micro_batch`` rows, anything else (a scalar, a tensor of
+        other rows) shared by each. A batch of other rows (a loader's last) is split alike, the last
+        micro-batch the smaller. With no micro-batches in the remedy: ``[batch]``."""
+        if self.schedule is not None:
+            raise GradauditError("a pipeline schedule makes its own micro-batches: build it with "
+                                 f"n_microbatches={self.micro_batches} (Remedy.loop_change() says the rest)")
+        if not self.micro_batch:
+            return [batch]
+        return split_rows(batch, self.micro_batch)
+
 
     def loop_change(self) -> Optional[str]:
         """What the training loop changes, in words (None: nothing)."""
@@ -151,7 +174,7 @@ def search_levers(model: nn.Module, inputs: Any, memory: int, measure_with: Call
     fits; beside it "every block checkpointed" and the other remedies that fit, cheapest first;
     notes). ``measure_with(inputs, accumulation)``: a Measure of the step on those inputs; a step
     fits where ``needed(figures) <= memory``."""
-    from .largest import scaled, size_of
+    from .largest import size_of
 
     best, alternatives, notes = search(model, inputs, memory, measure_with(inputs, accumulation),
                                        trainable=trainable, frozen=frozen, target=target, say=say, needed=needed)
@@ -164,7 +187,7 @@ def search_levers(model: nn.Module, inputs: Any, memory: int, measure_with: Call
         if found and found[0].extra_compute == 0:
             break  # nothing recomputed already: more micro-batches cost time and save nothing worth it
         micro = batch // split
-        micro_inputs = scaled(inputs, 0, batch, micro)
+        micro_inputs = split_rows(inputs, micro)[0]  # views of the batch, as Remedy.micro_batches_of makes them
         measure = measure_with(micro_inputs, accumulation * split)
         say(f"measuring a step in {split} micro-batches of {micro}")
         plain = measure(contextlib.nullcontext)
@@ -248,3 +271,25 @@ def _every_block(model: nn.Module, planned: Any, measure: Measure, memory: int, 
 
     step = measure(applied)
     return Alternative("checkpoint every block", step.peak_bytes, planned.share(every), needed(step) <= memory)
+
+
+def split_rows(batch: Any, micro_batch: int) -> list[Any]:
+    """``batch`` in micro-batches of ``micro_batch`` rows (the last the smaller): every tensor with the
+    rows of the batch's first tensor is split into views, anything else shared by each. Views: the
+    batch's storages stay alive beside them as the loaded batch does, and the remedy's steps are
+    measured so (a loader of micro-batches holds less)."""
+    from ..tensors import iter_tensors
+    from ..torchapi.dispatch import tree_map
+    from ..values import knowing_values
+
+    rows = next((t.shape[0] for t in iter_tensors(batch) if t.dim() > 0), None)
+    if rows is None:
+        raise GradauditError("the batch has no tensor with a dimension 0 to split into micro-batches")
+
+    def part(start: int) -> Any:
+        size = min(micro_batch, rows - start)
+        return tree_map(lambda t: t.narrow(0, start, size) if isinstance(t, torch.Tensor) and t.dim() > 0
+                        and t.shape[0] == rows else t, batch)
+
+    with knowing_values():
+        return [part(start) for start in range(0, rows, micro_batch)]
