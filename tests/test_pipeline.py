@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,24 @@ def test_what_a_schedule_cannot_take_is_said():
         assert starved.remedy is None and starved.remedy_searched
         assert any("no schedule change measured brings the stage within memory (Schedule1F1B with 8 micro-batches "
                    "of 4" in note for note in starved.notes)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_batch_that_does_not_make_the_stages_micro_batches_is_said_before_the_step(rank):
+    """Issue 45 item 1: stages built for micro-batches of 4 (4 of them), given 14 or 32 rows, used to fail
+    inside the schedule (rank 0: torch's five-line "Failed to run stage backward"; rank 1: the loss's
+    32 vs 24 complaint). Checked before the step, in one line saying what to change."""
+    what = "batch" if rank == 0 else "target"
+    role = "input_args" if rank == 0 else "output_args"
+    for rows, message in ((14, f"the {what} of 14 rows does not split into the schedule's 4 micro-batches: give "
+                                f"a {what} of 16 rows (stage {rank}'s {role} are for micro-batches of 4)"),
+                          (32, f"the {what} of 32 rows makes 4 micro-batches of 8, but stage {rank}'s {role} "
+                                f"are for micro-batches of 4: give a {what} of 16 rows")):
+        with fake_world(2, rank):
+            schedule, _ = build(rank, 2, batch=16)
+            given = torch.randn(rows, SEQ, D)
+            with pytest.raises(GradauditError, match=re.escape(message)):
+                gradaudit.fit(schedule, (given,) if rank == 0 else {"target": given}, memory="1GiB")
 
 
 def _fitted(rank: int, memory: str = "1GiB", **shape) -> gradaudit.Fit:

@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional
 
 from ..errors import GradauditError
 from ..torchapi.distributed import in_fake_world
-from ..torchapi.pipelining import (micro_batch_count, micro_batch_shape, rebuilt, sends_no_gradient_back, stage_module,
-                                   stages_of, statically_shaped)
+from ..torchapi.pipelining import (batch_mismatch, micro_batch_count, micro_batch_shape, rebuilt,
+                                   sends_no_gradient_back, stage_module, stages_of, statically_shaped)
 from .largest import scaled
 from .remedy import Remedy
 from .step import Step, prepared_step
@@ -43,6 +43,9 @@ def stage_step(schedule: Any, inputs: Any, target: Optional[str], trainable: Any
         raise GradauditError("a PipelineStage that infers its shapes at run time needs the other ranks, which a fake "
                              "process group does not have: build each PipelineStage with input_args and output_args "
                              "(a micro-batch's input and output, the output requiring grad)")
+    mismatch = batch_mismatch(schedule, inputs)
+    if mismatch is not None:
+        raise GradauditError(mismatch)
     model = stage_module(schedule)
     indices = ", ".join(str(stage.stage_index) for stage in stages)
     label = (f"{type(schedule).__name__}, stage{'s' if len(stages) > 1 else ''} {indices} of "

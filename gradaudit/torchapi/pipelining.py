@@ -117,6 +117,38 @@ def micro_batch_shape(schedule: Any) -> tuple[int, ...]:
     return tuple(metas[0].shape)
 
 
+def batch_mismatch(schedule: Any, inputs: Any) -> Optional[str]:
+    """Why this rank's batch cannot run its schedule, in one line (None: it can): the schedule splits the
+    batch (the first stage's inputs, the last stage's ``target``) along dimension 0 into its micro-batches,
+    which must split it evenly into the rows the stages were built for (``input_args``, ``output_args``);
+    otherwise the step fails deep in the schedule, on another rank, or with a loss's shape complaint."""
+    from ..tensors import Args, iter_tensors
+
+    count = micro_batch_count(schedule)
+    kwargs = inputs.kwargs if isinstance(inputs, Args) else inputs if isinstance(inputs, dict) else {}
+    target = kwargs.get("target")
+    args = [t for t in iter_tensors(inputs) if t is not target and t.dim() > 0]
+    for stage in stages_of(schedule):
+        if not statically_shaped(stage):
+            continue
+        for given, metas, role in ((args, _input_metas(stage), "input_args"),
+                                   ([target] if isinstance(target, torch.Tensor) else [], _output_metas(stage),
+                                    "output_args")):
+            if not given or not metas or (stage.is_first if role == "input_args" else stage.is_last) is False:
+                continue
+            rows, built = given[0].shape[0], metas[0].shape[0]
+            what = "batch" if role == "input_args" else "target"
+            if rows % count:
+                return (f"the {what} of {rows} rows does not split into the schedule's {count} micro-batches: give a "
+                        f"{what} of {built * count} rows (stage {stage.stage_index}'s {role} are for micro-batches "
+                        f"of {built}), or build the schedule with an n_microbatches that divides {rows}")
+            if rows // count != built:
+                return (f"the {what} of {rows} rows makes {count} micro-batches of {rows // count}, but stage "
+                        f"{stage.stage_index}'s {role} are for micro-batches of {built}: give a {what} of "
+                        f"{built * count} rows, or build the stages for micro-batches of {rows // count}")
+    return None
+
+
 def rebuilt(schedule: Any, micro_batches: int, resize: Callable[[tuple[int, ...]], tuple[int, ...]],
             kind: Any = None) -> Any:
     """A schedule of ``schedule``'s class (or ``kind``, taking the same arguments) and settings (its loss,
