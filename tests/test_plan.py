@@ -585,6 +585,30 @@ def test_budget_below_what_any_plan_holds_raises_with_the_smallest():
     assert len(raised.value.smallest_plan.checkpointed) == 6
 
 
+def test_a_layer_applied_several_times_is_planned_as_one_block_of_all_its_calls(transformers):
+    """Issue 45 item 6: ALBERT applies one layer N times, its weights shared; there are no repeated
+    blocks, and plan used to refuse. The module called 6 times is the candidate (its checkpoint
+    recomputes all 6 calls or none), said in a note; held exactly as the independent tracker measures,
+    gradients bit-identical (dropout off: the tracker's forward and the step draw the same masks)."""
+    config = transformers.AlbertConfig(vocab_size=100, embedding_size=16, hidden_size=32, num_hidden_layers=6,
+                                       num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.AlbertForMaskedLM(config).train()
+    ids = torch.randint(0, 100, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 10:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    assert repeated_blocks(model) == []
+    unplanned = gradaudit.audit(model, batch).saved_bytes
+    chosen = plan(model, batch, unplanned // 2, measure_peak=False)
+    group = "albert.encoder.albert_layer_groups.0"
+    assert chosen.checkpointed == (group,) and [b["calls"] for b in chosen.blocks] == [6]
+    assert any(f"{group} runs 6 times" in note and "all its calls or none" in note for note in chosen.notes)
+    assert chosen.held_bytes < unplanned
+    assert_step_held_and_identical(model, batch, chosen)
+
+
 def test_bad_arguments_are_refused_with_what_to_do():
     model, x = mlp_stack(), torch.randn(4, 64)
     with pytest.raises(GradauditError, match="matches no module"):

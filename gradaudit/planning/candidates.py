@@ -13,6 +13,9 @@ from torch import nn
 from ..errors import GradauditError
 
 
+NO_BLOCKS = "no repeated blocks found (children of an nn.ModuleList or nn.Sequential that share a class)"
+
+
 def repeated_blocks(model: nn.Module) -> list[str]:
     """The modules a plan checkpoints by default: the children of every ``nn.ModuleList`` or
     ``nn.Sequential`` with two or more children of one class (transformer layers, ResNet stages'
@@ -34,13 +37,11 @@ def repeated_blocks(model: nn.Module) -> list[str]:
 
 def candidates(model: nn.Module, blocks: Optional[Sequence[str]]) -> list[str]:
     """The module paths ``blocks`` (glob patterns; None: ``repeated_blocks``) names, the outermost of
-    nested matches."""
+    nested matches. A model with neither: see ``called_repeatedly``."""
     if blocks is None:
         paths = repeated_blocks(model)
         if not paths:
-            raise GradauditError("no repeated blocks found (children of an nn.ModuleList or nn.Sequential "
-                                 "that share a class): name the modules to consider with blocks=[GLOB, ...] "
-                                 "(--blocks GLOB)")
+            raise GradauditError(NO_BLOCKS + ": name the modules to consider with blocks=[GLOB, ...] (--blocks GLOB)")
         return paths
     if isinstance(blocks, str):
         blocks = [blocks]
@@ -55,6 +56,22 @@ def candidates(model: nn.Module, blocks: Optional[Sequence[str]]) -> list[str]:
     # the outermost of nested matches: checkpointing a module already recomputes what is inside
     paths = sorted(set(paths))
     return [p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p)]
+
+
+def called_repeatedly(calls: Sequence[str]) -> tuple[list[str], str]:
+    """The candidates of a model without repeated blocks, from its module calls in one forward (their
+    paths, in order): the outermost modules called several times (one layer applied N times, its
+    weights shared, as ALBERT does), each a block whose checkpoint recomputes all its calls or none,
+    and the note that says so. None called repeatedly: GradauditError, asking for ``blocks``."""
+    counts = Counter(calls)
+    repeated = [path for path in counts if counts[path] >= 2 and path]
+    outer = [p for p in repeated if not any(inside(p, q) for q in repeated if q != p)]
+    if not outer:
+        raise GradauditError(NO_BLOCKS + ": name the modules to consider with blocks=[GLOB, ...] (--blocks GLOB)")
+    runs = ", ".join(f"{p} runs {counts[p]} times" for p in outer)
+    return outer, (f"{NO_BLOCKS}; planned instead: the modules the forward calls repeatedly ({runs}), each one block "
+                   f"whose checkpoint recomputes all its calls or none (its weights shared: one layer applied N "
+                   f"times); name others with blocks=[GLOB, ...]")
 
 
 def inside(path: str, block: str) -> bool:

@@ -23,7 +23,7 @@ from ..torchapi.checkpoint import checkpointing_off
 from ..values import is_assumption_note
 from . import segments, timing
 from .baselines import Baseline, segments_baseline, stack_runner
-from .candidates import candidates, inside
+from .candidates import called_repeatedly, candidates, inside, repeated_blocks
 from .chain import add_selective, audited_with, build_chain, held_by_report
 from .costs import Costs, count_flops
 from .frontier import Frontier
@@ -112,7 +112,8 @@ def plan(
         installed, bitpack = trim_options(model, trim, bitpack)
         say = progress or _silent
         run = _Run(model, inputs, trainable, frozen, target)
-        paths = candidates(model, blocks)
+        paths, found = ((candidates(model, blocks), []) if blocks is not None or repeated_blocks(model)
+                        else _called_repeatedly(run, say))
         audited = _audit(run, paths, bitpack, say)
         report, now = audited.report, audited.now
         chained = _chain(run, report, paths, now, cost, bitpack, say, loss)
@@ -127,7 +128,7 @@ def plan(
         point = chosen if chosen is not None else points[-1]
         result = Plan(model=type(model).__name__, device=report.device, target=report.target,
                       unplanned_held_bytes=chain.held(()), step_flops=chained.step_flops, blocks=frontier.blocks(),
-                      frontier=frontier.entries(), optimal=optimal, notes=notes + segment_notes, replaces=tuple(now),
+                      frontier=frontier.entries(), optimal=optimal, notes=found + notes + segment_notes, replaces=tuple(now),
                       current_held_bytes=audited.current_held, cost=cost, step_seconds=chained.step_seconds,
                       trimmed=bitpack is not None, bitpack=bitpack, bound=bound,
                       search=PlanSearch(frontier, point, probes), **frontier.at(point, budget_bytes))
@@ -238,6 +239,16 @@ def _audit(run: _Run, paths: Sequence[str], bitpack: Optional[bool], say: Callab
                              f"from what it would hold; turn it off and plan again")
     _refuse_opaque(report)
     return _Audited(report, now, current_held)
+
+
+def _called_repeatedly(run: _Run, say: Callable[[str], None]) -> tuple[list[str], list[str]]:
+    """The candidates of a model without repeated blocks: the modules its forward calls repeatedly,
+    found by an audit watching every module, and the note naming them (``candidates.called_repeatedly``)."""
+    say("auditing the forward for modules called more than once")
+    names = [path for path, _ in run.model.named_modules() if path]
+    report = audit(run.model, run.inputs, trainable=run.trainable, frozen=run.frozen, watch=names, target=run.target)
+    paths, note = called_repeatedly([call.path for call in report.module_calls])
+    return paths, [note]
 
 
 def _refuse_opaque(report: Any) -> None:
