@@ -368,10 +368,22 @@ def test_trim_without_the_trimming_module_exits_2(runner, monkeypatch):
 
 
 def test_help_documents_exit_codes(runner):
-    for args in ([], ["scan"]):
-        text = runner.invoke(cli, [*args, "--help"]).stdout
-        assert "Exit codes:" in text
-        assert "0  the scan ran" in text and "1  a --fail-on-waste" in text and "2  something prevented" in text
+    """Every command: 0 success, 1 a negative verdict, 2 an error (issue 43: fit and plan exited 2 for
+    "does not fit" as for a mistyped option, and the top-level help showed scan's codes as everyone's)."""
+    text = " ".join(runner.invoke(cli, ["--help"]).stdout.split())
+    assert "Exit codes (every command; each one's --help says what its own mean):" in text
+    assert "1 a negative verdict: scan's waste over a threshold, a fit that does not fit" in text
+    assert "2 an error or a usage error" in text
+    for command, verdict in (("scan", "1  a --fail-on-waste"), ("fit", "1  the step does not fit and no remedy"),
+                             ("plan", "1  no plan of the candidate blocks fits")):
+        text = runner.invoke(cli, [command, "--help"]).stdout
+        assert "Exit codes:" in text and verdict in text and "2  something prevented" in text, command
+
+
+def test_a_mistyped_option_is_an_error_not_a_verdict(runner):
+    for command in ("fit", "plan"):
+        result = runner.invoke(cli, [command, "models.py:build", "--memroy", "1GiB"])
+        assert result.exit_code == 2 and "No such option '--memroy'" in result.output, command
 
 
 def test_rules_lists_the_whole_catalogue(runner):

@@ -770,9 +770,9 @@ def test_cli_json_and_quiet(plan_cli, tmp_path):
     assert data["held_bytes"] == data["unplanned_held_bytes"] == 12 * 8192 and data["checkpointed"] == []
 
 
-def test_cli_exits_2_with_the_least_achievable_when_nothing_fits(plan_cli):
+def test_cli_exits_1_with_the_least_achievable_when_nothing_fits(plan_cli):
     result = plan_cli("--budget", "1KiB")
-    assert result.exit_code == 2
+    assert result.exit_code == 1  # a negative verdict; 2 is for errors, click's usage errors among them
     assert "no plan fits: checkpointing the candidate blocks holds at least 40 KiB" in result.output
 
 
@@ -950,7 +950,7 @@ def test_for_budget_reads_other_budgets_off_the_same_frontier():
 def test_cli_sweep_prints_one_line_per_budget(plan_cli, tmp_path):
     # 12, 9, 5 and 4 times 8192 bytes: the last is below what any plan holds (5 * 8192)
     result = plan_cli(*[a for b in (12, 9, 5, 4) for a in ("--budget", str(b * 8192))], "--json", "plans.json")
-    assert result.exit_code == 2
+    assert result.exit_code == 1
     lines = result.output.splitlines()
     assert lines[0].endswith("4 budgets, unplanned 96 KiB held after the forward")
     assert [line.split()[:2] for line in lines[2:6]] == [["96", "KiB"], ["72", "KiB"], ["40", "KiB"], ["32", "KiB"]]
@@ -968,7 +968,7 @@ def test_cli_bound_peak_single_and_sweep(plan_cli, tmp_path):
     data = json.loads((tmp_path / "one.json").read_text())
     assert data["bound"] == "peak" and data["fits"] and data["peak_bytes"] <= 10 * 2**20
     sweep = plan_cli("--budget", "10MiB", "--budget", "1", "--bound", "peak")
-    assert sweep.exit_code == 2 and "PEAK" in sweep.output.splitlines()[1]
+    assert sweep.exit_code == 1 and "PEAK" in sweep.output.splitlines()[1]
     assert "no plan fits" in sweep.output.splitlines()[3]
     refused = plan_cli("--budget", "10MiB", "--bound", "peak", "--no-peak")
     assert refused.exit_code == 2 and "--no-peak" in refused.output

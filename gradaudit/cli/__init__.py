@@ -16,13 +16,22 @@ import click
 
 from .fit import fit_command
 from .options import CommandOptions
-from .output import EXIT_ERROR, EXIT_OK, EXIT_THRESHOLD, CommandFailed, Progress, fail
+from .output import EXIT_ERROR, EXIT_OK, EXIT_THRESHOLD, EXIT_VERDICT, CommandFailed, Progress, fail
 from .plan import plan_command
 from .rules import explain, rules_command
-from .scan import EXIT_CODES_HELP, run_scan, scan
+from .scan import run_scan, scan
+
+EXIT_CODES_HELP = """\b
+Exit codes (every command; each one's --help says what its own mean):
+  0  success
+  1  a negative verdict: scan's waste over a threshold, a fit that does
+     not fit and has no remedy, a budget that no plan fits
+  2  an error or a usage error (one or two lines on stderr; --debug
+     for the traceback)
+"""
 
 __all__ = ["cli", "main", "CommandOptions", "CommandFailed", "Progress", "run_scan", "fail",
-           "EXIT_OK", "EXIT_THRESHOLD", "EXIT_ERROR"]
+           "EXIT_OK", "EXIT_VERDICT", "EXIT_THRESHOLD", "EXIT_ERROR"]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},

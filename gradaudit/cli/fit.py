@@ -10,14 +10,16 @@ import click
 
 from .. import sizes
 from .options import CommandOptions, debug_option, load_loss, model_options, prepare_for_target, quiet_option
-from .output import EXIT_ERROR, EXIT_OK, Output, Progress, exit_with
+from .output import EXIT_OK, EXIT_VERDICT, Output, Progress, exit_with
 from .ranked import run_ranked
 
 EXIT_CODES_HELP = """\b
 Exit codes:
   0  the step fits, or a remedy makes it fit (printed)
-  2  the step does not fit and no remedy does, or something prevented
-     the fit (as for scan)
+  1  the step does not fit and no remedy does (printed, with why)
+  2  something prevented the fit: a bad SPEC or option, a factory or
+     step that raised (one or two lines on stderr; --debug for the
+     traceback)
 """
 
 AUTOCAST_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
@@ -64,7 +66,7 @@ def run_fit(options: CommandOptions, memory_text: str, optimizer: str, loss_spec
                           "JSON fit")
     output.echo(fittext.render(result, quiet=options.quiet))
     output.announce(quiet=options.quiet)
-    return EXIT_OK if result.fits or result.remedy is not None else EXIT_ERROR
+    return EXIT_OK if result.fits or result.remedy is not None else EXIT_VERDICT
 
 
 def _largest(result: Any, largest: str, options: CommandOptions) -> tuple[Optional[int], str]:

@@ -16,7 +16,10 @@ import click
 
 from ..errors import ForwardError, GradauditError
 
-EXIT_OK, EXIT_THRESHOLD, EXIT_ERROR = 0, 1, 2
+# every command: 0 success, 1 a negative verdict (waste over a threshold, a step that does not fit, no
+# plan that fits), 2 an error or a usage error (click's own usage errors are 2), as ruff and pytest keep them
+EXIT_OK, EXIT_VERDICT, EXIT_ERROR = 0, 1, 2
+EXIT_THRESHOLD = EXIT_VERDICT  # scan's name for it
 
 
 class CommandFailed(Exception):

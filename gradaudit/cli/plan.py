@@ -10,14 +10,18 @@ import click
 from .. import sizes
 from ..records import Bound, Cost
 from .options import CommandOptions, debug_option, load_loss, model_options, prepare_for_target, quiet_option
-from .output import EXIT_ERROR, EXIT_OK, CommandFailed, Output, Progress, exit_with
+from .output import EXIT_OK, EXIT_VERDICT, CommandFailed, Output, Progress, exit_with
 from .ranked import run_ranked
 
 EXIT_CODES_HELP = """\b
 Exit codes:
-  0  a plan fits the budget (printed, and written with --json)
-  2  no plan of the candidate blocks fits (the least they can hold is
-     printed), or something prevented planning (as for scan)
+  0  a plan fits the budget (each budget, with several; printed, and
+     written with --json)
+  1  no plan of the candidate blocks fits a budget (the least they can
+     hold is printed)
+  2  something prevented planning: a bad SPEC or option, a factory or
+     forward that raised (one or two lines on stderr; --debug for the
+     traceback)
 """
 
 
@@ -57,7 +61,7 @@ def run_plan(options: CommandOptions, budget_texts: Sequence[str], blocks: tuple
                       cost=cost, bound=bound, target=options.target if where == "meta" else None, trim=trim,
                       bitpack=bitpack if trim else None, loss=loss, progress=options.progress)
     except BudgetError as error:
-        chosen, code = error.smallest_plan, EXIT_ERROR
+        chosen, code = error.smallest_plan, EXIT_VERDICT
     options.progress.done()
     if len(budgets) > 1:
         return _sweep(chosen, budgets, options, output, peaks=peak)
@@ -83,7 +87,7 @@ def _sweep(first: Any, budgets: Sequence[int], options: CommandOptions, output: 
         output.write_json(options.json, {"plans": [p.to_dict() for p in plans]}, "JSON plans")
     output.echo(plantext.render_sweep(plans))
     output.announce()
-    return EXIT_OK if all(p.fits for p in plans) else EXIT_ERROR
+    return EXIT_OK if all(p.fits for p in plans) else EXIT_VERDICT
 
 
 @click.command("plan", epilog=EXIT_CODES_HELP, short_help="Choose what to checkpoint for a memory budget.")
