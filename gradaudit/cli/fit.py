@@ -122,8 +122,8 @@ def fit_command(spec: str, memory: str, model: dict[str, Any], optimizer: str, l
                 debug: bool) -> None:
     """Predict the peak memory of one training step (forward, backward, optimizer step) of the model
     built by SPEC, by category, and whether it fits in --memory; when it does not, the cheapest
-    change (gradaudit.trim, a checkpoint plan) whose measured step fits, beside checkpointing every
-    block.
+    change whose measured step fits (smaller micro-batches with gradient accumulation, gradaudit.trim,
+    a checkpoint plan, alone or together), beside checkpointing every block.
 
     \b
     Examples:

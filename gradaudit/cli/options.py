@@ -195,9 +195,10 @@ _MODEL_OPTIONS = (
     click.option("--input-requires-grad", is_flag=True, help="The --input-shape tensor requires grad "
                  "(e.g. adversarial attacks on a frozen model)."),
     click.option("--trainable", multiple=True, metavar="GLOB", help="Only parameters matching GLOB "
-                 "(fnmatch over named_parameters) require grad during the audit. Repeatable."),
-    click.option("--freeze", multiple=True, metavar="GLOB", help="Parameters matching GLOB need no grad "
-                 "during the audit. Repeatable."),
+                 "(fnmatch over named_parameters) require grad, for what this command runs (the model is put "
+                 "back after). Repeatable."),
+    click.option("--freeze", multiple=True, metavar="GLOB", help="Parameters matching GLOB need no grad, "
+                 "for what this command runs (the model is put back after). Repeatable."),
     click.option("--train/--eval", "mode", default=None, help="Put the model in train or eval mode "
                  "[default: as the factory left it]."),
     click.option("--device", type=click.Choice(["auto", "meta", "cpu", "cuda"]), default="auto",
@@ -213,7 +214,8 @@ _MODEL_OPTIONS = (
     click.option("--target-cudnn", "target_cudnn", metavar="X.Y", help="With --target cuda: the cuDNN that torch "
                  "loads there [default: the installed torch's, or the one --target-torch's CUDA wheel bundles]."),
     click.option("--world-size", "world_size", type=click.IntRange(min=1), metavar="N", help="The factory "
-                 "parallelises the model for N ranks (FSDP2, tensor or sequence parallel): it runs in a fake process "
+                 "parallelises the model for N ranks (FSDP2, tensor or sequence parallel, DDP, a pipeline schedule's "
+                 "stage): it runs in a fake process "
                  "group of N, once per rank, and each rank's figures are its own (DTensors by their local shards)."),
     click.option("--rank", "ranks", type=click.IntRange(min=0), multiple=True, metavar="R", help="With --world-size: "
                  "only rank R (repeatable) [default: every rank; ranks that come out alike are shown once]."),
