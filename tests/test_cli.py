@@ -394,6 +394,17 @@ def test_rules_lists_the_whole_catalogue(runner):
     assert f"{len(all_rules())} rules." in result.stdout
 
 
+def test_rules_as_json_carry_what_explain_prints(runner):
+    result = runner.invoke(cli, ["rules", "--json"])
+    assert result.exit_code == 0
+    document = json.loads(result.stdout)
+    assert document["kind"] == "rules" and [r["code"] for r in document["rules"]] == [r.code for r in all_rules()]
+    for entry, r in zip(document["rules"], all_rules()):
+        assert (entry["name"], entry["severity"], entry["doc"], entry["fix_code"]) == (r.name, r.severity, r.doc,
+                                                                                      r.fix_code)
+        assert entry["sections"] == r.sections() and entry["docs"] == f"gradaudit explain {r.code}"
+
+
 def test_explain_prints_the_rule_documentation(runner):
     result = runner.invoke(cli, ["explain", "ga101"])
     assert result.exit_code == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import click
@@ -10,11 +11,19 @@ from .output import EXIT_ERROR
 
 
 @click.command("rules", short_help="List the rule catalogue.")
-def rules_command() -> None:
+@click.option("--json", "as_json", is_flag=True, help="The catalogue as one JSON document on stdout: each rule's "
+              "code, name, severity, summary, documentation (whole and by section), fix and fix code.")
+def rules_command(as_json: bool) -> None:
     """List the rule catalogue: code, name, severity and what each rule flags."""
     from ..rules import all_rules
 
     catalogue = all_rules()
+    if as_json:
+        rules = [{"code": r.code, "name": r.name, "severity": r.severity, "family": r.family, "summary": r.summary,
+                  "doc": r.doc, "sections": r.sections(), "fix": r.fix, "fix_code": r.fix_code,
+                  "fix_safe": r.fix_safe, "docs": f"gradaudit explain {r.code}"} for r in catalogue]
+        click.echo(json.dumps({"tool": "gradaudit", "kind": "rules", "rules": rules}, indent=2))
+        return
     name_width = max((len(r.name) for r in catalogue), default=4)
     for r in catalogue:
         click.echo(f"{r.code}  {r.name:<{name_width}}  {r.severity:<7}  {r.summary}")
