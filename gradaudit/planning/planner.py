@@ -112,8 +112,7 @@ def plan(
         installed, bitpack = trim_options(model, trim, bitpack)
         say = progress or _silent
         run = _Run(model, inputs, trainable, frozen, target)
-        paths, found = ((candidates(model, blocks), []) if blocks is not None or repeated_blocks(model)
-                        else _called_repeatedly(run, say))
+        paths, found = _candidates(run, blocks, say)
         audited = _audit(run, paths, bitpack, say)
         report, now = audited.report, audited.now
         chained = _chain(run, report, paths, now, cost, bitpack, say, loss)
@@ -241,9 +240,13 @@ def _audit(run: _Run, paths: Sequence[str], bitpack: Optional[bool], say: Callab
     return _Audited(report, now, current_held)
 
 
-def _called_repeatedly(run: _Run, say: Callable[[str], None]) -> tuple[list[str], list[str]]:
-    """The candidates of a model without repeated blocks: the modules its forward calls repeatedly,
-    found by an audit watching every module, and the note naming them (``candidates.called_repeatedly``)."""
+def _candidates(run: _Run, blocks: Optional[Sequence[str]], say: Callable[[str], None]
+                ) -> tuple[list[str], list[str]]:
+    """The candidate blocks and a note on how they were found: those ``blocks`` names, else the repeated
+    blocks, else (a model with none) the modules its forward calls repeatedly, found by an audit
+    watching every module (``candidates.called_repeatedly``)."""
+    if blocks is not None or repeated_blocks(run.model):
+        return candidates(run.model, blocks), []
     say("auditing the forward for modules called more than once")
     names = [path for path, _ in run.model.named_modules() if path]
     report = audit(run.model, run.inputs, trainable=run.trainable, frozen=run.frozen, watch=names, target=run.target)
