@@ -451,3 +451,41 @@ def test_a_pipe_gets_whole_lines_and_columns_still_sets_the_width(runner, tmp_pa
     narrow = scan(runner, f"{deep}/models.py:build", "--no-html")
     assert f"{deep}/models.py:" not in narrow.stdout and "…" in narrow.stdout
     assert max(len(line) for line in narrow.stdout.splitlines() if line.lstrip().startswith("GA")) <= 80
+
+
+def test_output_formats_for_ci_annotate_the_findings_source_lines(runner):
+    """--output-format github: one workflow command per finding, on the line that built its layer
+    (models.py, as the scan names it); sarif: one SARIF 2.1.0 run with the same findings; json: the
+    report as --json - prints it (issue 43's CLI conventions)."""
+    dash = scan(runner, "models.py:build", "--no-html", "--json", "-")
+    findings = json.loads(dash.stdout)["findings"]
+    assert findings and all(f["source"] and f["source"].startswith("models.py:") for f in findings)
+
+    github = scan(runner, "models.py:build", "--no-html", "--output-format", "github")
+    assert github.exit_code == 0, github.stderr
+    lines = github.stdout.splitlines()
+    annotations = [line for line in lines if line.startswith("::")]
+    assert len(annotations) == len(findings) and lines[-1].startswith("Sequential: ")
+    for line, finding in zip(annotations, findings):
+        level = "notice" if finding["severity"] == "info" else "warning"
+        path, _, number = finding["source"].rpartition(":")
+        assert line.startswith(f"::{level} file={path},line={number},title=gradaudit {finding['code']} "), line
+        assert f"(gradaudit explain {finding['code']})" in line
+
+    sarif = scan(runner, "models.py:build", "--no-html", "--output-format", "sarif")
+    assert sarif.exit_code == 0, sarif.stderr
+    document = json.loads(sarif.stdout)
+    run = document["runs"][0]
+    assert document["version"] == "2.1.0" and run["tool"]["driver"]["name"] == "gradaudit"
+    assert [r["ruleId"] for r in run["results"]] == [f["code"] for f in findings]
+    assert {r["id"] for r in run["tool"]["driver"]["rules"]} == {f["code"] for f in findings}
+    first = run["results"][0]["locations"][0]["physicalLocation"]
+    assert f'{first["artifactLocation"]["uri"]}:{first["region"]["startLine"]}' == findings[0]["source"]
+    assert sarif.stderr.strip().startswith("Sequential: ")  # the summary line, off stdout
+
+    as_json = scan(runner, "models.py:build", "--no-html", "--output-format", "json")
+    assert as_json.exit_code == 0 and json.loads(as_json.stdout)["findings"] == json.loads(dash.stdout)["findings"]
+    for args in (["--output-format", "json", "--json", "x.json"], ["--output-format", "sarif", "--json", "-"],
+                 ["--output-format", "yaml"]):
+        refused = runner.invoke(cli, ["scan", "models.py:build", "--no-html", *args])
+        assert refused.exit_code == 2, args

@@ -48,6 +48,7 @@ class CommandOptions:
     top: int = 10
     quiet: bool = False
     trim: bool = False
+    output_format: str = "text"  # scan's stdout: text, json, github (workflow annotations) or sarif
     schedules: bool = False  # whether the factory may return a pipeline schedule (fit, scan)
     world_size: Optional[int] = None  # --world-size: every rank in a fake process group of this size
     ranks: tuple[int, ...] = ()  # --rank: which ranks (default: every rank)

@@ -3,6 +3,7 @@ the exit code of its thresholds (--fail-on-waste, --max-reclaimable)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -34,7 +35,7 @@ def run_scan(options: CommandOptions) -> int:
     from ..auditing import audit
     from ..rules.registry import check_codes
 
-    output = Output(options.json)
+    output = Output("-" if options.output_format == "sarif" else options.json)
     output.check(html=options.html, json=options.json, svg=options.svg, dot=options.dot,
                  memory_viz=options.memory_viz)
     limit = sizes.parse_size(options.max_reclaimable) if options.max_reclaimable else None
@@ -54,7 +55,9 @@ def run_scan(options: CommandOptions) -> int:
     trim_figures = _trim(model, inputs, options) if options.trim else None
     options.progress.done()
 
-    if options.quiet:
+    if options.output_format in ("github", "sarif"):
+        _annotations(report, options.output_format, output)
+    elif options.quiet:
         output.echo(_one_line(report))
     else:
         from ..report import text
@@ -101,6 +104,20 @@ def _write_reports(report: Any, options: CommandOptions, output: Output) -> None
         from ..report import html
 
         output.write(options.html, html.render(report, title=f"gradaudit: {options.spec}"), "--html", "HTML report")
+
+
+def _annotations(report: Any, output_format: str, output: Output) -> None:
+    """--output-format github: a workflow annotation per finding, then the one-line summary; sarif: the
+    SARIF document on stdout, the summary on stderr."""
+    from ..report import annotations
+
+    if output_format == "github":
+        lines = annotations.github(report)
+        if lines:
+            output.echo(lines)
+    else:
+        sys.stdout.write(json.dumps(annotations.sarif(report), indent=2) + "\n")
+    output.echo(_one_line(report))
 
 
 def _one_line(report: Any) -> str:
@@ -178,6 +195,10 @@ def _thresholds(report: Any, options: CommandOptions, limit: Optional[int]) -> i
 @click.option("--no-html", is_flag=True, help="Do not write the HTML report.")
 @click.option("--json", "json_path", metavar="PATH", help="Write the JSON report ('-' for stdout; the "
               "summary then goes to stderr).")
+@click.option("--output-format", "output_format", type=click.Choice(["text", "json", "github", "sarif"]),
+              default="text", show_default=True, help="What goes to stdout: the summary and findings table, "
+              "the JSON report (as --json -), GitHub Actions annotations on the findings' source lines, or "
+              "SARIF 2.1.0 for code scanning (the summary line then goes to stderr).")
 @click.option("--svg", metavar="PATH", help="Write the annotated autograd graph as SVG (needs Graphviz).")
 @click.option("--dot", metavar="PATH", help="Write the annotated autograd graph as Graphviz DOT.")
 @click.option("--memory-viz", "memory_viz", metavar="PATH", help="Write the memory autograd holds, saved in the "
@@ -201,7 +222,7 @@ def _thresholds(report: Any, options: CommandOptions, limit: Optional[int]) -> i
 def scan(spec: str, model: dict[str, Any], html: str, no_html: bool, json_path: Optional[str], svg: Optional[str],
          dot: Optional[str], memory_viz: Optional[str], verify: bool,
          select: tuple[str, ...], ignore: tuple[str, ...], fail_on_waste: bool,
-         max_reclaimable: Optional[str], eager: bool, trim: bool, quiet: bool, verbose: int,
+         max_reclaimable: Optional[str], eager: bool, trim: bool, output_format: str, quiet: bool, verbose: int,
          debug: bool) -> None:
     """Audit the model built by SPEC (path/to/file.py:factory or package.module:factory).
 
@@ -218,8 +239,19 @@ def scan(spec: str, model: dict[str, Any], html: str, no_html: bool, json_path: 
       gradaudit scan examples/resnet_surgical.py:build --memory-viz held.pickle
     """
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
+    if output_format == "json":
+        if json_path is not None:
+            raise click.UsageError("--output-format json prints the JSON report on stdout and --json writes it: "
+                                   "give one of them")
+        json_path = "-"
+    if output_format == "sarif" and json_path == "-":
+        raise click.UsageError("--output-format sarif and --json - both take stdout: write the JSON report to a "
+                               "file")
+    if output_format == "sarif" and model.get("world_size") and len(model.get("ranks") or ()) != 1:
+        raise click.UsageError("--output-format sarif with --world-size writes one document: choose its rank "
+                               "with --rank R")
     options = CommandOptions(
-        spec=spec, **model, html=None if no_html else html, json=json_path, svg=svg, dot=dot, memory_viz=memory_viz,
+        spec=spec, **model, html=None if no_html else html, json=json_path, output_format=output_format, svg=svg, dot=dot, memory_viz=memory_viz,
         verify=verify, eager=eager,
         select=split_codes(select), ignore=split_codes(ignore), fail_on_waste=fail_on_waste,
         max_reclaimable=max_reclaimable, top={0: 10, 1: 50}.get(verbose, 1_000_000), quiet=quiet, trim=trim,
