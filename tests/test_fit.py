@@ -396,6 +396,17 @@ def test_largest_far_below_the_memory_is_found_or_said_unbounded(target):
         huge.largest("batch")
 
 
+def test_largest_tells_progress_each_size_it_measures():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2)).to("meta")
+    told: list[str] = []
+    fitted = gradaudit.fit(model, torch.empty(4, 64, device="meta"), memory="1MiB", target="cpu", optimizer="sgd",
+                           remedy=False)
+    n = fitted.largest("batch", progress=told.append)
+    assert told and all(re.fullmatch(r"searching the largest batch: measuring a step at [\d,]+ \(\d+ measured, "
+                                     r"at most 41\)", line) for line in told), told
+    assert f"measuring a step at {n + 1:,} " in " ".join(told)  # n + 1 was measured: it does not fit
+
+
 def test_a_size_this_machine_cannot_run_is_said_in_one_line():
     from gradaudit.fitting.largest import InputSizes
 

@@ -609,6 +609,15 @@ def test_a_layer_applied_several_times_is_planned_as_one_block_of_all_its_calls(
     assert_step_held_and_identical(model, batch, chosen)
 
 
+def test_progress_counts_the_peaks_it_measures():
+    model, x = mlp_stack(), torch.randn(4, 64)
+    told: list[str] = []
+    plan(model, x, "1MiB", progress=told.append)
+    peaks = [line for line in told if line.startswith("measuring the peak of a step")]
+    assert peaks and all(re.match(rf"measuring the peak of a step, {i} of at most \d+ \(", line)
+                         for i, line in enumerate(peaks, 1)), peaks
+
+
 def test_bad_arguments_are_refused_with_what_to_do():
     model, x = mlp_stack(), torch.randn(4, 64)
     with pytest.raises(GradauditError, match="matches no module"):

@@ -77,7 +77,7 @@ def _largest(result: Any, largest: str, options: CommandOptions) -> tuple[Option
     dimension = largest.replace("-", "_")
     options.progress(f"searching the largest {largest} that fits")
     try:
-        found = result.largest(dimension)
+        found = result.largest(dimension, progress=options.progress)
     except Unbounded as unbounded:
         return None, f"largest {largest} that fits as it is: not bounded by the memory ({unbounded})"
     named = result.live.size_search.named(dimension, found)

@@ -89,15 +89,17 @@ class Unbounded(GradauditError):
     """The step's peak does not bound the size: it does not grow with it, or fits at the most searched."""
 
 
-def largest(fit: Any, dimension: str) -> int:
+def largest(fit: Any, dimension: str, progress: Optional[Callable[[str], None]] = None) -> int:
     """The largest size along ``dimension`` whose step peaks within ``fit.memory`` (0 when even 1 does not);
     every answer is measured: n fits and n+1 does not. A module's step scales "batch" and "seq", a pipeline
     stage's "batch" (its micro-batch), "seq" and "micro_batches" (fitting/pipeline.py)."""
-    return search(fit, dimension)[0]
+    return search(fit, dimension, progress)[0]
 
 
-def search(fit: Any, dimension: str) -> tuple[int, Optional[int], int]:
-    """(the largest size that fits, its step's peak (None for 0), the size fitted)."""
+def search(fit: Any, dimension: str, progress: Optional[Callable[[str], None]] = None
+           ) -> tuple[int, Optional[int], int]:
+    """(the largest size that fits, its step's peak (None for 0), the size fitted); ``progress`` is told
+    each size measured."""
     sizes = fit.live.size_search
     if sizes is None:
         raise GradauditError("this Fit cannot search sizes: its model is gone; fit again")
@@ -105,7 +107,7 @@ def search(fit: Any, dimension: str) -> tuple[int, Optional[int], int]:
         raise GradauditError(f"largest() scales {' or '.join(repr(d) for d in sizes.dimensions)} here, not "
                              f"{dimension!r}")
     size = sizes.size(dimension)
-    steps = Steps(fit, sizes, dimension, size)
+    steps = Steps(fit, sizes, dimension, size, progress)
     if not steps.fits(size):
         low, high = 0, size  # 0: "nothing fits" until 1 is measured
     else:
@@ -117,8 +119,10 @@ def search(fit: Any, dimension: str) -> tuple[int, Optional[int], int]:
 class Steps:
     """The steps measured for one search, by size: their peaks and what they need with the headroom."""
 
-    def __init__(self, fit: Any, sizes: Any, dimension: str, size: int) -> None:
+    def __init__(self, fit: Any, sizes: Any, dimension: str, size: int,
+                 progress: Optional[Callable[[str], None]] = None) -> None:
         self.sizes, self.dimension, self.memory = sizes, dimension, fit.memory
+        self.progress = progress
         most = sizes.most(dimension)
         self.most = MOST_SIZE if most is None else most
         self.measured: dict[int, tuple[int, int]] = {size: (fit.peak_bytes, fit.peak_bytes + fit.headroom)}
@@ -129,6 +133,9 @@ class Steps:
             if len(self.measured) > MOST_STEPS:
                 raise GradauditError(f"the largest {self.dimension} was not found in {MOST_STEPS} steps: the "
                                      f"peak is far from affine in it")
+            if self.progress is not None:
+                self.progress(f"searching the largest {self.dimension}: measuring a step at {n:,} "
+                              f"({len(self.measured)} measured, at most {MOST_STEPS + 1})")
             step_peak, headroom = self.sizes.measure(self.dimension, n)
             self.measured[n] = (step_peak, step_peak + headroom)
         return self.measured[n][1]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..tracking import Category, sweep
 from .allocator import rounded
@@ -215,13 +215,14 @@ class Fit:
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
         return "bytes of the storages alive, as the CPU allocator is asked for them"
 
-    def largest(self, dimension: str = "batch") -> int:
+    def largest(self, dimension: str = "batch", progress: Optional[Callable[[str], None]] = None) -> int:
         """The largest batch (``"batch"``) or sequence length (``"seq"``) whose step fits ``memory``; for a
         pipeline stage, its micro-batch (``"batch"``, their count kept), their ``"seq"``, or their count
-        (``"micro_batches"``), the schedule rebuilt at each (fitting/pipeline.py)."""
+        (``"micro_batches"``), the schedule rebuilt at each (fitting/pipeline.py). ``progress``: a
+        callable told each size measured (the command line shows it on stderr)."""
         from .largest import largest
 
-        return largest(self, dimension)
+        return largest(self, dimension, progress)
 
     def to_dict(self) -> dict[str, Any]:
         return {

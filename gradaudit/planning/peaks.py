@@ -37,6 +37,11 @@ class PeakProbes:
         self._progress = progress
         self._loss = loss  # what the step backpropagates (None: Step's default)
         self._measured: dict[Any, tuple[int, int]] = {}  # (held, peak) of each step run, by what was applied
+        self._expected: Optional[int] = None  # the steps measured when those announced are done (progress)
+
+    def expect(self, more: int) -> None:
+        """Announce that up to ``more`` steps are about to be measured: progress counts them."""
+        self._expected = len(self._measured) + more
 
     def peak(self, point: Optional[Point]) -> int:
         """The measured peak of a frontier point's step (None: of the unplanned step)."""
@@ -61,7 +66,9 @@ class PeakProbes:
             model = self._model()
             if model is None:
                 raise GradauditError("the model this plan was made for is gone: plan again to measure peaks")
-            self._progress(f"measuring the peak of a step ({what})")
+            count = (f", {len(self._measured) + 1} of at most {self._expected}"
+                     if self._expected is not None and len(self._measured) < self._expected else "")
+            self._progress(f"measuring the peak of a step{count} ({what})")
             with own_checkpointing_off(self._own_checkpointing):
                 step = Step(model, self._inputs, self._target, trainable=self._trainable, frozen=self._frozen,
                                 loss_fn=self._loss)
