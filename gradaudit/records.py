@@ -354,7 +354,7 @@ class ModuleTotal:
 
 @dataclass
 class Report:
-    """The result of one audit. Plain data; ``to_dict()`` is the JSON form (README.md, "JSON report")."""
+    """The result of one audit. Plain data; ``to_dict()`` is the JSON form (docs/json.md)."""
 
     model: str  # class name of the audited model
     torch_version: str

@@ -984,11 +984,11 @@ def test_cli_bound_peak_single_and_sweep(plan_cli, tmp_path):
     assert plan_cli("--budget", "10MiB", "--bound", "heap").exit_code == 2
 
 
-def test_readme_documents_every_field_of_the_plan_json():
+def test_the_docs_document_every_field_of_the_plan_json():
     from pathlib import Path
 
-    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
-    table = readme.split("### The plan's JSON")[1].split("## How it works")[0]
+    page = Path(__file__).resolve().parents[1].joinpath("docs", "json.md").read_text()
+    table = page.split("## The plan's JSON")[1].split("## The fit's JSON")[0]
     model, x = mlp_stack(), torch.randn(8, 64)
     for key in plan(model, x, "1MiB", measure_peak=False).to_dict():
         assert f"`{key}`" in table or f"`{key}[]`" in table, key

@@ -1,4 +1,4 @@
-"""README.md agrees with the code it describes."""
+"""README.md and the documentation pages (docs/) agree with the code they describe."""
 
 import re
 from pathlib import Path
@@ -6,6 +6,7 @@ from pathlib import Path
 from gradaudit.rules import all_rules
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = README.parent / "docs"
 # a table row whose first cell is a rule code: | GA101 | conv-input-saved-for-frozen-weight | ... |
 RULE_ROW = re.compile(r"^\|\s*(GA\d+)\s*\|\s*`?([^|`]*?)`?\s*\|", re.M)
 
@@ -35,7 +36,7 @@ def test_rule_table_lists_exactly_the_registered_rules_in_code_order():
 
 
 def test_how_it_works_names_every_module_of_the_package():
-    section = readme_section("How it works")
+    section = (DOCS / "how-it-works.md").read_text(encoding="utf-8")
     package = README.parent / "gradaudit"
     modules = sorted(str(path.relative_to(README.parent)) for path in package.rglob("*.py")
                      if path.name != "__init__.py")
@@ -45,7 +46,7 @@ def test_how_it_works_names_every_module_of_the_package():
         for folder in re.findall(r"`(gradaudit/\w+/)`", bullet):
             named.update(folder + name for name in re.findall(r"`(\w+\.py)`", bullet))
     missing = [m for m in modules if m not in named]
-    assert not missing, f"README.md's 'How it works' does not name: {missing}"
+    assert not missing, f"docs/how-it-works.md does not name: {missing}"
 
 
 def _documented_fields(text: str, heading: str) -> set[str]:
@@ -56,7 +57,7 @@ def _documented_fields(text: str, heading: str) -> set[str]:
 
 
 def test_every_field_of_the_json_documents_is_documented():
-    """Each top-level key of the report's, the plan's and the fit's JSON has a row in the README's tables
+    """Each top-level key of the report's, the plan's and the fit's JSON has a row in docs/json.md's tables
     (the report's lacked ``disagreements[]``, issue 43)."""
     import torch
     from torch import nn
@@ -66,10 +67,10 @@ def test_every_field_of_the_json_documents_is_documented():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
     x = torch.randn(4, 8, requires_grad=True)
-    text = README.read_text(encoding="utf-8")
-    documents = {"## JSON report (schema_version 1)": gradaudit.audit(model, x).to_dict(),
-                 "### The plan's JSON (schema_version 2": gradaudit.plan(model, x, "1MiB", measure_peak=False).to_dict(),
-                 "### The fit's JSON (schema_version 1": gradaudit.fit(model, x, memory="1GiB").to_dict()}
+    text = (DOCS / "json.md").read_text(encoding="utf-8")
+    documents = {"# JSON report (schema_version 1)": gradaudit.audit(model, x).to_dict(),
+                 "## The plan's JSON (schema_version 2": gradaudit.plan(model, x, "1MiB", measure_peak=False).to_dict(),
+                 "## The fit's JSON (schema_version 1": gradaudit.fit(model, x, memory="1GiB").to_dict()}
     for heading, document in documents.items():
         missing = sorted(set(document) - _documented_fields(text, heading))
-        assert not missing, f"README.md's table under {heading!r} has no row for {missing}"
+        assert not missing, f"docs/json.md's table under {heading!r} has no row for {missing}"

@@ -1,0 +1,26 @@
+"""The documentation site builds, strictly (a broken link between its pages fails the build),
+and every page the README links to exists."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_site_builds_strictly(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for page in ("index", "benchmarks", "limits", "json", "how-it-works"):
+        built = tmp_path / "site" / ("index.html" if page == "index" else f"{page}/index.html")
+        assert built.is_file(), page
+
+
+def test_the_readmes_links_to_files_of_the_repository_exist():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = {t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", readme) if "://" not in t}
+    assert "docs/json.md" in targets
+    missing = sorted(t for t in targets if t and not (ROOT / t).exists())
+    assert not missing, f"README.md links to files that do not exist: {missing}"
