@@ -11,27 +11,20 @@ DOCS = README.parent / "docs"
 RULE_ROW = re.compile(r"^\|\s*(GA\d+)\s*\|\s*`?([^|`]*?)`?\s*\|", re.M)
 
 
-def readme_section(title: str) -> str:
-    text = README.read_text(encoding="utf-8")
-    match = re.search(rf"^## {re.escape(title)}[ \t]*\n(.*?)(?=^## |\Z)", text, re.M | re.S)
-    assert match, f"README.md has no section '## {title}'"
-    return match.group(1)
-
-
 def _rows(rows) -> str:
     return ", ".join(f"{code} {name}" for code, name in rows) or "none"
 
 
 def test_rule_table_lists_exactly_the_registered_rules_in_code_order():
-    listed = RULE_ROW.findall(readme_section("The rules"))
+    listed = RULE_ROW.findall((DOCS / "rules.md").read_text(encoding="utf-8"))
     registered = [(r.code, r.name) for r in all_rules()]
     missing = [row for row in registered if row not in listed]
     extra = [row for row in listed if row not in registered]
     assert not missing and not extra, (
-        f"README.md's rule table (## The rules) disagrees with gradaudit.rules.all_rules(): "
+        f"docs/rules.md's rule table disagrees with gradaudit.rules.all_rules(): "
         f"missing rows: {_rows(missing)}; rows for no registered rule: {_rows(extra)}")
     assert listed == registered, (
-        f"README.md's rule table lists the rules as {_rows(listed)}; all_rules() (code order) gives "
+        f"docs/rules.md's rule table lists the rules as {_rows(listed)}; all_rules() (code order) gives "
         f"{_rows(registered)}")
 
 

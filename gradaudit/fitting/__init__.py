@@ -49,7 +49,7 @@ def fit(
     and whether it fits in ``memory``.
 
     model: a module, or a ``torch.distributed.pipelining`` schedule of this rank's stage, whose step on
-        ``inputs`` (what it takes on this rank) is the step (README: "Pipeline stages").
+        ``inputs`` (what it takes on this rank) is the step (docs/per-rank.md: "Pipeline stages").
 
     memory: the bytes the step may use (an int, or a size such as "80GiB").
     optimizer: a torch.optim class (built over the parameters that train, with its defaults), an
