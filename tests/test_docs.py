@@ -25,3 +25,8 @@ def test_the_readmes_links_to_files_of_the_repository_exist():
     assert "docs/json.md" in targets
     missing = sorted(t for t in targets if t and not (ROOT / t).exists())
     assert not missing, f"README.md links to files that do not exist: {missing}"
+    # in-page anchors, as GitHub makes them from the headings: lower case, punctuation dropped, - for spaces
+    slugs = {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+             for heading in re.findall(r"^#+ (.*)$", readme, re.M)}
+    anchors = {t[1:] for t in re.findall(r"\]\((#[^)\s]+)\)", readme)}
+    assert anchors <= slugs, f"README.md links to headings it does not have: {sorted(anchors - slugs)}"
