@@ -14,9 +14,17 @@ def test_the_site_builds_strictly(tmp_path):
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     for page in ("index", "trim", "plan", "fit", "per-rank", "custom-ops", "testing", "trainers", "numbers", "rules",
-                 "benchmarks", "limits", "json", "how-it-works"):
+                 "cli", "rule-reference", "benchmarks", "limits", "json", "how-it-works"):
         built = tmp_path / "site" / ("index.html" if page == "index" else f"{page}/index.html")
         assert built.is_file(), page
+
+
+def test_the_generated_pages_are_what_the_code_says():
+    """docs/cli.md (every command's --help) and docs/rule-reference.md (every rule's documentation) are
+    generated; a changed option or docstring without a regenerated page fails here."""
+    result = subprocess.run([sys.executable, str(ROOT / "docs" / "generate.py"), "--check"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
 
 
 def test_the_readmes_links_to_files_of_the_repository_exist():

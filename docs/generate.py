@@ -1,0 +1,77 @@
+"""Write the documentation pages generated from the code, so they cannot drift from it:
+``docs/cli.md`` (every command's ``--help``, as click prints it) and ``docs/rule-reference.md`` (every
+rule's documentation, as ``gradaudit explain`` prints it, from the rule registry).
+
+    python docs/generate.py           # rewrite the pages
+    python docs/generate.py --check   # exit 1, naming the pages, when one differs from what the code says
+
+tests/test_docs.py runs ``--check``: change a command's options or a rule's docstring, then run this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+COMMANDS = ((), ("scan",), ("plan",), ("fit",), ("rules",), ("explain",))
+WIDTH = 100  # the help's width, fixed so the page does not depend on the terminal that ran this
+
+
+def cli_page() -> str:
+    from click.testing import CliRunner
+
+    from gradaudit.cli import cli
+
+    parts = ["# Command line reference", "",
+             "Every command's `--help`, generated from the code by `python docs/generate.py`.", ""]
+    for command in COMMANDS:
+        result = CliRunner().invoke(cli, [*command, "--help"], terminal_width=WIDTH, prog_name="gradaudit")
+        assert result.exit_code == 0, result.output
+        parts += [f"## `gradaudit{''.join(' ' + c for c in command)}`", "", "```text",
+                  result.output.rstrip("\n"), "```", ""]
+    return "\n".join(parts)
+
+
+def rules_page() -> str:
+    from gradaudit.rules import all_rules
+
+    parts = ["# Rule reference", "",
+             "Every rule's documentation, as `gradaudit explain CODE` prints it, generated from the rule "
+             "registry by `python docs/generate.py` (`gradaudit rules --json` gives the same as JSON).", ""]
+    for rule in all_rules():
+        parts += [f"## {rule.code} {rule.name}", "", f"Severity: {rule.severity}. {rule.summary}", ""]
+        for title, body in rule.sections().items():
+            parts += [f"### {title}", "", "```text", body.rstrip("\n"), "```", ""]
+        if rule.fix_code:
+            safety = "gradients stay bit-identical" if rule.fix_safe else "changes numerics"
+            parts += [f"Fix ({safety}): {rule.fix}", "", "```python", rule.fix_code.rstrip("\n"), "```", ""]
+    return "\n".join(parts)
+
+
+PAGES = {"cli.md": cli_page, "rule-reference.md": rules_page}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on a difference")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, make in PAGES.items():
+        text = make().rstrip("\n") + "\n"
+        path = DOCS / name
+        if args.check:
+            if not path.is_file() or path.read_text(encoding="utf-8") != text:
+                stale.append(name)
+        else:
+            path.write_text(text, encoding="utf-8")
+    if stale:
+        print(f"docs/generate.py --check: {', '.join(stale)} differ from the code: run python docs/generate.py",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
