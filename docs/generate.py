@@ -1,6 +1,8 @@
 """Write the documentation pages generated from the code, so they cannot drift from it:
-``docs/cli.md`` (every command's ``--help``, as click prints it) and ``docs/rule-reference.md`` (every
-rule's documentation, as ``gradaudit explain`` prints it, from the rule registry).
+``docs/cli.md`` (every command's ``--help``, as click prints it), ``docs/rule-reference.md`` (every
+rule's documentation, as ``gradaudit explain`` prints it, from the rule registry) and ``docs/api.md``
+(every public name of ``gradaudit.__all__``: its signature and docstring, a class's public methods and
+properties too).
 
     python docs/generate.py           # rewrite the pages
     python docs/generate.py --check   # exit 1, naming the pages, when one differs from what the code says
@@ -50,7 +52,46 @@ def rules_page() -> str:
     return "\n".join(parts)
 
 
-PAGES = {"cli.md": cli_page, "rule-reference.md": rules_page}
+def _entry(title: str, obj: object, level: str) -> list[str]:
+    """A heading, the signature where it has one, and the docstring (or says it has none)."""
+    import inspect
+
+    try:
+        signature = f"{title.rsplit('.', 1)[-1]}{inspect.signature(obj)}"  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        signature = None
+    doc = inspect.getdoc(obj) or "(no docstring)"
+    lines = [f"{level} `{title}`", ""]
+    if signature is not None:
+        lines += ["```python", signature, "```", ""]
+    return lines + ["```text", doc, "```", ""]
+
+
+def api_page() -> str:
+    import enum
+    import inspect
+
+    import gradaudit
+
+    parts = ["# Python API reference", "",
+             "Every public name of `gradaudit` (`gradaudit.__all__`), its signature and docstring, generated "
+             "by `python docs/generate.py`.", ""]
+    for name in gradaudit.__all__:
+        obj = getattr(gradaudit, name)
+        if isinstance(obj, (str, int)):
+            parts += [f"## `gradaudit.{name}`", "", f"`{obj!r}`", ""]
+            continue
+        parts += _entry(f"gradaudit.{name}", obj, "##")
+        if inspect.isclass(obj) and not issubclass(obj, (BaseException, enum.Enum)):
+            for member, value in vars(obj).items():
+                if member.startswith("_") or not (inspect.isfunction(value) or isinstance(value, property)):
+                    continue
+                target = value.fget if isinstance(value, property) else value
+                parts += _entry(f"{name}.{member}", target, "###")
+    return "\n".join(parts)
+
+
+PAGES = {"cli.md": cli_page, "rule-reference.md": rules_page, "api.md": api_page}
 
 
 def main(argv: list[str] | None = None) -> int:

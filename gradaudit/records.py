@@ -156,6 +156,7 @@ class SavedTensor:
         return self.verdict != NOT_NEEDED
 
     def to_dict(self, report: "Report") -> dict[str, Any]:
+        """This saved tensor as its JSON object (the report's ``tensors[]``), its storage looked up in ``report``."""
         storage = report.storages[self.storage_id] if self.storage_id >= 0 else None
         return {
             "index": self.index,
@@ -211,9 +212,11 @@ class Disagreement:
     what: str  # what the knowledge claimed that does not hold, in one sentence
 
     def to_dict(self) -> dict[str, Any]:
+        """This disagreement as its JSON object (the report's ``disagreements[]``)."""
         return dataclasses.asdict(self)
 
     def message(self) -> str:
+        """The disagreement in one sentence, as the report prints it."""
         return (f"op knowledge refuted: {self.node}.{self.attr} in {self.module or 'the model'} {self.what}; the proof's "
                 f"verdict is used (please report this)")
 
@@ -311,9 +314,11 @@ class Finding:
 
     @property
     def docs(self) -> str:
+        """Where this finding's rule is documented: the command that prints it."""
         return f"gradaudit explain {self.code}"
 
     def to_dict(self) -> dict[str, Any]:
+        """This finding as its JSON object (the report's ``findings[]``)."""
         data = dataclasses.asdict(self)
         data["attrs"] = list(self.attrs)
         data["tensors"] = list(self.tensors)
@@ -399,10 +404,12 @@ class Report:
 
     @property
     def held_tensors(self) -> list[SavedTensor]:
+        """The saved tensors autograd still holds after the forward (those of unused outputs are freed)."""
         return [t for t in self.tensors if t.held]
 
     @property
     def waste_findings(self) -> list[Finding]:
+        """The findings of severity "waste": memory to reclaim."""
         return [f for f in self.findings if f.severity == Severity.WASTE]
 
     @property
@@ -412,6 +419,7 @@ class Report:
         return self.reclaimable_with_bitpacking_bytes + self.rewrite_bytes
 
     def summary(self) -> dict[str, Any]:
+        """The report's headline figures and counts (the JSON document's ``summary``)."""
         held = self.held_tensors
         return {
             "saved_bytes": self.saved_bytes,
@@ -433,6 +441,7 @@ class Report:
         }
 
     def to_dict(self) -> dict[str, Any]:
+        """The report's JSON document (``gradaudit scan --json``; fields in docs/json.md)."""
         return {
             "schema_version": SCHEMA_VERSION,
             "tool": "gradaudit",

@@ -14,7 +14,7 @@ def test_the_site_builds_strictly(tmp_path):
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     for page in ("index", "trim", "plan", "fit", "per-rank", "custom-ops", "testing", "trainers", "numbers", "rules",
-                 "cli", "rule-reference", "benchmarks", "limits", "json", "how-it-works"):
+                 "cli", "rule-reference", "api", "benchmarks", "limits", "json", "how-it-works"):
         built = tmp_path / "site" / ("index.html" if page == "index" else f"{page}/index.html")
         assert built.is_file(), page
 
@@ -25,6 +25,17 @@ def test_the_generated_pages_are_what_the_code_says():
     result = subprocess.run([sys.executable, str(ROOT / "docs" / "generate.py"), "--check"], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+def test_every_public_name_is_documented():
+    """Each name of ``gradaudit.__all__`` is in the API reference, and it, each public method and property of
+    its classes have a docstring (the generated page says "(no docstring)" otherwise)."""
+    import gradaudit
+
+    page = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    assert all(f"## `gradaudit.{name}`" in page for name in gradaudit.__all__)
+    undocumented = re.findall(r"^#+ `([^`]+)`\n\n(?:```python\n[^\n]*\n```\n\n)?```text\n\(no docstring\)", page, re.M)
+    assert not undocumented, f"public names without a docstring: {undocumented}"
 
 
 def test_the_readmes_links_to_files_of_the_repository_exist():

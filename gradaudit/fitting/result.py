@@ -225,6 +225,7 @@ class Fit:
         return largest(self, dimension, progress)
 
     def to_dict(self) -> dict[str, Any]:
+        """The fit's JSON document (``gradaudit fit --json``; fields in docs/json.md)."""
         return {
             "schema_version": FIT_SCHEMA_VERSION,
             "tool": "gradaudit",

@@ -254,9 +254,11 @@ class PlanHandle:
 
     @property
     def installed(self) -> bool:
+        """Whether the plan (or the trim it installed) is still in force on the model."""
         return bool(self._forwards) or self.trim_handle is not None
 
     def remove(self) -> None:
+        """Put the model back: its modules' forwards, its cache setting and any trim this plan installed."""
         self._forwards.restore()
         if self._cache_config is not None:
             self._cache_config.use_cache = True

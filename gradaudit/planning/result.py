@@ -206,6 +206,7 @@ class Plan:
         return {path: SELECTIVE_POLICY if path in self.selective else FULL_POLICY for path in self.checkpointed}
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan's JSON document (``gradaudit plan --json``; fields in docs/json.md)."""
         return {
             "schema_version": PLAN_SCHEMA_VERSION,
             "tool": "gradaudit",

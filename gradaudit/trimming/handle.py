@@ -173,6 +173,7 @@ class TrimHandle:
 
     @property
     def installed(self) -> bool:
+        """Whether trim is still installed on the model (False after ``remove()``)."""
         return bool(self._handles)
 
     @property
@@ -216,6 +217,7 @@ class TrimHandle:
             self._engine.end()
 
     def remove(self) -> None:
+        """Take trim off the model: its hooks removed, the model's forward as it was."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
