@@ -2,7 +2,9 @@
 ``docs/cli.md`` (every command's ``--help``, as click prints it), ``docs/rule-reference.md`` (every
 rule's documentation, as ``gradaudit explain`` prints it, from the rule registry) and ``docs/api.md``
 (every public name of ``gradaudit.__all__``: its signature and docstring, a class's public methods and
-properties too).
+properties too); and in README.md, between its ``scan-output`` markers, what ``gradaudit scan
+examples/resnet_surgical.py:build`` prints. That output names the torch it ran on and its figures are
+that release's CPU kernels': ``--check`` compares it only where that torch is installed.
 
     python docs/generate.py           # rewrite the pages
     python docs/generate.py --check   # exit 1, naming the pages, when one differs from what the code says
@@ -92,6 +94,43 @@ def api_page() -> str:
 
 
 PAGES = {"cli.md": cli_page, "rule-reference.md": rules_page, "api.md": api_page}
+README = DOCS.parent / "README.md"
+START, END = "<!-- scan-output:start -->", "<!-- scan-output:end -->"
+
+
+def scan_output() -> str:
+    """What ``gradaudit scan examples/resnet_surgical.py:build`` prints, as a terminal 106 columns wide
+    would show it (run in a folder of its own, where it writes its HTML report)."""
+    import os
+    import subprocess
+    import tempfile
+
+    example = DOCS.parent / "examples" / "resnet_surgical.py"
+    with tempfile.TemporaryDirectory() as folder:
+        result = subprocess.run([sys.executable, "-m", "gradaudit", "scan", f"{example}:build"], cwd=folder,
+                                capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "106"})
+    if result.returncode != 0:
+        raise SystemExit(f"docs/generate.py: the scan failed: {result.stderr.strip()}")
+    return result.stdout.rstrip("\n")
+
+
+def readme_with(output: str) -> str:
+    text = README.read_text(encoding="utf-8")
+    before, rest = text.split(START, 1)
+    _, after = rest.split(END, 1)
+    return f"{before}{START}\n```text\n{output}\n```\n{END}{after}"
+
+
+def readme_check() -> bool:
+    """Whether README.md's scan output is what the scan prints; True where the torch it names is not
+    the one installed (its figures are that release's)."""
+    import torch
+
+    text = README.read_text(encoding="utf-8")
+    shown = text.split(START, 1)[1].split(END, 1)[0]
+    if f"(torch {torch.__version__}," not in shown:
+        return True
+    return text == readme_with(scan_output())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
                 stale.append(name)
         else:
             path.write_text(text, encoding="utf-8")
+    if args.check:
+        if not readme_check():
+            stale.append("README.md's scan output")
+    else:
+        README.write_text(readme_with(scan_output()), encoding="utf-8")
     if stale:
         print(f"docs/generate.py --check: {', '.join(stale)} differ from the code: run python docs/generate.py",
               file=sys.stderr)
