@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import gradaudit
+from test_knowledge import ScaleByWeight  # the custom-ops page's Function: y = x * w, saving both
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED = {"api.md", "cli.md", "rule-reference.md"}
@@ -48,20 +49,6 @@ class MyLayer(nn.Module):
 
     def forward(self, x):
         return torch.relu(x * self.scale)
-
-
-class ScaleByWeight(torch.autograd.Function):
-    """y = x * w, saving x and w whatever needs a gradient (the custom-ops page's Function)."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w = ctx.saved_tensors
-        return grad * w, (grad * x).sum(0)
 
 
 def _mlp() -> dict:
