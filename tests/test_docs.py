@@ -13,7 +13,7 @@ def test_the_site_builds_strictly(tmp_path):
     result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    for page in ("index", "trim", "plan", "fit", "per-rank", "custom-ops", "testing", "trainers", "numbers", "rules",
+    for page in ("index", "command-line", "python-api", "trim", "plan", "fit", "per-rank", "custom-ops", "testing", "trainers", "numbers", "rules",
                  "cli", "rule-reference", "api", "benchmarks", "limits", "json", "how-it-works"):
         built = tmp_path / "site" / ("index.html" if page == "index" else f"{page}/index.html")
         assert built.is_file(), page
