@@ -287,6 +287,11 @@ class GraphNode:
         return data
 
 
+def rule_docs(code: str) -> str:
+    """Where rule ``code`` is documented: the command that prints its documentation."""
+    return f"gradaudit explain {code}"
+
+
 @dataclass(frozen=True)
 class Finding:
     """One piece of memory autograd holds that backward does not need (or needs less of)."""
@@ -315,7 +320,7 @@ class Finding:
     @property
     def docs(self) -> str:
         """Where this finding's rule is documented: the command that prints it."""
-        return f"gradaudit explain {self.code}"
+        return rule_docs(self.code)
 
     def to_dict(self) -> dict[str, Any]:
         """This finding as its JSON object (the report's ``findings[]``)."""

@@ -28,13 +28,21 @@ DRIVER_PACKAGES = frozenset({
 })
 
 
-def _library_of(filename: str) -> Optional[str]:
-    """The top-level package (or module) an installed file belongs to, else None."""
+def _within_library(filename: str) -> Optional[str]:
+    """An installed file's path inside site-packages (or dist-packages), else None."""
     for marker in _LIBRARY_DIRS:
         if marker in filename:
-            first = filename.split(marker, 1)[1].split(os.sep, 1)[0]
-            return first[:-3] if first.endswith(".py") else first
+            return filename.split(marker, 1)[1]
     return None
+
+
+def _library_of(filename: str) -> Optional[str]:
+    """The top-level package (or module) an installed file belongs to, else None."""
+    within = _within_library(filename)
+    if within is None:
+        return None
+    first = within.split(os.sep, 1)[0]
+    return first[:-3] if first.endswith(".py") else first
 
 
 def _is_internal(code: Any) -> bool:
@@ -59,9 +67,9 @@ def short_path(filename: str, cwd: Optional[str] = None) -> str:
     """
     if not os.path.isabs(filename):
         return filename
-    for marker in _LIBRARY_DIRS:
-        if marker in filename:
-            return filename.rsplit(marker, 1)[1]
+    within = _within_library(filename)
+    if within is not None:
+        return within
     cwd = (os.getcwd() if cwd is None else cwd) + os.sep
     if filename.startswith(cwd):
         return filename[len(cwd):]

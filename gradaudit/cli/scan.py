@@ -251,8 +251,8 @@ def scan(spec: str, model: dict[str, Any], html: str, no_html: bool, json_path: 
         raise click.UsageError("--output-format sarif with --world-size writes one document: choose its rank "
                                "with --rank R")
     options = CommandOptions(
-        spec=spec, **model, html=None if no_html else html, json=json_path, output_format=output_format, svg=svg, dot=dot, memory_viz=memory_viz,
-        verify=verify, eager=eager,
+        spec=spec, **model, html=None if no_html else html, json=json_path, output_format=output_format, svg=svg,
+        dot=dot, memory_viz=memory_viz, verify=verify, eager=eager,
         select=split_codes(select), ignore=split_codes(ignore), fail_on_waste=fail_on_waste,
         max_reclaimable=max_reclaimable, top={0: 10, 1: 50}.get(verbose, 1_000_000), quiet=quiet, trim=trim,
         progress=progress, schedules=True,

@@ -97,7 +97,6 @@ class Remedy:
             return [batch]
         return split_rows(batch, self.micro_batch)
 
-
     def loop_change(self) -> Optional[str]:
         """What the training loop changes, in words (None: nothing)."""
         if self.schedule is not None:
@@ -278,13 +277,11 @@ def split_rows(batch: Any, micro_batch: int) -> list[Any]:
     rows of the batch's first tensor is split into views, anything else shared by each. Views: the
     batch's storages stay alive beside them as the loaded batch does, and the remedy's steps are
     measured so (a loader of micro-batches holds less)."""
-    from ..tensors import iter_tensors
     from ..torchapi.dispatch import tree_map
     from ..values import knowing_values
+    from .largest import size_of
 
-    rows = next((t.shape[0] for t in iter_tensors(batch) if t.dim() > 0), None)
-    if rows is None:
-        raise GradauditError("the batch has no tensor with a dimension 0 to split into micro-batches")
+    rows = size_of(batch, 0)
 
     def part(start: int) -> Any:
         size = min(micro_batch, rows - start)

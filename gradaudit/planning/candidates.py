@@ -14,6 +14,7 @@ from ..errors import GradauditError
 
 
 NO_BLOCKS = "no repeated blocks found (children of an nn.ModuleList or nn.Sequential that share a class)"
+NAME_BLOCKS = NO_BLOCKS + ": name the modules to consider with blocks=[GLOB, ...] (--blocks GLOB)"
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
@@ -41,7 +42,7 @@ def candidates(model: nn.Module, blocks: Optional[Sequence[str]]) -> list[str]:
     if blocks is None:
         paths = repeated_blocks(model)
         if not paths:
-            raise GradauditError(NO_BLOCKS + ": name the modules to consider with blocks=[GLOB, ...] (--blocks GLOB)")
+            raise GradauditError(NAME_BLOCKS)
         return paths
     if isinstance(blocks, str):
         blocks = [blocks]
@@ -67,7 +68,7 @@ def called_repeatedly(calls: Sequence[str]) -> tuple[list[str], str]:
     repeated = [path for path in counts if counts[path] >= 2 and path]
     outer = [p for p in repeated if not any(inside(p, q) for q in repeated if q != p)]
     if not outer:
-        raise GradauditError(NO_BLOCKS + ": name the modules to consider with blocks=[GLOB, ...] (--blocks GLOB)")
+        raise GradauditError(NAME_BLOCKS)
     runs = ", ".join(f"{p} runs {counts[p]} times" for p in outer)
     return outer, (f"{NO_BLOCKS}; planned instead: the modules the forward calls repeatedly ({runs}), each one block "
                    f"whose checkpoint recomputes all its calls or none (its weights shared: one layer applied N "

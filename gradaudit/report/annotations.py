@@ -35,7 +35,7 @@ def _escape(text: str, property_value: bool = False) -> str:
 
 def _text(finding: Any) -> str:
     freed = f" ({human_bytes(finding.bytes)} reclaimable)" if finding.bytes else ""
-    return f"{finding.message}{freed}. Fix: {finding.fix} (gradaudit explain {finding.code})"
+    return f"{finding.message}{freed}. Fix: {finding.fix} ({finding.docs})"
 
 
 def github(report: Report) -> str:
