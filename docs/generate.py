@@ -1,6 +1,7 @@
 """Write the documentation pages generated from the code, so they cannot drift from it:
-``docs/cli.md`` (every command's ``--help``, as click prints it), ``docs/rule-reference.md`` (every
-rule's documentation, as ``gradaudit explain`` prints it, from the rule registry) and ``docs/api.md``
+``docs/cli.md`` (every command's ``--help``, as click prints it), ``docs/rules/CODE.md`` (one page per
+rule, what ``gradaudit explain`` prints, from the rule registry, and their entries in mkdocs.yml's
+navigation) and ``docs/api.md``
 (every public name of ``gradaudit.__all__``: its signature and docstring, a class's public methods and
 properties too); and in README.md, between its ``scan-output`` markers, what ``gradaudit scan
 examples/resnet_surgical.py:build`` prints. That output names the torch it ran on and its figures are
@@ -38,20 +39,50 @@ def cli_page() -> str:
     return "\n".join(parts)
 
 
-def rules_page() -> str:
+SECTIONS_AS_CODE = {"Example": "python"}  # the rest of a rule's sections are prose
+
+
+def rule_page(rule) -> str:
+    """One rule's page: what ``gradaudit explain CODE`` prints (its sections, its example as Python), its
+    fix and how to select or ignore it."""
+    parts = [f"# {rule.code} {rule.name}", "",
+             f"Severity: **{rule.severity}**. {rule.summary}", ""]
+    for title, body in rule.sections().items():
+        body = body.rstrip("\n")
+        parts += [f"## {title}", ""]
+        parts += ([f"```{SECTIONS_AS_CODE[title]}", body, "```", ""] if title in SECTIONS_AS_CODE
+                  else [body, ""])
+    if rule.fix_code:
+        safety = "gradients stay bit-identical" if rule.fix_safe else "changes numerics"
+        parts += ["## The fix, as code", "", f"{rule.fix} ({safety})", "", "```python", rule.fix_code.rstrip("\n"),
+                  "```", ""]
+    parts += ["## On the command line", "",
+              f"`gradaudit explain {rule.code}` prints this page's sections; `gradaudit scan ... --ignore {rule.code}` "
+              f"leaves the rule out (`--select {rule.code[:3]}` keeps only its family). The example above runs in "
+              "the test suite and must make the rule fire (`tests/test_rule_examples.py`).", ""]
+    return "\n".join(parts)
+
+
+def rule_pages() -> dict[str, str]:
+    """``rules/CODE.md`` for every rule of the registry, generated from it."""
     from gradaudit.rules import all_rules
 
-    parts = ["# Rule reference", "",
-             "Every rule's documentation, as `gradaudit explain CODE` prints it, generated from the rule "
-             "registry by `python docs/generate.py` (`gradaudit rules --json` gives the same as JSON).", ""]
-    for rule in all_rules():
-        parts += [f"## {rule.code} {rule.name}", "", f"Severity: {rule.severity}. {rule.summary}", ""]
-        for title, body in rule.sections().items():
-            parts += [f"### {title}", "", "```text", body.rstrip("\n"), "```", ""]
-        if rule.fix_code:
-            safety = "gradients stay bit-identical" if rule.fix_safe else "changes numerics"
-            parts += [f"Fix ({safety}): {rule.fix}", "", "```python", rule.fix_code.rstrip("\n"), "```", ""]
-    return "\n".join(parts)
+    return {f"rules/{rule.code}.md": rule_page(rule) for rule in all_rules()}
+
+
+MKDOCS = DOCS.parent / "mkdocs.yml"
+NAV_START, NAV_END = "      # rule pages: start (python docs/generate.py)", "      # rule pages: end"
+
+
+def mkdocs_with_rule_pages() -> str:
+    """mkdocs.yml with the navigation listing every rule page, between its markers."""
+    from gradaudit.rules import all_rules
+
+    text = MKDOCS.read_text(encoding="utf-8")
+    before, rest = text.split(NAV_START, 1)
+    _, after = rest.split(NAV_END, 1)
+    entries = [f"      - {rule.code} {rule.name}: rules/{rule.code}.md" for rule in all_rules()]
+    return "\n".join([before + NAV_START, *entries, NAV_END]) + after
 
 
 def _entry(title: str, obj: object, level: str) -> list[str]:
@@ -93,7 +124,7 @@ def api_page() -> str:
     return "\n".join(parts)
 
 
-PAGES = {"cli.md": cli_page, "rule-reference.md": rules_page, "api.md": api_page}
+PAGES = {"cli.md": cli_page, "api.md": api_page}
 README = DOCS.parent / "README.md"
 START, END = "<!-- scan-output:start -->", "<!-- scan-output:end -->"
 
@@ -138,18 +169,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on a difference")
     args = parser.parse_args(argv)
     stale = []
-    for name, make in PAGES.items():
-        text = make().rstrip("\n") + "\n"
-        path = DOCS / name
+    pages = {name: make() for name, make in PAGES.items()} | rule_pages()
+    written = {DOCS / name: text for name, text in pages.items()} | {MKDOCS: mkdocs_with_rule_pages()}
+    for path, text in written.items():
+        text = text.rstrip("\n") + "\n"
+        name = str(path.relative_to(DOCS.parent))
         if args.check:
             if not path.is_file() or path.read_text(encoding="utf-8") != text:
                 stale.append(name)
         else:
+            path.parent.mkdir(exist_ok=True)
             path.write_text(text, encoding="utf-8")
+    orphans = sorted(set((DOCS / "rules").glob("*.md")) - set(written))
     if args.check:
+        stale += [f"{path.relative_to(DOCS.parent)} (no such rule)" for path in orphans]
         if not readme_check():
             stale.append("README.md's scan output")
     else:
+        for path in orphans:
+            path.unlink()
         README.write_text(readme_with(scan_output()), encoding="utf-8")
     if stale:
         print(f"docs/generate.py --check: {', '.join(stale)} differ from the code: run python docs/generate.py",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -292,6 +293,17 @@ def rule_docs(code: str) -> str:
     return f"gradaudit explain {code}"
 
 
+DOCS_URL_VARIABLE = "GRADAUDIT_DOCS_URL"
+
+
+def rule_docs_url(code: str) -> str:
+    """The address of rule ``code``'s page: under ``$GRADAUDIT_DOCS_URL`` where the documentation site is
+    served (``mkdocs build`` of the repository's ``docs/``), else the page's path in the source
+    repository, ``docs/rules/CODE.md``."""
+    base = os.environ.get(DOCS_URL_VARIABLE, "").strip()
+    return f"{base.rstrip('/')}/rules/{code}/" if base else f"docs/rules/{code}.md"
+
+
 @dataclass(frozen=True)
 class Finding:
     """One piece of memory autograd holds that backward does not need (or needs less of)."""
@@ -322,12 +334,18 @@ class Finding:
         """Where this finding's rule is documented: the command that prints it."""
         return rule_docs(self.code)
 
+    @property
+    def docs_url(self) -> str:
+        """The address of this finding's rule page (see ``rule_docs_url``)."""
+        return rule_docs_url(self.code)
+
     def to_dict(self) -> dict[str, Any]:
         """This finding as its JSON object (the report's ``findings[]``)."""
         data = dataclasses.asdict(self)
         data["attrs"] = list(self.attrs)
         data["tensors"] = list(self.tensors)
         data["docs"] = self.docs
+        data["docs_url"] = self.docs_url
         return data
 
 

@@ -403,6 +403,7 @@ def test_rules_as_json_carry_what_explain_prints(runner):
         assert (entry["name"], entry["severity"], entry["doc"], entry["fix_code"]) == (r.name, r.severity, r.doc,
                                                                                       r.fix_code)
         assert entry["sections"] == r.sections() and entry["docs"] == f"gradaudit explain {r.code}"
+        assert entry["docs_url"] == f"docs/rules/{r.code}.md"
 
 
 def test_explain_prints_the_rule_documentation(runner):

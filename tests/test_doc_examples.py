@@ -1,7 +1,7 @@
 """The Python examples of the README and of the documentation pages run.
 
-Every ```python block of README.md and docs/*.md (the generated reference pages aside: their code is
-the rules' docstrings, which tests/test_rule_examples.py runs) is executed, after the setup an HTML
+Every ```python block of README.md and docs/*.md (the generated reference pages aside; the rule pages'
+code, docs/rules/, is the rules' docstrings, which tests/test_rule_examples.py runs) is executed, after the setup an HTML
 comment before it names (``<!-- example: setup=mlp -->``: the names the block uses, made here), or
 alone where none is named, in a folder of its own. A block that is only illustrative says so the same
 way, with why (``<!-- illustrative: ... -->``), and is not run; its reason must be given, and such
@@ -22,7 +22,7 @@ import gradaudit
 from test_knowledge import ScaleByWeight  # the custom-ops page's Function: y = x * w, saving both
 
 ROOT = Path(__file__).resolve().parents[1]
-GENERATED = {"api.md", "cli.md", "rule-reference.md"}
+GENERATED = {"api.md", "cli.md"}  # and docs/rules/, outside the glob below
 PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in GENERATED)]
 BLOCK = re.compile(r"^([ \t]*)```python\n(.*?)^\1```", re.M | re.S)
 MARK = re.compile(r"<!-- (example: setup=(\w+)|illustrative: (.+?)) -->\s*$")

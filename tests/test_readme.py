@@ -7,8 +7,8 @@ from gradaudit.rules import all_rules
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 DOCS = README.parent / "docs"
-# a table row whose first cell is a rule code: | GA101 | conv-input-saved-for-frozen-weight | ... |
-RULE_ROW = re.compile(r"^\|\s*(GA\d+)\s*\|\s*`?([^|`]*?)`?\s*\|", re.M)
+# a table row whose first cell is a rule code, linked to its page: | [GA101](rules/GA101.md) | conv-input-... | ... |
+RULE_ROW = re.compile(r"^\|\s*\[?(GA\d+)\]?(?:\(rules/\1\.md\))?\s*\|\s*`?([^|`]*?)`?\s*\|", re.M)
 
 
 def _rows(rows) -> str:

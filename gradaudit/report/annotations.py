@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..records import Report, Severity
+from ..records import Report, Severity, rule_docs_url
 from .units import human_bytes
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
@@ -60,7 +60,8 @@ def sarif(report: Report) -> dict[str, Any]:
     driver = {"name": "gradaudit", "informationUri": INFORMATION_URI, "rules": [
         {"id": r.code, "name": r.name, "shortDescription": {"text": r.summary},
          "fullDescription": {"text": r.doc.split("\n\n", 1)[0]}, "help": {"text": r.doc},
-         "defaultConfiguration": {"level": SARIF_LEVELS[Severity(r.severity)]}} for r in rules]}
+         "defaultConfiguration": {"level": SARIF_LEVELS[Severity(r.severity)]},
+         **({"helpUri": rule_docs_url(r.code)} if "://" in rule_docs_url(r.code) else {})} for r in rules]}
     results = []
     for finding in report.findings:
         result: dict[str, Any] = {

@@ -113,7 +113,7 @@ def finding_groups(report: Report) -> list[dict[str, Any]]:
                 sections = {}
             group = groups[f.code] = {
                 "code": f.code, "name": f.name, "severity": f.severity, "sections": sections,
-                "fix": f.fix, "fix_code": f.fix_code, "fix_safe": f.fix_safe, "docs": f.docs,
+                "fix": f.fix, "fix_code": f.fix_code, "fix_safe": f.fix_safe, "docs": f.docs, "docs_url": f.docs_url,
                 "findings": [], "bytes": 0, "bytes_together": 0, "fixes": [],
             }
         group["findings"].append(f)
