@@ -1,7 +1,8 @@
 """Write the documentation pages generated from the code, so they cannot drift from it:
 ``docs/cli.md`` (every command's ``--help``, as click prints it), ``docs/rules/CODE.md`` (one page per
 rule, what ``gradaudit explain`` prints, from the rule registry, and their entries in mkdocs.yml's
-navigation) and ``docs/api.md``
+navigation), ``docs/json.md``'s tables of fields and ``docs/schemas/`` (from ``gradaudit.schemas``) and
+``docs/api.md``
 (every public name of ``gradaudit.__all__``: its signature and docstring, a class's public methods and
 properties too); and in README.md, between its ``scan-output`` markers, what ``gradaudit scan
 examples/resnet_surgical.py:build`` prints. That output names the torch it ran on and its figures are
@@ -124,7 +125,44 @@ def api_page() -> str:
     return "\n".join(parts)
 
 
-PAGES = {"cli.md": cli_page, "api.md": api_page}
+def _field_rows(fields: dict, prefix: str = "") -> list[str]:
+    """A table row per field, its nested fields after it (``findings[].code``)."""
+    rows = []
+    for name, spec in fields.items():
+        kind = " or ".join(spec.type) if isinstance(spec.type, tuple) else spec.type
+        if "array" in spec.type and spec.fields is None:
+            kind += f" of {' or '.join(spec.items) if isinstance(spec.items, tuple) else spec.items}"
+        when = " (not always present)" if spec.optional else ""
+        rows.append(f"| `{prefix}{name}` | {kind} | {spec.description}{when} |")
+        if spec.fields is not None:
+            rows += _field_rows(spec.fields, f"{prefix}{name}{'[]' if 'array' in spec.type else ''}.")
+    return rows
+
+
+def json_page() -> str:
+    """docs/json.md with each document's table of fields, from ``gradaudit.schemas``, between its markers."""
+    from gradaudit.schemas import DOCUMENTS
+
+    text = (DOCS / "json.md").read_text(encoding="utf-8")
+    for kind, fields in DOCUMENTS.items():
+        start, end = f"<!-- fields:{kind}:start -->", f"<!-- fields:{kind}:end -->"
+        before, rest = text.split(start, 1)
+        _, after = rest.split(end, 1)
+        table = ["| field | type | meaning |", "|---|---|---|", *_field_rows(fields)]
+        text = "\n".join([before + start, *table, end]) + after
+    return text
+
+
+def schema_files() -> dict[str, str]:
+    """docs/schemas/KIND.schema.json, the JSON Schema of each document, from ``gradaudit.schemas``."""
+    import json
+
+    from gradaudit.schemas import DOCUMENTS, json_schema
+
+    return {f"schemas/{kind}.schema.json": json.dumps(json_schema(kind), indent=2) for kind in DOCUMENTS}
+
+
+PAGES = {"cli.md": cli_page, "api.md": api_page, "json.md": json_page}
 README = DOCS.parent / "README.md"
 START, END = "<!-- scan-output:start -->", "<!-- scan-output:end -->"
 
@@ -169,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on a difference")
     args = parser.parse_args(argv)
     stale = []
-    pages = {name: make() for name, make in PAGES.items()} | rule_pages()
+    pages = {name: make() for name, make in PAGES.items()} | rule_pages() | schema_files()
     written = {DOCS / name: text for name, text in pages.items()} | {MKDOCS: mkdocs_with_rule_pages()}
     for path, text in written.items():
         text = text.rstrip("\n") + "\n"

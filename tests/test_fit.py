@@ -12,6 +12,7 @@ import json
 import re
 import warnings
 
+import jsonschema
 import pytest
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ import gradaudit
 from gradaudit import GradauditError
 from gradaudit.fitting import CATEGORIES
 from gradaudit.measure import measured_step_peak
+from gradaudit.schemas import json_schema
 from conftest import hf_checkpointing
 from gradaudit.report.units import human_bytes
 
@@ -220,6 +222,7 @@ def test_a_step_that_does_not_fit_gets_the_cheapest_remedy_and_it_is_true(tiny_h
         remedied = _gradients(model, batch)
     assert all(torch.equal(reference[n], remedied[n]) for n in reference)
     assert fitted.to_dict()["remedy"]["peak_bytes"] == remedy.peak_bytes
+    jsonschema.validate(json.loads(json.dumps(fitted.to_dict())), json_schema("fit"))  # the remedy's fields declared
 
 
 def test_a_remedy_with_trim_is_true_and_keeps_gradients_bit_identical(tiny_hf_model):

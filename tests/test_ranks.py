@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Optional
 
+import jsonschema
 import pytest
 import torch
 from click.testing import CliRunner
@@ -22,6 +23,7 @@ from gradaudit.cli import cli
 from gradaudit.errors import GradauditError
 from gradaudit.ranks import check_world, fake_world, per_rank, rank_list
 from gradaudit.records import StorageKind
+from gradaudit.schemas import json_schema
 from gradaudit.report import fittext
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without torch.distributed")
@@ -124,6 +126,7 @@ def test_fsdp2_ranks_hold_the_activations_and_regather_the_weights():
     assert any("gathers them again" in note and "394752 bytes" in note for note in report.notes)
     document = report.to_dict()
     assert document["world"] == {"size": 4, "rank": 0, "regathered_bytes": 394752}
+    jsonschema.validate(json.loads(json.dumps(document)), json_schema("report"))  # resharded storages and all
 
 
 def test_tensor_parallel_saves_count_local_shards():
@@ -149,6 +152,7 @@ def test_sequence_parallel_gathered_inputs_are_found():
     # ranks: 8 x 64 x 64 float32 = 131072 bytes kept, of which this rank's shard is 32768
     gathered = [s for s in report.storages if s.gathered_over]
     assert [(s.nbytes, s.gathered_over) for s in gathered] == [(8 * 64 * 64 * 4, 4)] * 4
+    jsonschema.validate(json.loads(json.dumps(report.to_dict())), json_schema("report"))  # gathered_over declared
     findings = [f for f in report.findings if f.code == "GA602"]
     assert sorted(f.module for f in findings) == ["head", "layers.0.up", "layers.1.up", "layers.2.up"]
     assert all(f.bytes == 131072 - 32768 == 98304 and f.rewrite for f in findings)

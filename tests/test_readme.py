@@ -40,30 +40,3 @@ def test_how_it_works_names_every_module_of_the_package():
             named.update(folder + name for name in re.findall(r"`(\w+\.py)`", bullet))
     missing = [m for m in modules if m not in named]
     assert not missing, f"docs/how-it-works.md does not name: {missing}"
-
-
-def _documented_fields(text: str, heading: str) -> set[str]:
-    """The field names in the first cells of the table under ``heading`` (``foo`` and ``foo[]`` alike)."""
-    table = text.split(heading, 1)[1].split("\n\n", 2)[2].split("\n\n", 1)[0]
-    cells = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
-    return {name.removesuffix("[]") for cell in cells for name in re.findall(r"`([\w\[\]-]+)`", cell)}
-
-
-def test_every_field_of_the_json_documents_is_documented():
-    """Each top-level key of the report's, the plan's and the fit's JSON has a row in docs/json.md's tables
-    (the report's lacked ``disagreements[]``, issue 43)."""
-    import torch
-    from torch import nn
-
-    import gradaudit
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
-    x = torch.randn(4, 8, requires_grad=True)
-    text = (DOCS / "json.md").read_text(encoding="utf-8")
-    documents = {"# JSON report (schema_version 1)": gradaudit.audit(model, x).to_dict(),
-                 "## The plan's JSON (schema_version 2": gradaudit.plan(model, x, "1MiB", measure_peak=False).to_dict(),
-                 "## The fit's JSON (schema_version 1": gradaudit.fit(model, x, memory="1GiB").to_dict()}
-    for heading, document in documents.items():
-        missing = sorted(set(document) - _documented_fields(text, heading))
-        assert not missing, f"docs/json.md's table under {heading!r} has no row for {missing}"
