@@ -59,7 +59,29 @@ def _mlp() -> dict:
     return {"model": model, "inputs": x, "x": x}
 
 
+def _llama(device: str = "cpu") -> dict:
+    """A 4-layer Llama from the tiny config, in training as users fine-tune it (``use_cache=False``, a
+    batch of 2 x 16 token ids with a padded attention mask and labels): ``model``, ``inputs``/``batch``.
+    On ``meta`` (the fit guide's, standing for a GPU) built under the meta device."""
+    import transformers
+
+    from conftest import TINY_HF
+
+    config_class, model_class, arguments = TINY_HF["llama"]
+    config = getattr(transformers, config_class)(**{**arguments, "num_hidden_layers": 4, "use_cache": False})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = getattr(transformers, model_class)(config).train()
+    ids = torch.randint(0, 100, (2, 16), device=device)
+    mask = torch.ones(2, 16, dtype=torch.long, device=device)
+    mask[1, 12:] = 0  # the second sequence ends in padding
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    return {"model": model, "inputs": batch, "batch": batch}
+
+
 SETUPS = {
+    "llama": _llama,
+    "llama_meta": lambda: _llama("meta"),
     "mlp": _mlp,
     "layer": lambda: {"MyLayer": MyLayer, "torch": torch, "no_waste": gradaudit.assert_no_waste,
                       "gradaudit_audit": gradaudit.audit},

@@ -28,8 +28,8 @@ def test_rule_table_lists_exactly_the_registered_rules_in_code_order():
         f"{_rows(registered)}")
 
 
-def test_how_it_works_names_every_module_of_the_package():
-    section = (DOCS / "how-it-works.md").read_text(encoding="utf-8")
+def test_the_developer_page_names_every_module_of_the_package():
+    section = (DOCS / "developers.md").read_text(encoding="utf-8")
     package = README.parent / "gradaudit"
     modules = sorted(str(path.relative_to(README.parent)) for path in package.rglob("*.py")
                      if path.name != "__init__.py")
@@ -39,4 +39,4 @@ def test_how_it_works_names_every_module_of_the_package():
         for folder in re.findall(r"`(gradaudit/\w+/)`", bullet):
             named.update(folder + name for name in re.findall(r"`(\w+\.py)`", bullet))
     missing = [m for m in modules if m not in named]
-    assert not missing, f"docs/how-it-works.md does not name: {missing}"
+    assert not missing, f"docs/developers.md does not name: {missing}"
