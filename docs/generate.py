@@ -1,12 +1,15 @@
 """Write the documentation pages generated from the code, so they cannot drift from it:
-``docs/cli.md`` (every command's ``--help``, as click prints it), ``docs/rules/CODE.md`` (one page per
-rule, what ``gradaudit explain`` prints, from the rule registry, and their entries in mkdocs.yml's
-navigation), ``docs/json.md``'s tables of fields and ``docs/schemas/`` (from ``gradaudit.schemas``) and
-``docs/api.md``
-(every public name of ``gradaudit.__all__``: its signature and docstring, a class's public methods and
-properties too); and in README.md, between its ``scan-output`` markers, what ``gradaudit scan
-examples/resnet_surgical.py:build`` prints. That output names the torch it ran on and its figures are
-that release's CPU kernels': ``--check`` compares it only where that torch is installed.
+- ``docs/cli.md``: every command's ``--help``, as click prints it;
+- ``docs/api.md``: every public name of ``gradaudit.__all__``, its signature and docstring, a class's
+  public methods and properties too;
+- ``docs/rules/CODE.md``: one page per rule, what ``gradaudit explain`` prints, from the rule registry,
+  and their entries in mkdocs.yml's navigation;
+- ``docs/json.md``'s tables of fields and ``docs/schemas/``, from ``gradaudit.schemas``;
+- in any page, each ``<!-- output (torch V): gradaudit ... -->`` block: what that command prints;
+- in README.md, between its ``scan-output`` markers: what ``gradaudit scan
+  examples/resnet_surgical.py:build`` prints.
+Command outputs name the torch they ran on, and their figures are that release's CPU kernels':
+``--check`` compares them only where that torch is installed.
 
     python docs/generate.py           # rewrite the pages
     python docs/generate.py --check   # exit 1, naming the pages, when one differs from what the code says
@@ -17,6 +20,7 @@ tests/test_docs.py runs ``--check``: change a command's options or a rule's docs
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -202,12 +206,50 @@ def readme_check() -> bool:
     return text == readme_with(scan_output())
 
 
+OUTPUT = re.compile(r"<!-- output \(torch (?P<torch>[^)]+)\): (?P<command>gradaudit [^\n]*?) -->\n```text\n(?:.*?\n)?```\n",
+                    re.S)
+
+
+def command_output(command: str) -> str:
+    """What ``command`` (a ``gradaudit ...`` line, run from the repository's root as a user would, in a
+    terminal 106 columns wide) prints on stdout; exit 0 or 1 (a verdict) expected."""
+    import os
+    import shlex
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "gradaudit", *shlex.split(command)[1:]], cwd=DOCS.parent,
+                            capture_output=True, text=True, timeout=900, env={**os.environ, "COLUMNS": "106"})
+    if result.returncode not in (0, 1):
+        raise SystemExit(f"docs/generate.py: {command!r} failed: {result.stderr.strip()}")
+    return result.stdout.rstrip("\n")
+
+
+def with_outputs(text: str, check: bool) -> str:
+    """``text`` with each ``<!-- output (torch V): gradaudit ... -->`` block holding what the command
+    prints, the torch installed named in its marker. Checking, a block made on another torch is left as it
+    is (its figures are that release's kernels')."""
+    import torch
+
+    def block(match: re.Match) -> str:
+        if check and match["torch"] != torch.__version__:
+            return match[0]
+        command = match["command"]
+        return (f"<!-- output (torch {torch.__version__}): {command} -->\n```text\n$ {command}\n"
+                f"{command_output(command)}\n```\n")
+
+    return OUTPUT.sub(block, text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on a difference")
     args = parser.parse_args(argv)
     stale = []
     pages = {name: make() for name, make in PAGES.items()} | rule_pages() | schema_files()
+    for path in sorted(DOCS.glob("*.md")):  # the pages with command outputs
+        text = pages.get(path.name, path.read_text(encoding="utf-8"))
+        if OUTPUT.search(text):
+            pages[path.name] = with_outputs(text, args.check)
     written = {DOCS / name: text for name, text in pages.items()} | {MKDOCS: mkdocs_with_rule_pages()}
     for path, text in written.items():
         text = text.rstrip("\n") + "\n"
