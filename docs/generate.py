@@ -206,8 +206,8 @@ def readme_check() -> bool:
     return text == readme_with(scan_output())
 
 
-OUTPUT = re.compile(r"<!-- output \(torch (?P<torch>[^)]+)\): (?P<command>gradaudit [^\n]*?) -->\n```text\n(?:.*?\n)?```\n",
-                    re.S)
+OUTPUT = re.compile(r"<!-- output \(torch (?P<torch>[^)]+)\): (?P<command>gradaudit [^\n]*?) -->\n"
+                    r"```text\n(?:.*?\n)?```\n", re.S)
 
 
 def command_output(command: str) -> str:

@@ -13,9 +13,9 @@ def test_the_site_builds_strictly(tmp_path):
     result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    for page in ("index", "command-line", "python-api", "trim", "plan", "fit", "per-rank", "custom-ops", "testing", "trainers", "numbers", "rules",
-                 "cli", "api", "rules/GA101", "benchmarks", "limits", "json", "how-it-works",
-                 "getting-started", "accuracy", "faq", "developers"):
+    for page in ("index", "getting-started", "command-line", "python-api", "trim", "plan", "fit", "per-rank",
+                 "custom-ops", "testing", "trainers", "numbers", "how-it-works", "accuracy", "limits", "faq", "rules",
+                 "rules/GA101", "cli", "api", "json", "benchmarks", "developers"):
         built = tmp_path / "site" / ("index.html" if page == "index" else f"{page}/index.html")
         assert built.is_file(), page
 

@@ -22,7 +22,8 @@ def rules_command(as_json: bool) -> None:
     if as_json:
         rules = [{"code": r.code, "name": r.name, "severity": r.severity, "family": r.family, "summary": r.summary,
                   "doc": r.doc, "sections": r.sections(), "fix": r.fix, "fix_code": r.fix_code,
-                  "fix_safe": r.fix_safe, "docs": rule_docs(r.code), "docs_url": rule_docs_url(r.code)} for r in catalogue]
+                  "fix_safe": r.fix_safe, "docs": rule_docs(r.code), "docs_url": rule_docs_url(r.code)}
+                 for r in catalogue]
         click.echo(json.dumps({"tool": "gradaudit", "kind": "rules", "rules": rules}, indent=2))
         return
     name_width = max((len(r.name) for r in catalogue), default=4)
