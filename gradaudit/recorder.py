@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from . import torchapi
 from .meta import SdpaChoice, emulated_sdpa, sdpa_arguments, sdpa_backend
 from .module_tracker import ModuleTracker
+from .torchapi.compiler import compiling
 from .records import NEEDED, AttentionCall, Leaf, Manager
 from .sites import constructed, user_frame, construction_site, short_path, user_source_line
 from .sites import noting_construction  # noqa: F401  (recorder.noting_construction, as before the move)
@@ -179,6 +180,10 @@ class AttentionCalls(TorchFunctionMode):
             if name in _GATHERING and (name == _ALL_GATHER or self.gathered or self._gather_result):
                 self._note_gathered(name, args, out)
             return out
+        if compiling():
+            # traced by torch.compile: the call becomes part of a compiled region, whose saves get no
+            # per-op verdict; asking the dispatcher for its kernel here would break the user's graph
+            return func(*args, **kwargs)
         if func is emulated_sdpa:  # a call the meta kernel choices run for a target device: its kernel is given
             choice, bound = args[0], sdpa_arguments(args[2:], kwargs)
         else:

@@ -38,6 +38,61 @@ def test_a_compiled_model_is_named_as_such(compiled):
     assert report.findings == []  # no per-op verdicts inside a compiled region
 
 
+class _Attention(nn.Module):
+    """Self-attention through F.scaled_dot_product_attention, whose call the audit records."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 8, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(2, 8, 32)).relu().sum()
+
+
+def _compiled_saves(loss: torch.Tensor, model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """(compiled regions, bytes of the storages their backward nodes keep beside the parameters and the
+    input, alive anyway), read off the graph a plain forward of the compiled model built: the
+    independent count of what the compiled graph saves."""
+    params = {p.untyped_storage().data_ptr() for p in [*model.parameters(), x]}
+    regions, storages, stack, seen = 0, {}, [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CompiledFunctionBackward":
+            regions += 1
+            for t in node.saved_tensors:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return regions, sum(storages.values())
+
+
+def test_auditing_a_compiled_model_compiles_it_as_the_user_runs_it():
+    """The audit's own hooks add no graph break: asking the dispatcher for the attention kernel inside a
+    region being compiled broke it in two around the call (the attention then ran eagerly, its saves
+    audited op by op), so the audit counted a model other than the user's."""
+    if not torchapi.has("compiler stance"):
+        pytest.skip("torch.compile is missing its stance API")
+    torch.manual_seed(0)
+    model = _Attention()
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(model, backend="aot_eager")
+        try:
+            regions, held = _compiled_saves(compiled(x), model, x)
+            report = gradaudit.audit(compiled, x)
+        finally:
+            torch._dynamo.reset()
+    assert regions == 1 and held > 0
+    assert sum(n.name == "CompiledFunctionBackward" for n in report.nodes) == regions
+    assert report.saved_bytes == held
+
+
 def test_eager_audits_what_the_eager_model_keeps(compiled):
     x = torch.randn(8, 16)
     eager = gradaudit.audit(compiled, x, eager=True)
