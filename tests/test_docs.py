@@ -50,3 +50,17 @@ def test_the_readmes_links_to_files_of_the_repository_exist():
              for heading in re.findall(r"^#+ (.*)$", readme, re.M)}
     anchors = {t[1:] for t in re.findall(r"\]\((#[^)\s]+)\)", readme)}
     assert anchors <= slugs, f"README.md links to headings it does not have: {sorted(anchors - slugs)}"
+
+
+def test_every_command_and_option_says_what_it_does():
+    """The command line reference (docs/cli.md) is each command's --help: a command or an option without
+    its own help text would be a line of the reference that says nothing."""
+    import click
+
+    from gradaudit.cli import cli
+
+    silent = [f"{name} {'/'.join(p.opts)}" for name, command in cli.commands.items() for p in command.params
+              if isinstance(p, click.Option) and not p.hidden and not (p.help or "").strip()]
+    silent += [name for name, command in cli.commands.items() if not (command.help or "").strip()]
+    assert not silent, f"without help text: {silent}"
+    assert len(cli.commands) >= 5
