@@ -44,6 +44,13 @@ def cli_page() -> str:
     return "\n".join(parts)
 
 
+def between(text: str, start: str, end: str, lines: list[str]) -> str:
+    """``text`` with what lies between its markers ``start`` and ``end`` replaced by ``lines``, one a line."""
+    before, rest = text.split(start, 1)
+    _, after = rest.split(end, 1)
+    return "\n".join([before + start, *lines, end]) + after
+
+
 SECTIONS_AS_CODE = {"Example": "python"}  # the rest of a rule's sections are prose
 
 
@@ -83,11 +90,8 @@ def mkdocs_with_rule_pages() -> str:
     """mkdocs.yml with the navigation listing every rule page, between its markers."""
     from gradaudit.rules import all_rules
 
-    text = MKDOCS.read_text(encoding="utf-8")
-    before, rest = text.split(NAV_START, 1)
-    _, after = rest.split(NAV_END, 1)
     entries = [f"      - {rule.code} {rule.name}: rules/{rule.code}.md" for rule in all_rules()]
-    return "\n".join([before + NAV_START, *entries, NAV_END]) + after
+    return between(MKDOCS.read_text(encoding="utf-8"), NAV_START, NAV_END, entries)
 
 
 def _entry(title: str, obj: object, level: str) -> list[str]:
@@ -149,11 +153,8 @@ def json_page() -> str:
 
     text = (DOCS / "json.md").read_text(encoding="utf-8")
     for kind, fields in DOCUMENTS.items():
-        start, end = f"<!-- fields:{kind}:start -->", f"<!-- fields:{kind}:end -->"
-        before, rest = text.split(start, 1)
-        _, after = rest.split(end, 1)
         table = ["| field | type | meaning |", "|---|---|---|", *_field_rows(fields)]
-        text = "\n".join([before + start, *table, end]) + after
+        text = between(text, f"<!-- fields:{kind}:start -->", f"<!-- fields:{kind}:end -->", table)
     return text
 
 
@@ -188,10 +189,7 @@ def scan_output() -> str:
 
 
 def readme_with(output: str) -> str:
-    text = README.read_text(encoding="utf-8")
-    before, rest = text.split(START, 1)
-    _, after = rest.split(END, 1)
-    return f"{before}{START}\n```text\n{output}\n```\n{END}{after}"
+    return between(README.read_text(encoding="utf-8"), START, END, ["```text", output, "```"])
 
 
 def readme_check() -> bool:

@@ -43,7 +43,7 @@ from ..torchapi.distributed import in_fake_world, local_of
 from ..torchapi.pipelining import (following_chunks, passes_between_own_stages, received_buffers,
                                    sends_held_by_their_work, stages_of)
 from ..torchapi.optimizers import fused_optimizers_on_meta
-from ..tracking import Category, Life, Lifetimes, forward_backward, keys_of
+from ..tracking import Category, Life, Lifetimes, collecting_only_new, forward_backward, keys_of
 from . import optimizers
 from .workspaces import GemmCount, workspaces
 
@@ -471,13 +471,7 @@ def _forward(model: nn.Module, args: tuple, kwargs: dict, lifetimes: Lifetimes, 
     output dropped after it (garbage cycles collected): (the loss, whether the output carried a
     key/value cache)."""
     region = torch.autocast(target, dtype=autocast) if autocast is not None else contextlib.nullcontext()
-    # the collection below looks only at the objects made since the forward began (gc.freeze sets the
-    # older ones aside): a full one costs tens of milliseconds once transformers is imported, more
-    # than a small step; it misses only a garbage cycle through an object older than the forward
-    freeze = gc.get_freeze_count() == 0
-    if freeze:
-        gc.freeze()
-    try:
+    with collecting_only_new():  # the collection below: only what the forward made
         with lifetimes, region:
             try:
                 output = model(*args, **kwargs)
@@ -491,9 +485,6 @@ def _forward(model: nn.Module, args: tuple, kwargs: dict, lifetimes: Lifetimes, 
         cache = _has_cache(output)
         del output
         gc.collect()
-    finally:
-        if freeze:
-            gc.unfreeze()
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise GradauditError(f"the loss must be a tensor of one element, got "
                              f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
