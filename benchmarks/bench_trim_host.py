@@ -13,7 +13,9 @@ Python work a GPU step waits on when the host is the bottleneck. Per case, at GP
   nn.Module's hook path adds to each hooked module call (measured apart): steadier than the step
   time differences on a shared machine, which move by more than trim adds;
 - aten ops dispatched per step (a TorchDispatchMode count): added by each, and by steady per save
-  it changed (dropped + bit-packed) and in all;
+  it changed (dropped + bit-packed) and in all; and of those, kernels per changed save: ops that are
+  neither views (autograd's detach around a save with hooks, reshapes) nor allocations, the ones that
+  launch a kernel and pass over memory on a GPU;
 - host syncs per step (``_local_scalar_dense``, ``is_nonzero``, ``equal``, ``nonzero``, ``item``);
 - on the CPU, at small shapes: held and peak bytes (``gradaudit.trimming.compare``: the trimmed
   figures are the steady forward's) against trim deciding fully, and gradients bit-identical.
@@ -45,15 +47,27 @@ from gradaudit.trimming import compare, trim
 _SYNCS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "item"}
 
 
+# ops that launch no kernel on a GPU besides views (``is_view``: detach, view, as_strided, ...):
+# allocations, which the caching allocator serves on the host
+_NO_KERNEL = {"empty", "empty_strided", "empty_like", "empty_permuted", "new_empty", "new_empty_strided"}
+
+
 class OpCount(TorchDispatchMode):
+    """aten ops dispatched, those of them that run a kernel (not a view, not an allocation), and
+    host syncs."""
+
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.kernels = 0
         self.syncs = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
-        if func.__name__.split(".")[0] in _SYNCS:
+        name = func.__name__.split(".")[0]
+        if not func.is_view and name not in _NO_KERNEL:
+            self.kernels += 1
+        if name in _SYNCS:
             self.syncs += 1
         return func(*args, **(kwargs or {}))
 
@@ -260,7 +274,7 @@ def op_counts(model: nn.Module, args: tuple, kwargs: dict, loss: Callable) -> di
             stats_before = dict(variant.handle.stats) if variant.handle else None
             with OpCount() as counter:
                 step(model, args, kwargs, loss)
-            counts[how] = (counter.ops, counter.syncs)
+            counts[how] = (counter.ops, counter.syncs, counter.kernels)
             if how in ("steady", "bytes"):
                 after = variant.handle.stats
                 counts["changed"] = (after["dropped"] - stats_before["dropped"]) + \
@@ -327,9 +341,9 @@ def main() -> None:
     print(f"a module call with a forward hook: +{hook_cost * 1e6:.2f} us")
     print("| case | plain ms | full +ms | steady +ms | bytes +ms | plain again +ms (noise) | inside trim, steady ms "
           "(bytes) | hooked calls | ops plain | +ops full | +ops steady | +ops bytes | saves changed "
-          "| +ops per changed save (bytes) | syncs full / steady | held steady vs full | peak steady vs full "
-          "| gradients |")
-    print("|" + "---|" * 19)
+          "| +ops per changed save (bytes) | +kernels per changed save (bytes) | syncs full / steady "
+          "| held steady vs full | peak steady vs full | gradients |")
+    print("|" + "---|" * 20)
     meta_cases, cpu_cases = cases("meta", False), cases("cpu", True)
     for name in options.cases:
         model, args, kwargs, loss = meta_cases[name]()
@@ -345,6 +359,9 @@ def main() -> None:
         added = ops["steady"][0] - plain_ops
         added_bytes = ops["bytes"][0] - plain_ops
         per_save = f"{added / changed:.2f} ({added_bytes / changed:.2f})" if changed else "-"
+        kernels = [ops[how][2] - ops["plain"][2] for how in ("steady", "bytes")]
+        kernels_per_save = f"{kernels[0] / changed:.2f} ({kernels[1] / changed:.2f})" if changed else \
+            f"{kernels[0]:+d} ({kernels[1]:+d})"
         held = peak = grads = "-"
         if not options.no_bytes:
             steady_figures, full_figures, same = bytes_and_gradients(cpu_cases[name])
@@ -357,7 +374,7 @@ def main() -> None:
         print(f"| {name} | {ms['plain']:.1f} | {ms['full'] - ms['plain']:+.2f} | {ms['steady'] - ms['plain']:+.2f} "
               f"| {ms['bytes'] - ms['plain']:+.2f} | {ms['plain2'] - ms['plain']:+.2f} "
               f"| {inside * 1e3:.2f} ({inside_bytes * 1e3:.2f}) | {hooked} | {plain_ops} "
-              f"| {ops['full'][0] - plain_ops:+d} | {added:+d} | {added_bytes:+d} | {changed} | {per_save} | {ops['full'][1] - ops['plain'][1]} / {ops['steady'][1] - ops['plain'][1]} "
+              f"| {ops['full'][0] - plain_ops:+d} | {added:+d} | {added_bytes:+d} | {changed} | {per_save} | {kernels_per_save} | {ops['full'][1] - ops['plain'][1]} / {ops['steady'][1] - ops['plain'][1]} "
               f"| {held} | {peak} | {grads} |", flush=True)
 
 

@@ -25,6 +25,8 @@ Sections, each writing ``OUT_DIR/<section>.json`` as it goes and printing a tabl
   ResNet-50 at 32x224 in the memsave study's scenarios, a bf16 Llama probed, norm-tuned and LoRA-tuned.
   Times are medians over interleaved repeats of each variant's fastest step in a block of 3, with a
   second plain block against the first as the noise floor. Trimmed gradients are compared with plain ones.
+  Where Triton is installed, trim(kernels="triton") too (one fused kernel to pack a save's bits, one to
+  unpack them): its step time against plain, and its gradients against plain ones.
 """
 
 from __future__ import annotations
@@ -385,8 +387,12 @@ def _same(a: list, b: list) -> bool:
 
 def _variants(model, memsave_model):
     from gradaudit.trimming import trim
+    from gradaudit.trimming import fused
     variants = {"plain": (model, None), "trim": (model, lambda: trim(model)),
                 "trim bytes": (model, lambda: trim(model, masks="bytes"))}
+    if fused.installed():
+        # the bits packed and unpacked by one fused Triton kernel each way (the same bytes as "trim")
+        variants["trim triton"] = (model, lambda: trim(model, kernels="triton"))
     if memsave_model is not None:
         variants["memsave"] = (memsave_model, None)
     return variants
@@ -429,6 +435,8 @@ def _trim_case(name: str, model, memsave_model, args, kwargs, loss_fn, repeats: 
     row["plain_repeatable"] = _same(row["grads_plain"], again)
     row["trim_identical"] = _same(row["grads_plain"], row["grads_trim"])
     row["trim_bytes_identical"] = _same(row["grads_plain"], row["grads_trim bytes"])
+    if "grads_trim triton" in row:
+        row["trim_triton_identical"] = _same(row["grads_plain"], row["grads_trim triton"])
     for key in list(row):
         if key.startswith("grads_"):
             del row[key]
@@ -439,7 +447,8 @@ def _trim_case(name: str, model, memsave_model, args, kwargs, loss_fn, repeats: 
           f"{row['peak_plain'] / MIB:.1f} | {row['peak_trim'] / MIB:.1f} | {peak_memsave} | {row['plain_ms']:.1f} | "
           f"{row['trim/plain']:.3f} | {row['held_trim bytes'] / MIB:.1f} | {row['trim bytes/plain']:.3f} | "
           f"{row.get('memsave/plain', float('nan')):.3f} | {row['plain again/plain']:.3f} | "
-          f"{row['trim_identical']}, bytes {row['trim_bytes_identical']} (plain repeatable: {row['plain_repeatable']}) |",
+          f"{row['trim_identical']}, bytes {row['trim_bytes_identical']}, triton {row.get('trim_triton_identical', '-')} "
+          f"(plain repeatable: {row['plain_repeatable']}) | {row.get('trim triton/plain', float('nan')):.3f} |",
           flush=True)
     return row
 
@@ -454,7 +463,7 @@ def trim_section(out: Path, budget: Budget, repeats: int, small: bool = False) -
     rows = []
     print("| case | held MiB plain | trim | memsave | peak MiB plain | trim | memsave | plain step ms | "
           "trim/plain | held MiB trim bytes | trim bytes/plain | memsave/plain | plain again/plain "
-          "| trim grads bit-identical |", flush=True)
+          "| trim grads bit-identical | trim triton/plain |", flush=True)
     for scenario in SCENARIOS:
         if budget.left() < 0:
             break

@@ -95,13 +95,12 @@ def test_bitpacking_without_numpy_uses_torch_ops(monkeypatch):
     """The torch-only packing path (GPU, or no numpy) gives the same bits as numpy's packbits."""
     import gradaudit.trimming.codec as codec
 
-    mask = torch.rand(1001) > 0.5  # 1001 = 125*8 + 1: a partial last byte
-    with_numpy = [codec.pack_bits(mask, inverted) for inverted in (False, True)]
-    # inverted: the complement of every bit, padding included
-    assert torch.equal(with_numpy[1], with_numpy[0].bitwise_not())
+    masks = [torch.rand(1001) > 0.5,  # 1001 = 125*8 + 1: a partial last byte
+             torch.rand(1000) > 0.5]  # a multiple of 8: packed with no padded copy
+    with_numpy = [codec.pack_bits(mask) for mask in masks]
     monkeypatch.setattr(codec, "numpy", None)
-    assert [torch.equal(codec.pack_bits(mask, inverted), expected)
-            for inverted, expected in zip((False, True), with_numpy)] == [True, True]
+    assert [torch.equal(codec.pack_bits(mask), expected) for mask, expected in zip(masks, with_numpy)] \
+        == [True, True]
     model = nn.Sequential(nn.Linear(7, 9), nn.ReLU(), nn.Linear(9, 2))
     model[2].weight.requires_grad_(False)  # so that the last linear does not keep the ReLU result
     plain, trimmed, stats = plain_and_trimmed(model, (torch.randn(5, 7),))
@@ -118,16 +117,17 @@ def test_chunked_packing_matches_packing_the_whole_mask(monkeypatch, chunk):
     monkeypatch.setattr(codec, "_CHUNK", chunk)
     special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1e-30, -1e-30])
     values = torch.cat([special, torch.randn(93)])  # 100 elements: 12 full bytes and 4 bits
-    le, _ = codec.PACKERS[Bit.NOT_LE_ZERO](values)
-    gt, _ = codec.PACKERS[Bit.GT_ZERO](values)
-    assert torch.equal(le, codec.pack_bits(values <= 0, inverted=True))
+    le, le_scale = codec.PACKERS[Bit.NOT_LE_ZERO](values)
+    gt, gt_scale = codec.PACKERS[Bit.GT_ZERO](values)
+    assert torch.equal(le, codec.pack_bits(values <= 0))
     assert torch.equal(gt, codec.pack_bits(values > 0))
 
     def bits(packed):  # element i is bit i % 8 of byte i // 8; the last 4 bits are padding
         return [(int(packed[i // 8]) >> (i % 8)) & 1 for i in range(values.numel())]
 
-    assert bits(le) == (values <= 0).logical_not().int().tolist()  # NaN passes, as in backward
-    assert bits(gt) == (values > 0).int().tolist()
+    # the bit is x <= 0, unpacked to 0.0 where set (scale -1.0): NaN passes, as in backward
+    assert (bits(le), le_scale) == ((values <= 0).int().tolist(), -1.0)
+    assert (bits(gt), gt_scale) == ((values > 0).int().tolist(), 1.0)
 
 
 class Expand(nn.Module):
@@ -846,9 +846,89 @@ def test_a_steady_forward_syncs_nothing_and_adds_few_ops():
     added = added_ops(mask, torch.randn(4, 6))
     syncs = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "item"}
     assert not syncs & set(added) and "ne" in added, added
-    # measured on 2.14.1: the flat view, the comparison, the bytes; in backward the scaled table,
-    # the values and their layout; and autograd's own detaches around the hooks
+    # measured on 2.14.1 (11): the flat view, the comparison, the bytes (numpy reads and writes
+    # torch's memory through detached views); in backward the values from a kept table and their
+    # layout; and autograd's own detaches around the hooks
     assert len(added) <= 12, added
+
+
+def test_bits_in_torch_operations_take_three_kernels_to_pack_and_two_to_unpack(monkeypatch):
+    """Without numpy (as on a GPU, where each operation is a kernel launch and a pass over memory), a
+    ReLU's result before a frozen conv is packed by a comparison, a weighted sum of each 8 bools
+    (a multiplication and a sum), and unpacked by an index conversion and a gather from a kept
+    table: no pass flips the bits (the table does) and no table is made per save."""
+    import gradaudit.trimming.codec as codec
+
+    monkeypatch.setattr(codec, "numpy", None)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)).requires_grad_(False)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+
+    def counted() -> list:
+        x.grad = None
+        with OpNames() as count:
+            model(x).sum().backward()
+        return count.names
+
+    plain = counted()
+    with trim(model) as handle:
+        counted()
+        steady = counted()
+        assert handle.forwards == {"full": 1, "steady": 1}
+    for name in plain:
+        steady.remove(name)
+    # not kernels: views, autograd's detaches, allocations, and the bit weights made from a Python
+    # list on the CPU (kept per GPU: codec._pack_bits_with_torch)
+    kernels = [name for name in steady if name not in ("as_strided", "detach", "view", "empty_strided", "lift_fresh")]
+    assert sorted(kernels) == ["_to_copy", "index_select", "le", "mul", "sum"], steady
+
+
+def test_kernels_option_is_checked_up_front(monkeypatch):
+    """kernels="triton" only where there are bits to pack and Triton to pack them; an unknown value
+    is an error."""
+    from gradaudit.trimming import fused
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(GradauditError, match="choose one of 'torch', 'triton'"):
+        trim(model, kernels="cuda")
+    with pytest.raises(GradauditError, match="masks='bytes' there are none to pack"):
+        trim(model, masks="bytes", kernels="triton")
+    with pytest.raises(GradauditError, match="bitpack=False"):
+        trim(model, bitpack=False, kernels="triton")
+    monkeypatch.setattr(fused, "installed", lambda: False)
+    with pytest.raises(GradauditError, match="needs Triton"):
+        trim(model, kernels="triton")
+    with trim(model) as handle:
+        assert handle.kernels == "torch"
+
+
+def test_fused_triton_kernels_give_the_torch_paths_bytes_and_identical_gradients():
+    """kernels="triton", run by Triton's interpreter on the CPU in a process of its own
+    (tests/fixtures/fused_interpreted.py): for every float dtype, the three comparisons and counts
+    with a partial last byte, special values included (NaN, -0.0, subnormals, infinities), the
+    fused kernel's bytes equal the torch path's and its unpacked values the torch path's for each
+    scale; trimming a model with ReLU, LeakyReLU and a stock dropout gives
+    gradients bit-identical to plain ones in the forward decided fully and a steady one, changes the
+    saves kernels="torch" changes, and runs the fused kernels for every bit-packed save."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")  # the test extra installs it where it ships (Linux x86-64)
+    script = pathlib.Path(__file__).parent / "fixtures" / "fused_interpreted.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    # 4 dtypes x 4 counts x 3 comparisons
+    assert found["codec"] == {"checked": 48, "packs_differing": [], "unpacks_differing": []}
+    runs = found["trim"]
+    assert runs["torch"]["identical"] and runs["triton"]["identical"]
+    assert runs["torch"]["stats"] == runs["triton"]["stats"]
+    assert runs["torch"]["forwards"] == runs["triton"]["forwards"] == {"full": 1, "steady": 1}
+    packed = runs["triton"]["stats"]["bitpacked"]
+    assert packed == 6  # ReLU, LeakyReLU, the dropout's mask, in each of the two forwards
+    assert runs["fused calls with torch kernels"] == {"pack": 0, "unpack": 0}
+    assert runs["fused calls"] == {"pack": packed, "unpack": packed}
 
 
 def test_masks_as_bytes_hold_one_byte_per_element_and_cost_one_operation_each_way():

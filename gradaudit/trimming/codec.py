@@ -2,7 +2,9 @@
 and the unfilled stand-ins for saves it does not read.
 
 A packer takes the saved values (in memory order) and returns (packed bits, value a set bit
-stands for; 0 elsewhere), or None when the values do not fit that form. Each is written so the
+stands for; 0 elsewhere), or None when the values do not fit that form; -1.0 for that value marks
+bits whose set bit stands for 0.0 and clear bit for 1.0 (an unpacking table's choice, so that packing
+needs no pass to flip them). Each is written so the
 unpacked tensor gives the backward the same results:
   threshold_backward(grad, x, 0): x <= 0 ? 0 : grad   (ReLU result, Threshold with threshold 0)
   leaky_relu_backward(grad, x, slope): x > 0 ? grad : grad * slope
@@ -19,6 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..knowledge import Bit
+from . import fused
 
 try:
     import numpy
@@ -40,8 +43,8 @@ def _numpy_ok(values: torch.Tensor) -> bool:
             and values.dtype in _NUMPY_DTYPES)
 
 
-def _compare_and_pack(values: torch.Tensor, compare: Any, inverted: bool) -> torch.Tensor:
-    """Bits of ``compare(values, 0)`` (their complement when ``inverted``), chunk by chunk."""
+def _compare_and_pack(values: torch.Tensor, compare: Any) -> torch.Tensor:
+    """Bits of ``compare(values, 0)``, chunk by chunk."""
     count = values.numel()
     packed = torch.empty(((count + 7) // 8,), dtype=torch.uint8)
     scratch = torch.empty((min(count, _CHUNK),), dtype=torch.bool)
@@ -51,43 +54,48 @@ def _compare_and_pack(values: torch.Tensor, compare: Any, inverted: bool) -> tor
         chunk = mask[:stop - start]
         compare(source[start:stop], 0, out=chunk)
         out[start // 8:(stop + 7) // 8] = numpy.packbits(chunk, bitorder="little")
-    if inverted:
-        numpy.invert(out, out=out)  # the padding bits become 1: never read (see _unpack_bits)
     return packed
 
 
 def _passes_unless_le_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
-    # the bit is not(x <= 0) (NaN passes, as in threshold_backward): x <= 0 is packed and the
-    # bytes flipped, one pass fewer than negating the mask
+    # the gradient passes unless x <= 0 (NaN passes, as in threshold_backward): the bit is x <= 0
+    # and unpacks to 0.0 where set, 1.0 elsewhere (scale -1.0), so no pass flips it
     if _numpy_ok(values):
-        return _compare_and_pack(values, numpy.less_equal, inverted=True), 1.0
-    return pack_bits(values <= 0, inverted=True), 1.0
+        return _compare_and_pack(values, numpy.less_equal), -1.0
+    return pack_bits(values <= 0), -1.0
 
 
 def _passes_if_gt_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
     if _numpy_ok(values):
-        return _compare_and_pack(values, numpy.greater, inverted=False), 1.0
+        return _compare_and_pack(values, numpy.greater), 1.0
     return pack_bits(values > 0), 1.0
 
 
-def _scaled_mask(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
+def _mask_scale(values: torch.Tensor) -> Optional[float]:
+    """The one positive value of a mask holding only it and +0.0, or None (read from the device)."""
     if values.numel() == 0 or values.device.type == "meta":
         return None  # no values to check: kept
     scale = values.max()
-    bits = values == scale
-    exact = bool(torch.logical_or(bits, values == 0).all()) and not bool(torch.signbit(values).any())
+    exact = bool(torch.logical_or(values == scale, values == 0).all()) and not bool(torch.signbit(values).any())
     if not exact or not bool(scale > 0):
         return None
-    return pack_bits(bits), scale.item()
+    return scale.item()
 
 
+def _scaled_mask(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
+    scale = _mask_scale(values)
+    return None if scale is None else (pack_bits(values != 0), scale)
 
-def dropout_mask(values: torch.Tensor, scale: float) -> torch.Tensor:
+
+def dropout_mask(values: torch.Tensor, scale: float, fused_kernels: bool = False) -> torch.Tensor:
     """The bits of the keep-mask of a stock ``torch.nn`` dropout module on the CPU, with no look at its
     values from the host: ``bernoulli_(1 - p)`` divided by ``1 - p`` holds +0.0 and one positive value
     by construction (ATen's ``Dropout.cpp``), which for a given ``p`` and dtype is ``scale``, read off
     the same module's mask in the forward trim decided fully. Only the steady plan uses it, for a
-    node it found made inside such a module with that ``p`` (``steady.Entry``)."""
+    node it found made inside such a module with that ``p`` (``steady.Entry``); ``fused_kernels``:
+    in one Triton kernel where ``fused`` takes the values."""
+    if fused_kernels and fused.takes(values):
+        return fused.pack(values, fused.NE_ZERO)
     return pack_bits(values != 0)
 
 
@@ -125,24 +133,51 @@ BYTES: dict[Packer, Packer] = {
 MASK_FORMATS = ("bits", "bytes")
 
 
-def pack_bits(mask: torch.Tensor, inverted: bool = False) -> torch.Tensor:
-    """1-D bool -> uint8: bit i of byte k is element 8k+i (``inverted``: its complement).
+def _fused_passes_unless_le_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
+    if fused.takes(values):
+        return fused.pack(values, fused.LE_ZERO), -1.0
+    return _passes_unless_le_zero(values)
+
+
+def _fused_passes_if_gt_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
+    if fused.takes(values):
+        return fused.pack(values, fused.GT_ZERO), 1.0
+    return _passes_if_gt_zero(values)
+
+
+def _fused_scaled_mask(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
+    if not fused.takes(values):
+        return _scaled_mask(values)
+    scale = _mask_scale(values)
+    return None if scale is None else (fused.pack(values, fused.NE_ZERO), scale)
+
+
+# kernels="triton": each bit packer's counterpart packing in one fused kernel where ``fused`` takes the
+# values (the same bytes; elsewhere the packer itself runs)
+FUSED: dict[Packer, Packer] = {
+    _passes_unless_le_zero: _fused_passes_unless_le_zero,
+    _passes_if_gt_zero: _fused_passes_if_gt_zero,
+    _scaled_mask: _fused_scaled_mask,
+}
+KERNELS = ("torch", "triton")
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """1-D bool -> uint8: bit i of byte k is element 8k+i (the padding bits of a partial last byte
+    are 0 and never read: unpacking keeps the first ``numel`` values).
 
     The packed bytes are allocated by torch, so storage trackers see them.
     """
     count = mask.numel()
     if mask.device.type != "cpu" or numpy is None:
-        return _pack_bits_with_torch(mask, inverted)
+        return _pack_bits_with_torch(mask)
     # numpy's packbits is one C loop; the torch expression takes several passes
     packed = torch.empty(((count + 7) // 8,), dtype=torch.uint8, device=mask.device)
-    out = packed.numpy()
-    out[:] = numpy.packbits(mask.numpy(), bitorder="little")
-    if inverted:
-        numpy.invert(out, out=out)  # the padding bits become 1: never read (see _unpack_bits)
+    packed.numpy()[:] = numpy.packbits(mask.numpy(), bitorder="little")
     return packed
 
 
-def _pack_bits_with_torch(mask: torch.Tensor, inverted: bool) -> torch.Tensor:
+def _pack_bits_with_torch(mask: torch.Tensor) -> torch.Tensor:
     """``pack_bits`` in torch operations (a GPU, meta): each is a dispatch, and on a GPU a kernel
     launch, so as few as the layout allows (a count that is a multiple of 8 needs no padded copy)."""
     count = mask.numel()
@@ -160,21 +195,30 @@ def _pack_bits_with_torch(mask: torch.Tensor, inverted: bool) -> torch.Tensor:
             # which per save stalled every trimmed step (benchmarks/gpu_check.py on an H100). Never
             # a fake or meta one: it would outlive the mode that made it
             _BIT_WEIGHTS[mask.device] = weights
-    packed = torch.sum(octets * weights, dim=1, dtype=torch.uint8)
-    return packed.bitwise_not_() if inverted else packed
+    return torch.sum(octets * weights, dim=1, dtype=torch.uint8)
 
 
-_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_TABLES: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
 _BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
-def _bit_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Row b holds the 8 values (1.0 / 0.0) that byte b unpacks to, lowest bit first."""
-    table = _TABLES.get((dtype, device))
+def _bit_table(scale: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Row b holds the 8 values that byte b unpacks to, lowest bit first: ``scale`` where a bit is
+    set and 0.0 where clear, or for ``scale`` -1.0, 0.0 where set and 1.0 where clear. Kept per
+    (scale, dtype, device), so that unpacking is the same two operations for every save; never a
+    fake tensor (it would outlive the mode that made it)."""
+    key = (scale, dtype, device)
+    table = _TABLES.get(key)
     if table is None:
         byte = torch.arange(256, dtype=torch.int32).unsqueeze(1)
         bits = (byte >> torch.arange(8, dtype=torch.int32)) & 1
-        table = _TABLES[(dtype, device)] = bits.to(dtype=dtype, device=device)
+        if scale == -1.0:
+            table = (1 - bits).to(dtype=dtype, device=device)
+        else:
+            # exact: 1.0 * scale and 0.0 * scale (scale > 0), as the mask's own values
+            table = bits.to(dtype=dtype, device=device) * scale
+        if type(table) is torch.Tensor and len(_TABLES) < 256:
+            _TABLES[key] = table
     return table
 
 
@@ -202,14 +246,16 @@ def unpack_bytes(box: Any) -> torch.Tensor:
     return values.as_strided(box.shape, box.stride)
 
 
-def unpack_bits(box: Any) -> torch.Tensor:
+def unpack_bits(box: Any, fused_kernels: bool = False) -> torch.Tensor:
+    """The values of a bit- or byte-packed save (``fused_kernels``: bits unpacked in one Triton kernel
+    where ``fused`` takes them)."""
     # one gather from a 256-row table writes the values directly: the fewest passes over memory
     packed = box.payload
     if packed.dtype == torch.bool:
         return unpack_bytes(box)
-    table = _bit_table(box.dtype, packed.device)
-    if box.scale != 1.0:
-        table = table * box.scale  # exact: 1.0 * scale and 0.0 * scale (scale > 0)
+    if fused_kernels and box.dtype in fused.DTYPES and fused.usable(packed):
+        return fused.unpack(packed, box.shape.numel(), box.scale, box.dtype).as_strided(box.shape, box.stride)
+    table = _bit_table(box.scale, box.dtype, packed.device)
     if numpy is not None and type(packed) is torch.Tensor and packed.device.type == "cpu" \
             and box.dtype in _NUMPY_DTYPES:
         # numpy's take (every index is in range: mode="clip" skips its bounds buffer) is about

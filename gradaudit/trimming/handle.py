@@ -16,8 +16,8 @@ from ..errors import GradauditError
 from ..tracking import forward_backward
 from ..tensors import iter_tensors, split_inputs, unique
 from ..torchapi.autograd import packed_by_checkpoint, saved_tensors_hooks_enabled, top_saved_tensors_hooks
-from . import steady
-from .codec import MASK_FORMATS
+from . import fused, steady
+from .codec import KERNELS, MASK_FORMATS
 from .session import DROPPED, PACKED, Session
 
 _TRIMMED: "weakref.WeakKeyDictionary[nn.Module, TrimHandle]" = weakref.WeakKeyDictionary()
@@ -68,8 +68,8 @@ class Engine:
     ``conditions``), or by the steady plan the last such forward left (``steady``: only the saves it
     changed are touched)."""
 
-    def __init__(self, model: nn.Module, bitpack: bool, masks: str = "bits") -> None:
-        self.session = Session(model, bitpack, masks)
+    def __init__(self, model: nn.Module, bitpack: bool, masks: str = "bits", kernels: str = "torch") -> None:
+        self.session = Session(model, bitpack, masks, kernels)
         self.plan: Optional[steady.SteadyPlan] = None
         self.mode: Optional[str] = None  # "full" or "steady" while a forward runs
         self.depth = 0
@@ -161,9 +161,9 @@ class Engine:
 class TrimHandle:
     """Returned by ``trim``: ``remove()`` (or leaving the ``with`` block) restores the model."""
 
-    def __init__(self, model: nn.Module, bitpack: bool, masks: str = "bits") -> None:
+    def __init__(self, model: nn.Module, bitpack: bool, masks: str = "bits", kernels: str = "torch") -> None:
         self._model_ref = weakref.ref(model)
-        self._engine = engine = Engine(model, bitpack, masks)
+        self._engine = engine = Engine(model, bitpack, masks, kernels)
         self._session = engine.session
         self._handles: list[Any] = []
         self._handles.append(model.register_forward_pre_hook(
@@ -185,6 +185,11 @@ class TrimHandle:
     def masks(self) -> str:
         """The ``masks`` option it was installed with: ``"bits"`` or ``"bytes"``."""
         return self._session.masks
+
+    @property
+    def kernels(self) -> str:
+        """The ``kernels`` option it was installed with: ``"torch"`` or ``"triton"``."""
+        return self._session.kernels
 
     @property
     def stats(self) -> dict[str, int]:
@@ -260,7 +265,7 @@ def settle(model: nn.Module, args: tuple, kwargs: dict, run: Callable[[], Any]) 
             t.grad = grad
 
 
-def trim(model: nn.Module, *, bitpack: bool = True, masks: str = "bits") -> TrimHandle:
+def trim(model: nn.Module, *, bitpack: bool = True, masks: str = "bits", kernels: str = "torch") -> TrimHandle:
     """Make every forward of ``model`` keep only what backward can need; gradients stay bit-identical.
 
     Saves backward cannot read are forgotten (backward gets a placeholder of the same shape and strides, never read);
@@ -283,17 +288,35 @@ def trim(model: nn.Module, *, bitpack: bool = True, masks: str = "bits") -> Trim
     several operations (numpy's on the CPU; on a GPU each is a kernel launch); ``"bytes"``, one bool per
     element, 75% freed, one operation to make and one to unpack. ``plan`` and ``fit`` count bits.
 
+    ``kernels``: what packs and unpacks bits on a GPU: ``"torch"`` (the default), torch operations
+    (three kernels to pack a save, two to unpack it); ``"triton"``, one fused Triton kernel each way
+    (Triton must be installed), the same bytes, so plans and fits count them alike. Elsewhere (the
+    CPU, meta) the torch path runs either way.
+
     Returns a handle: ``handle.remove()`` restores the model exactly; ``with trim(model): ...``.
     """
     if not isinstance(model, nn.Module):
         raise GradauditError(f"trim() needs a torch.nn.Module, got {type(model).__name__}")
     if masks not in MASK_FORMATS:
         raise GradauditError(f"trim(masks={masks!r}): choose one of {', '.join(map(repr, MASK_FORMATS))}")
+    _check_kernels(kernels, bitpack, masks)
     if model in _TRIMMED:
         raise GradauditError(f"{type(model).__name__} is already trimmed; remove the first handle first")
-    handle = TrimHandle(model, bitpack, masks)
+    handle = TrimHandle(model, bitpack, masks, kernels)
     _TRIMMED[model] = handle
     return handle
+
+
+def _check_kernels(kernels: str, bitpack: bool, masks: str) -> None:
+    if kernels not in KERNELS:
+        raise GradauditError(f"trim(kernels={kernels!r}): choose one of {', '.join(map(repr, KERNELS))}")
+    if kernels == "triton":
+        if not bitpack or masks != "bits":
+            raise GradauditError(f"trim(kernels='triton') packs bits; with bitpack={bitpack}, masks={masks!r} there "
+                                 f"are none to pack: leave kernels='torch'")
+        if not fused.installed():
+            raise GradauditError("trim(kernels='triton') needs Triton (pip install triton, which CUDA builds of "
+                                 "torch bring), or leave kernels='torch'")
 
 
 

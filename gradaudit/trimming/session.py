@@ -14,7 +14,7 @@ from .. import torchapi
 from ..errors import GradauditError
 from ..tensors import iter_tensors, storage_key
 from ..torchapi.modules import add_forward_hooks, remove_forward_hooks
-from .codec import BYTES, Packer, contiguous_strides, dense, shape_stand_in, unfilled_strided, unpack_bits
+from .codec import BYTES, FUSED, Packer, contiguous_strides, dense, shape_stand_in, unfilled_strided, unpack_bits
 from .plan import KEEP, kind_of, plan_for
 from ..torchapi.autograd import (NO_SEQUENCE, called_from_autograd, caller_frame, in_backward,
                                  node_sequence_number, pop_node_creation_hook, push_node_creation_hook,
@@ -66,7 +66,10 @@ def unpack(box: Box) -> torch.Tensor:
         if box.zero_stride:
             return shape_stand_in(box.shape, box.dtype, box.device)
         return unfilled_strided(box)
-    return unpack_bits(box)
+    return unpack_bits(box, fused_kernels=box.packer in _FUSED_PACKERS)
+
+
+_FUSED_PACKERS = frozenset(FUSED.values())
 
 
 
@@ -115,10 +118,11 @@ class Session:
     ``trim`` runs such a forward first and whenever the steady plan does not apply; the forward also
     records what the steady plan needs (``changed``, ``calls``)."""
 
-    def __init__(self, model: nn.Module, bitpack: bool, masks: str = "bits") -> None:
+    def __init__(self, model: nn.Module, bitpack: bool, masks: str = "bits", kernels: str = "torch") -> None:
         self.model_ref = weakref.ref(model)
         self.bitpack = bitpack
         self.masks = masks  # codec.MASK_FORMATS: what a bit-packable save becomes
+        self.kernels = kernels  # codec.KERNELS: what packs and unpacks bits
         self.active = False
         self.pending: list[tuple[Any, Optional[Call]]] = []  # (node, module call) since the last boundary
         # Without torch's node-creation hook (torch < 2.14) the nodes are found by walking the graph
@@ -411,6 +415,8 @@ class Session:
     def pack_bits(self, box: Box, packer: Packer) -> None:
         if self.masks == "bytes":
             packer = BYTES[packer]
+        elif self.kernels == "triton":
+            packer = FUSED[packer]
         tensor = box.payload
         # dense: the values in memory order, whatever the layout (unpacking restores the strides)
         found = packer(tensor.as_strided((tensor.numel(),), (1,))) if dense(tensor) else None

@@ -28,8 +28,8 @@ from torch import nn
 from ..errors import GradauditError
 from ..tensors import iter_tensors
 from ..torchapi.autograd import in_backward, node_scalars, node_sequence_number, raw_slot_attribute, sequence_number
-from .codec import (BYTES, PACKERS, contiguous_strides, dense, dropout_mask, scaled_mask, shape_stand_in, unfilled_strided,
-                    unpack_bits)
+from .codec import (BYTES, FUSED, PACKERS, contiguous_strides, dense, dropout_mask, scaled_mask, shape_stand_in,
+                    unfilled_strided, unpack_bits)
 from .plan import kind_of
 
 # the torch.nn dropout classes whose keep-mask is two-valued by construction (ATen's Dropout.cpp)
@@ -110,20 +110,33 @@ def _unpack_bits(saved: Any) -> torch.Tensor:
     return unpack_bits(saved)
 
 
+def _unpack_fused(saved: Any) -> torch.Tensor:
+    if type(saved) is _Kept:
+        return saved.tensor
+    _refuse_double_backward()
+    return unpack_bits(saved, fused_kernels=True)
+
+
 # one pack function per packer, made once (the steady state's saves share them)
-_PACK_BITS = {packer: _bit_packer(packer) for packer in [*PACKERS.values(), scaled_mask, *BYTES.values()]}
-_CHECKED_MASKS = (_PACK_BITS[scaled_mask], _PACK_BITS[BYTES[scaled_mask]])
+_PACK_BITS = {packer: _bit_packer(packer)
+              for packer in [*PACKERS.values(), scaled_mask, *BYTES.values(), *FUSED.values()]}
+_FUSED_PACKERS = frozenset(FUSED.values())
+# the pack hooks of a checked two-valued mask, and the form each keeps it in
+_CHECKED_MASKS = {_PACK_BITS[scaled_mask]: "bits", _PACK_BITS[BYTES[scaled_mask]]: "bytes",
+                  _PACK_BITS[FUSED[scaled_mask]]: "fused"}
 
 
-def _dropout_packer(scale: float, dtype: torch.dtype, as_bytes: bool) -> Callable[[torch.Tensor], Any]:
+def _dropout_packer(scale: float, dtype: torch.dtype, form: str) -> Callable[[torch.Tensor], Any]:
     """The pack hook of a stock dropout module's keep-mask of ``dtype``, whose set value is ``scale``
-    (``as_bytes``: a bool per element, else bits)."""
+    (``form``: "bytes", a bool per element; "bits"; "fused", bits packed by one Triton kernel)."""
     def pack(t: torch.Tensor) -> Any:
         if t.dtype != dtype or t.numel() == 0 or not dense(t):
             return _Kept(t)
         with torch.no_grad():
             flat = t.as_strided((t.numel(),), (1,))
-            return _Bits(flat != 0 if as_bytes else dropout_mask(flat, scale), scale, t)
+            if form == "bytes":
+                return _Bits(flat != 0, scale, t)
+            return _Bits(dropout_mask(flat, scale, fused_kernels=form == "fused"), scale, t)
 
     return pack
 
@@ -275,7 +288,8 @@ def _slot(attr: str, box: Any, dropped: int, packed: int) -> Optional[Slot]:
     if box.state == dropped:
         return Slot(raw, item, _drop_shape_only if box.zero_stride else _drop, _unpack_dropped, True)
     if box.state == packed and box.packer is not None:
-        return Slot(raw, item, _PACK_BITS[box.packer], _unpack_bits, False, box)
+        unpack = _unpack_fused if box.packer in _FUSED_PACKERS else _unpack_bits
+        return Slot(raw, item, _PACK_BITS[box.packer], unpack, False, box)
     return None
 
 
@@ -330,8 +344,7 @@ def build(session: Any, key: Any, dropped: int, packed: int) -> SteadyPlan:
                 fresh = call.module.p
                 for slot in slots:
                     if slot.pack in _CHECKED_MASKS:
-                        slot.pack = _dropout_packer(slot.box.scale, slot.box.dtype,
-                                                    slot.pack is _CHECKED_MASKS[1])
+                        slot.pack = _dropout_packer(slot.box.scale, slot.box.dtype, _CHECKED_MASKS[slot.pack])
             # elsewhere a mask keeps the packer that checks its values
             for slot in slots:
                 slot.box = None
