@@ -277,5 +277,7 @@ def _compiled_notes(model: nn.Module, report: Report) -> list[str]:
     where = f" ({', '.join(compiled[:5])})" if compiled else ""
     return [f"{regions} torch.compile'd region{'s' if regions > 1 else ''}{where} ran as one compiled graph each "
             f"({COMPILED_NODE}): what such a region keeps for backward is the compiler's choice, "
-            f"counted in the byte figures but without per-op verdicts or findings. To see what eager "
-            f"autograd would keep and which fixes apply, audit with eager=True (gradaudit scan --eager)"]
+            f"counted in the byte figures and attributed to the module and line its graphs name (each "
+            f"save's reason names the ops that make and read it), but without verdicts or findings. To "
+            f"see what eager autograd would keep and which fixes apply, audit with eager=True "
+            f"(gradaudit scan --eager)"]

@@ -29,9 +29,9 @@ from torch.overrides import TorchFunctionMode
 from . import torchapi
 from .meta import SdpaChoice, emulated_sdpa, sdpa_arguments, sdpa_backend
 from .module_tracker import ModuleTracker
-from .torchapi.compiler import compiling
-from .records import NEEDED, AttentionCall, Leaf, Manager
-from .sites import constructed, user_frame, construction_site, short_path, user_source_line
+from .torchapi.compiler import COMPILED_NODE, SavedOrigin, compiling, saved_origins
+from .records import NEEDED, UNKNOWN, AttentionCall, Leaf, Manager
+from .sites import constructed, user_frame, construction_site, short_path, traced_source_line, user_source_line
 from .sites import noting_construction  # noqa: F401  (recorder.noting_construction, as before the move)
 from .tensors import flatten, iter_tensors, storage_key, tensor_attributes, unique
 from .torchapi.autograd import (NO_SEQUENCE, called_from_autograd, caller_frame, manager_of, node_scalars,
@@ -712,6 +712,40 @@ class Recorder:
             if region is not None:  # CheckpointFunction saves exactly the block's tensor inputs
                 saves[-1].verdict, saves[-1].reason = NEEDED, region.reason()
             live.saves.append(len(saves) - 1)
+        if live.name == COMPILED_NODE:
+            _attribute_compiled(live, [saves[k] for k in live.saves])
+
+def _attribute_compiled(live: LiveNode, saves: list[LiveSave]) -> None:
+    """Each save of a compiled region's node attributed as an eager save is, from the region's graphs:
+    the module (inside the compiled module, whose path the node's site holds) and source line of the
+    op whose gradient reads it; the ops that make and read it in its reason. Left at the region's
+    site when the graphs say nothing certain (``saved_origins``)."""
+    if [save.attr for save in saves] != [f"saved_tensors[{i}]" for i in range(len(saves))]:
+        return  # a slot missing: the saves cannot be matched with the graph's inputs one by one
+    origins = saved_origins(live.node, [save.tensor for save in saves])
+    if origins is None:
+        return
+    region = live.site
+    for save, origin in zip(saves, origins):
+        module, module_class = region.module, region.module_class
+        if origin.module is not None:
+            # the module paths of the original model, as an eager audit names them (an
+            # OptimizedModule's _orig_mod left out)
+            parts = [*region.module.split("."), *origin.module.split(".")]
+            module = ".".join(part for part in parts if part and part != "_orig_mod")
+            module_class = origin.module_class or module_class
+        source = (traced_source_line(origin.trace) if origin.trace else None) or region.source
+        save.site = NodeSite(module, module_class, source)
+        if save.verdict is None:
+            save.verdict, save.reason = UNKNOWN, _compiled_reason(origin)
+
+
+def _compiled_reason(origin: SavedOrigin) -> str:
+    made = f"made by {origin.made_by} in its forward graph" if origin.made_by else \
+        "an input of the region (a parameter, a buffer or an input tensor)"
+    read = f", read by {', '.join(origin.read_by)} in its backward graph" if origin.read_by else ""
+    return f"kept by the compiled region: {made}{read}; the compiler chose to keep it, no op knowledge judges it yet"
+
 
 def _modules_named_by(function: Any) -> tuple[list[nn.Module], list[nn.Module]]:
     """Modules a checkpointed block function names: (the module it is, is bound to or is a

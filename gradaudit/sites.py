@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import sys
 import weakref
 from typing import Any, Iterator, Optional
@@ -48,7 +49,10 @@ def _library_of(filename: str) -> Optional[str]:
 def _is_internal(code: Any) -> bool:
     """A frame that never explains a tensor: torch, gradaudit, the standard library (runpy, importlib,
     contextlib, ...) and installed packages that drive code (click, pytest, IPython, ...)."""
-    name = code.co_filename  # by file: equal code objects of two files compare equal
+    return _internal_file(code.co_filename)  # by file: equal code objects of two files compare equal
+
+
+def _internal_file(name: str) -> bool:
     hit = _internal_cache.get(name)
     if hit is None:
         library = _library_of(name)
@@ -88,6 +92,19 @@ def user_source_line(frame: Any = None, stop: Any = None) -> Optional[str]:
         frame = sys._getframe(1)
     frame = user_frame(frame, stop)
     return None if frame is None else f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+_TRACE_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)', re.MULTILINE)
+
+
+def traced_source_line(trace: str) -> Optional[str]:
+    """``file:line`` of the innermost frame outside torch, gradaudit and driver code in a stack trace
+    as Python's traceback prints it (the ``stack_trace`` torch.compile's graphs record per op), or
+    None."""
+    for filename, line in reversed(_TRACE_FRAME.findall(trace)):
+        if not _internal_file(filename):
+            return f"{short_path(filename)}:{line}"
+    return None
 
 
 def user_frame(frame: Any, stop: Any) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -34,3 +36,98 @@ def force_eager(who: str) -> Any:
     """A context in which torch.compile'd modules and functions run eagerly."""
     require("compiler stance", who)
     return torch.compiler.set_stance("force_eager")
+
+
+# -- what a compiled region saves, read off its backward graph ---------------------------------------
+
+@dataclass(frozen=True)
+class SavedOrigin:
+    """Where one tensor a compiled region saved for backward comes from, as its graphs record it.
+
+    ``module``: the module path inside the compiled module (``""`` its root) of the op whose
+    gradient reads it (as an eager save belongs to the module whose op saved it), None when the
+    graphs name none; ``module_class`` that module's class name. ``trace``: the forward's stack
+    trace of that op (Python's traceback text), if recorded. ``made_by``: the aten op of the forward
+    graph that produced it (None for an input of the region: a parameter, a buffer or an input
+    tensor); ``read_by``: the aten ops of the backward graph that read it."""
+
+    module: Optional[str]
+    module_class: Optional[str]
+    trace: Optional[str]
+    made_by: Optional[str]
+    read_by: tuple[str, ...]
+
+
+def _op_name(target: Any) -> str:
+    name = getattr(target, "__name__", None) or str(target)
+    packet = getattr(target, "_overloadpacket", None)
+    return f"aten.{packet.__name__}" if packet is not None else name
+
+
+# the compiled frame's local that holds the module: L['self'] (its forward compiled) or L['fn'] (the
+# module called as a function); what follows is the path inside it
+_FRAME_LOCAL = re.compile(r"^L\['[^']*'\]")
+
+
+def _module_path(stack: Any) -> tuple[Optional[str], Optional[str]]:
+    """(path inside the compiled module, class name) of the innermost entry of an FX node's
+    ``nn_module_stack`` (outermost first), else (None, None)."""
+    if not isinstance(stack, dict) or not stack:
+        return None, None
+    try:
+        inner, cls = list(stack.values())[-1][:2]
+    except (TypeError, ValueError, IndexError):
+        return None, None
+    found = _FRAME_LOCAL.match(inner) if isinstance(inner, str) else None
+    if found is None:
+        return None, None
+    rest = inner[found.end():]
+    # .layer1._modules['0'].conv1, .layers[0]: a dotted path
+    rest = rest.replace("._modules['", ".").replace("['", ".").replace("']", "").replace("[", ".").replace("]", "")
+    if rest and not rest.startswith("."):
+        return None, None
+    name = cls if isinstance(cls, str) else getattr(cls, "__name__", None)
+    if isinstance(name, str):
+        name = name.rsplit(".", 1)[-1]
+    return rest.strip("."), name
+
+
+def _origin(placeholder: Any) -> SavedOrigin:
+    readers = [user for user in placeholder.users if user.op == "call_function"]
+    module = module_class = trace = None
+    for node in [*readers, placeholder]:
+        meta = node.meta
+        if module is None:
+            module, module_class = _module_path(meta.get("fwd_nn_module_stack") or meta.get("nn_module_stack"))
+        if trace is None and isinstance(meta.get("stack_trace"), str):
+            trace = meta["stack_trace"]
+    made = placeholder.meta.get("original_aten")
+    return SavedOrigin(module, module_class, trace, None if made is None else _op_name(made),
+                       tuple(dict.fromkeys(_op_name(user.target) for user in readers)))
+
+
+def _same_layout(value: Any, tensor: Any) -> bool:
+    if not isinstance(value, torch.Tensor) or value.dtype != tensor.dtype or value.dim() != tensor.dim():
+        return False
+    # symbolic sizes (dynamic shapes) cannot be compared: the concrete ones must agree
+    return all(not isinstance(a, int) or a == b for a, b in zip(value.shape, tensor.shape))
+
+
+def saved_origins(node: Any, saved: list[Any]) -> Optional[list[SavedOrigin]]:
+    """Per tensor a compiled region's node saved (``saved``: its ``saved_tensors`` in order), where it
+    comes from: from the backward graph AOTAutograd keeps on the region's autograd function, whose
+    first tensor inputs are those saves in that order. None when that graph is not there (another
+    torch, another backend) or its inputs do not match ``saved`` one by one in dtype and shape:
+    then nothing is said rather than something wrong."""
+    info = getattr(getattr(node, "_forward_cls", None), "_lazy_backward_info", None)
+    graph = getattr(getattr(info, "bw_module", None), "graph", None)
+    if graph is None:
+        return None
+    try:
+        inputs = [n for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+    except Exception:  # noqa: BLE001 - a graph of another shape: say nothing
+        return None
+    if len(inputs) < len(saved) or not all(t is not None and _same_layout(p.meta["val"], t)
+                                           for p, t in zip(inputs, saved)):
+        return None
+    return [_origin(p) for p in inputs[:len(saved)]]
