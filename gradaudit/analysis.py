@@ -13,7 +13,7 @@ import torch
 from . import rules as _rules  # noqa: F401  (registers the catalogue)
 from .knowledge import Declaration, declaration, hidden_by
 from .accounting import Accountant, counted, module_totals
-from .recorder import Recording
+from .recorder import Recording, compiled_reason
 from .records import (
     HELD_KINDS, NOT_NEEDED, UNKNOWN, CheckpointRegion, Finding, GraphNode, Manager, Report, SavedTensor, Severity, Storage,
     StorageKind, ModuleCall,
@@ -201,6 +201,10 @@ def _saved_tensors(recording: Recording, nodes: list[GraphNode], alive: KnownSto
         )
         if save.verdict is not None:
             preset[saved.index] = (save.verdict, save.reason)
+        elif save.origin is not None:
+            kind = saved.storage_kind
+            itself = kind.value if kind in (StorageKind.PARAMETER, StorageKind.BUFFER, StorageKind.INPUT) else None
+            preset[saved.index] = (UNKNOWN, compiled_reason(save.origin, itself))
         elif save.function is not None and (inner := hidden_by(save.function)):
             # hidden inside CopySlices by an in-place op on a view: the op knowledge of the nodes that
             # op may create says what their backward reads. trim cannot reach such saves (no node lists

@@ -30,7 +30,7 @@ from . import torchapi
 from .meta import SdpaChoice, emulated_sdpa, sdpa_arguments, sdpa_backend
 from .module_tracker import ModuleTracker
 from .torchapi.compiler import COMPILED_NODE, SavedOrigin, compiling, saved_origins
-from .records import NEEDED, UNKNOWN, AttentionCall, Leaf, Manager
+from .records import NEEDED, AttentionCall, Leaf, Manager
 from .sites import constructed, user_frame, construction_site, short_path, traced_source_line, user_source_line
 from .sites import noting_construction  # noqa: F401  (recorder.noting_construction, as before the move)
 from .tensors import flatten, iter_tensors, storage_key, tensor_attributes, unique
@@ -82,6 +82,7 @@ class LiveSave:
     verdict: Optional[str] = None  # known from what holds it (a checkpoint's inputs), not from op knowledge
     reason: str = ""
     function: Optional[str] = None  # the Python-level torch function running when it was packed (hidden saves)
+    origin: Optional[SavedOrigin] = None  # a compiled region's save: where its graphs say it comes from
 
 
 CHECKPOINT_INPUTS = "CheckpointInputs"  # the node a non-reentrant checkpoint's saved inputs are shown on
@@ -718,8 +719,8 @@ class Recorder:
 def _attribute_compiled(live: LiveNode, saves: list[LiveSave]) -> None:
     """Each save of a compiled region's node attributed as an eager save is, from the region's graphs:
     the module (inside the compiled module, whose path the node's site holds) and source line of the
-    op whose gradient reads it; the ops that make and read it in its reason. Left at the region's
-    site when the graphs say nothing certain (``saved_origins``)."""
+    op whose gradient reads it, and its ``origin`` (the ops that make and read it). Left at the
+    region's site when the graphs say nothing certain (``saved_origins``)."""
     if [save.attr for save in saves] != [f"saved_tensors[{i}]" for i in range(len(saves))]:
         return  # a slot missing: the saves cannot be matched with the graph's inputs one by one
     origins = saved_origins(live.node, [save.tensor for save in saves])
@@ -735,14 +736,21 @@ def _attribute_compiled(live: LiveNode, saves: list[LiveSave]) -> None:
             module = ".".join(part for part in parts if part and part != "_orig_mod")
             module_class = origin.module_class or module_class
         source = (traced_source_line(origin.trace) if origin.trace else None) or region.source
-        save.site = NodeSite(module, module_class, source)
-        if save.verdict is None:
-            save.verdict, save.reason = UNKNOWN, _compiled_reason(origin)
+        save.site, save.origin = NodeSite(module, module_class, source), origin
 
 
-def _compiled_reason(origin: SavedOrigin) -> str:
-    made = f"made by {origin.made_by} in its forward graph" if origin.made_by else \
-        "an input of the region (a parameter, a buffer or an input tensor)"
+def compiled_reason(origin: SavedOrigin, itself: Optional[str]) -> str:
+    """Why a compiled region's save is there, in one sentence: what made it (``itself``: the kind
+    of storage it is when it is a parameter, buffer or input the region was given, else None), and
+    what reads it."""
+    if origin.made_by:
+        made = f"made by {origin.made_by} in its forward graph"
+    elif itself:
+        made = f"the {itself} the region was given, itself"
+    else:
+        # the graph names an input of the region, but the storage is new: the compiled code's own
+        # copy of it (inductor's channels-last copy of a convolution's weight, say)
+        made = "a copy the compiled code made of a parameter, buffer or input the region was given"
     read = f", read by {', '.join(origin.read_by)} in its backward graph" if origin.read_by else ""
     return f"kept by the compiled region: {made}{read}; the compiler chose to keep it, no op knowledge judges it yet"
 

@@ -133,6 +133,10 @@ def test_a_compiled_resnets_saves_are_attributed_as_eager_ones_are():
     # 20 convolutions' and batch norms' weights at least (the frozen ones too: their input's gradient reads them)
     assert len(expected) >= 20 and {i: found[i] for i in expected} == expected
     assert all("read by aten." in t.reason for t in saves)
+    # the reason says what each is: a parameter itself, or what the forward graph made it with
+    reasons = {int(t.attr[len("saved_tensors["):-1]): t.reason for t in saves}
+    assert all("the parameter the region was given, itself" in reasons[i] for i in expected)
+    assert any("made by aten.relu" in reason or "made by aten.threshold" in reason for reason in reasons.values())
 
 
 def _nodes(loss: torch.Tensor) -> list:
