@@ -278,6 +278,6 @@ def _compiled_notes(model: nn.Module, report: Report) -> list[str]:
     return [f"{regions} torch.compile'd region{'s' if regions > 1 else ''}{where} ran as one compiled graph each "
             f"({COMPILED_NODE}): what such a region keeps for backward is the compiler's choice, "
             f"counted in the byte figures and attributed to the module and line its graphs name (each "
-            f"save's reason names the ops that make and read it), but without verdicts or findings. To "
-            f"see what eager autograd would keep and which fixes apply, audit with eager=True "
-            f"(gradaudit scan --eager)"]
+            f"save's reason names the ops that make and read it); verdicts and findings (GA003) come "
+            f"from the proof alone (verify=True, scan --verify). To see what eager autograd would keep "
+            f"and which fixes apply, audit with eager=True (gradaudit scan --eager)"]

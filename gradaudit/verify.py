@@ -42,6 +42,7 @@ from .knowledge import declaration
 from .records import FREE_KINDS, NEEDED, NOT_NEEDED, SIGN_ONLY, UNKNOWN, Disagreement, GraphNode, SavedTensor
 from .torchapi.autograd import input_metadata, is_custom_function, raw_saved_slots
 from .torchapi.checkpoint import REENTRANT_CHECKPOINT_NODE
+from .torchapi.compiler import COMPILED_NODE, donated_saves
 from .torchapi.storages import version_counter
 
 # Storage kinds whose memory does not depend on autograd: proving their saves cannot change a byte.
@@ -197,8 +198,11 @@ class NodeCall:
     """One autograd node called on its own with fixed random incoming gradients."""
 
     def __init__(self, node: Any, consumed: set[int], pools: Pools, fresh: bool = False,
-                 narrowing: Optional["Narrowing"] = None) -> None:
+                 narrowing: Optional["Narrowing"] = None, protect: Sequence[Packed] = ()) -> None:
         self.node = node
+        # saves whose memory the backward may write into without a version bump (a compiled
+        # region's donated buffers): every call gets its own copies of them
+        self.protect = protect
         self.narrowing = narrowing if narrowing is not None else Narrowing()
         self.custom = is_custom_function(node)
         self.pools = pools
@@ -226,7 +230,8 @@ class NodeCall:
         before = self.pools.versions()
 
         def call() -> Any:
-            with torch.no_grad():
+            copies = [(box, box.tensor.clone()) for box in self.protect if box.tensor is not None]
+            with torch.no_grad(), swapped(copies):
                 return self.node.apply(*grads) if self.custom else self.node(*grads)
 
         if edges is None:
@@ -375,6 +380,21 @@ def _boxes_of(node: Any) -> Optional[dict[int, Packed]]:
     return boxes
 
 
+def _donated_boxes(node: Any) -> list[Packed]:
+    """A compiled region's saves its backward may reuse the memory of (all of them where the node
+    does not say which); none for any other node."""
+    if type(node).__name__ != COMPILED_NODE:
+        return []
+    donated = donated_saves(node)
+    boxes = []
+    for attr, raw in raw_saved_slots(node):  # saved_tensors[i]
+        packed = raw.data
+        position = int(attr[attr.index("[") + 1:-1])
+        if isinstance(packed, Packed) and (donated is None or position in donated):
+            boxes.append(packed)
+    return boxes
+
+
 def _two_valued(t: torch.Tensor) -> bool:
     values = torch.unique(t.detach())
     return values.numel() <= 1 or (values.numel() == 2 and bool((values == 0).any()))
@@ -479,7 +499,8 @@ class Prover:
 
     def _prove_subjects(self, node: Any, subjects: list[tuple[int, Packed]], pools: Pools,
                         fresh: bool) -> None:
-        call = NodeCall(node, self.consumed.get(id(node), set()), pools, fresh=fresh, narrowing=self.narrowing)
+        call = NodeCall(node, self.consumed.get(id(node), set()), pools, fresh=fresh, narrowing=self.narrowing,
+                        protect=_donated_boxes(node))
         # a user's backward could write into a poison without bumping a version (through .data
         # or numpy): custom Functions always get private copies
         poisons = Poisons(pools, fresh=call.copies)

@@ -93,12 +93,10 @@ def test_auditing_a_compiled_model_compiles_it_as_the_user_runs_it():
     assert report.saved_bytes == held
 
 
-def test_a_compiled_resnets_saves_are_attributed_as_eager_ones_are():
-    """torchvision's ResNet-18 fine-tuned as in the issue (layer1 and fc trainable, the rest frozen
-    in eval mode), compiled: every save the compiled graph keeps is attributed to a module of the
-    model (not the root), with its class and a line of torchvision's resnet.py; each saved parameter
-    to the module that owns it, checked against the compiled node's saved tensors read off a plain
-    run's graph (matched to the model's parameters by storage); the bytes are that graph's."""
+@pytest.fixture(scope="module")
+def compiled_resnet():
+    """torchvision's ResNet-18 fine-tuned as in the issue (layer1 and fc trainable, the rest frozen in
+    eval mode), compiled with aot_eager, and its input: compiled once for the tests that use it."""
     if not torchapi.has("compiler stance"):
         pytest.skip("torch.compile is missing its stance API")
     import torchvision
@@ -108,21 +106,27 @@ def test_a_compiled_resnets_saves_are_attributed_as_eager_ones_are():
     model.layer1.requires_grad_(True)
     model.fc.requires_grad_(True)
     x = torch.randn(2, 3, 64, 64)
-    modules = dict(model.named_modules())
-    owners = {p.untyped_storage().data_ptr(): name.rsplit(".", 1)[0] for name, p in model.named_parameters()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        compiled = torch.compile(model, backend="aot_eager")
-        try:
-            loss = compiled(x).sum()
-            regions, held = _compiled_saves(loss, model, x)
-            node, = [n for n in _nodes(loss) if type(n).__name__ == "CompiledFunctionBackward"]
-            expected = {i: owners[t.untyped_storage().data_ptr()] for i, t in enumerate(node.saved_tensors)
-                        if t.untyped_storage().data_ptr() in owners}
-            del loss, node
-            report = gradaudit.audit(compiled, x)
-        finally:
-            torch._dynamo.reset()
+        yield model, torch.compile(model, backend="aot_eager"), x
+    torch._dynamo.reset()
+
+
+def test_a_compiled_resnets_saves_are_attributed_as_eager_ones_are(compiled_resnet):
+    """Every save the compiled graph keeps is attributed to a module of the model (not the root), with
+    its class and a line of torchvision's resnet.py; each saved parameter to the module that owns
+    it, checked against the compiled node's saved tensors read off a plain run's graph (matched to
+    the model's parameters by storage); the bytes are that graph's."""
+    model, compiled, x = compiled_resnet
+    modules = dict(model.named_modules())
+    owners = {p.untyped_storage().data_ptr(): name.rsplit(".", 1)[0] for name, p in model.named_parameters()}
+    loss = compiled(x).sum()
+    regions, held = _compiled_saves(loss, model, x)
+    node, = [n for n in _nodes(loss) if type(n).__name__ == "CompiledFunctionBackward"]
+    expected = {i: owners[t.untyped_storage().data_ptr()] for i, t in enumerate(node.saved_tensors)
+                if t.untyped_storage().data_ptr() in owners}
+    del loss, node
+    report = gradaudit.audit(compiled, x)
     assert regions == 1 and report.saved_bytes == held
     saves = [t for t in report.tensors if t.node == "CompiledFunctionBackward"]
     assert saves and all(t.module in modules and t.module != "" for t in saves), \
@@ -137,6 +141,50 @@ def test_a_compiled_resnets_saves_are_attributed_as_eager_ones_are():
     reasons = {int(t.attr[len("saved_tensors["):-1]): t.reason for t in saves}
     assert all("the parameter the region was given, itself" in reasons[i] for i in expected)
     assert any("made by aten.relu" in reason or "made by aten.threshold" in reason for reason in reasons.values())
+
+
+def test_a_compiled_resnets_unread_saves_are_proven_found_and_truly_unread(compiled_resnet):
+    """verify=True calls the compiled region's backward with each save's values replaced: the frozen
+    layers' convolution inputs and eval batch norms' inputs come out unread, as GA003 findings on
+    their modules (none left to the catch-all GA000). Independently, a real backward of the compiled
+    model whose every save the proof calls unread is replaced by NaN (through saved-tensor hooks
+    around a plain run) gives gradients bit-identical to a plain backward."""
+    model, compiled, x = compiled_resnet
+    report = gradaudit.audit(compiled, x, verify=True)
+    saves = [t for t in report.tensors if t.node == "CompiledFunctionBackward"]
+    unread = {int(t.attr[len("saved_tensors["):-1]) for t in saves if t.verdict == "not-needed" and t.proven}
+    flagged = [f for f in report.findings if f.code == "GA003"]
+    assert len(unread) >= 20 and flagged and not [f for f in report.findings if f.code == "GA000"]
+    in_findings = {i for f in flagged for i in f.tensors}
+    assert {t.index for t in saves if t.verdict == "not-needed" and t.storage_kind == "activation"} <= in_findings
+    assert {f.module for f in flagged} <= set(dict(model.named_modules())) - {""}
+
+    def gradients(poison: set[int]) -> list[torch.Tensor]:
+        packed: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> int:
+            packed.append(t)
+            return len(packed) - 1
+
+        def unpack(k: int) -> torch.Tensor:
+            t = packed[k]
+            if k not in poison:
+                return t
+            assert t.is_floating_point(), k  # only float values can be poisoned safely
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).fill_(float("nan"))
+
+        for p in model.parameters():
+            p.grad = None
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            loss = compiled(x).sum()
+        count = len(packed)
+        loss.backward()
+        assert count == len(saves)  # one region: its saves, in the order of saved_tensors
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain, poisoned = gradients(set()), gradients(unread)
+    assert len(plain) == len(poisoned) > 0
+    assert all(torch.equal(a, b) for a, b in zip(plain, poisoned))
 
 
 def _nodes(loss: torch.Tensor) -> list:

@@ -1,11 +1,13 @@
 """GA0xx: saves of any op that backward does not read: the catch-all the proof finds (GA000), saves
-only an unwanted gradient reads (GA001), and saves read only for their shape (GA002)."""
+only an unwanted gradient reads (GA001), saves read only for their shape (GA002), and saves a compiled
+region keeps that the proof finds unread (GA003)."""
 
 from __future__ import annotations
 
 from ..records import HELD_KINDS, NOT_NEEDED, SIGN_ONLY, GraphNode, SavedTensor
 from .registry import Flag, RuleContext, claims_rule, rule
 from .shared import TRIM_SNIPPET, shape_text
+from ..torchapi.compiler import COMPILED_NODE
 
 
 @rule("GA000", "unexplained-unneeded-save", catch_all=True,
@@ -134,3 +136,69 @@ def saved_for_shape_only(node: GraphNode, hits: list[SavedTensor]) -> str:
     """
     return (f"{node.module or 'model'}: {node.name} saves its whole {shape_text(hits[0])} {hits[0].attr}; backward "
             f"reads only its shape")
+
+
+@rule("GA003", "compiled-region-keeps-unread-save",
+      fix="Compile the parts that train and run the frozen ones eagerly under gradaudit.trim, or let the "
+          "compiler recompute (torch._functorch.config.activation_memory_budget)",
+      fix_safe=False,
+      fix_code="""
+        import torch
+        import gradaudit
+        # the frozen layers run eagerly, where trim drops what their backward skips; what trains is compiled
+        model[0] = torch.compile(model[0])
+        with gradaudit.trim(model):
+            model(x).sum().backward()
+        # or keep the whole model compiled and let the partitioner recompute instead of keeping
+        torch._functorch.config.activation_memory_budget = 0.5
+      """)
+def compiled_region_keeps_unread_save(ctx: RuleContext):
+    """A torch.compile'd region keeps a tensor its backward never reads (or reads only as a sign).
+
+    What it flags:
+        With verify=True: saves of a compiled region (one ``CompiledFunctionBackward`` node) that
+        the proof shows unread, or read only as one bit per element, by calling the region's
+        compiled backward with their values replaced; grouped by the module the compiled graph
+        attributes them to (the module whose op's gradient takes them).
+    Why it costs memory:
+        AOTAutograd's partitioner keeps every tensor the backward graph takes as an argument, and
+        a backward op takes all of its inputs even when only some of its gradients are wanted:
+        ``convolution_backward`` takes the convolution's input when its weight is frozen and
+        only the input's gradient is wanted (pytorch#133566), ``native_batch_norm_backward``
+        takes the input in eval mode. The compiled step holds them until backward.
+    Example:
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1))
+        model[1].requires_grad_(False)   # frozen: its input's gradient is wanted, its weight's is not
+        compiled = torch.compile(model, backend="aot_eager")
+        report = gradaudit.audit(compiled, torch.randn(2, 3, 16, 16), verify=True)
+    Fix:
+        Compile the parts that train and let the frozen ones run eagerly under
+        ``gradaudit.trim(model)``, which drops (or bit-packs) these saves op by op; or keep the
+        model compiled and set ``torch._functorch.config.activation_memory_budget`` below 1.0
+        before compiling, so that the partitioner recomputes in backward what it would keep.
+    Fix safety:
+        Not bit-identical to the compiled step: eager kernels for the frozen part, or recomputed
+        ops, may round differently from the kernels the compiler fused.
+    Known limits:
+        Only with verify=True (the compiled graph's saves have no op knowledge yet). The proof
+        covers one set of values and the region as compiled for these shapes.
+    """
+    by_module: dict[str, list] = {}
+    for t in ctx.held():
+        if (t.node == COMPILED_NODE and t.proven and t.storage_kind in HELD_KINDS and t.index not in ctx.covered
+                and (t.verdict == NOT_NEEDED or (t.verdict == SIGN_ONLY and t.bitpackable))):
+            by_module.setdefault(t.module, []).append(t)
+    for module, hits in by_module.items():
+        unread = [t for t in hits if t.verdict == NOT_NEEDED]
+        signs = [t for t in hits if t.verdict != NOT_NEEDED]
+        parts = ([f"{_count(unread)} its backward never reads"] if unread else []) + \
+                ([f"{_count(signs)} its backward reads only the sign of"] if signs else [])
+        yield Flag(ctx.nodes[hits[0].node_id], hits,
+                   f"{module or 'model'} ({hits[0].module_class}): the compiled region keeps {' and '.join(parts)} "
+                   f"(proven)", module=module, module_class=hits[0].module_class, source=hits[0].source)
+
+
+def _count(hits: list) -> str:
+    if len(hits) == 1:
+        return f"a {hits[0].dtype} tensor of {shape_text(hits[0])}"
+    return f"{len(hits)} tensors"

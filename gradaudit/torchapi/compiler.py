@@ -131,3 +131,17 @@ def saved_origins(node: Any, saved: list[Any]) -> Optional[list[SavedOrigin]]:
                                            for p, t in zip(inputs, saved)):
         return None
     return [_origin(p) for p in inputs[:len(saved)]]
+
+
+def donated_saves(node: Any) -> Optional[frozenset[int]]:
+    """Positions in a compiled region node's saved tensors whose memory its compiled backward may reuse
+    for its own results (AOTAutograd's donated buffers: written without a version bump), or None when
+    the node does not say (then any may be)."""
+    metadata = getattr(getattr(node, "_forward_cls", None), "metadata", None)
+    donated = getattr(metadata, "bw_donated_idxs", None)
+    if donated is None:
+        return None
+    try:
+        return frozenset(int(i) for i in donated)
+    except (TypeError, ValueError):
+        return None
