@@ -13,7 +13,8 @@ import torch
 from . import rules as _rules  # noqa: F401  (registers the catalogue)
 from .knowledge import Declaration, declaration, hidden_by
 from .accounting import Accountant, counted, module_totals
-from .recorder import Recording, compiled_reason
+from .compiled import compiled_reason
+from .recorder import Recording
 from .records import (
     HELD_KINDS, NOT_NEEDED, UNKNOWN, CheckpointRegion, Finding, GraphNode, Manager, Report, SavedTensor, Severity, Storage,
     StorageKind, ModuleCall,
@@ -198,13 +199,14 @@ def _saved_tensors(recording: Recording, nodes: list[GraphNode], alive: KnownSto
             storage_kind=storages[sid].kind if sid >= 0 else StorageKind.ACTIVATION,
             module=save.site.module, module_class=save.site.module_class, source=save.site.source,
             managed_by=save.managed_by, source_index=save.index, storage_offset=offset, stride=stride,
+            copy_of=save.copy_of,
         )
         if save.verdict is not None:
             preset[saved.index] = (save.verdict, save.reason)
         elif save.origin is not None:
             kind = saved.storage_kind
             itself = kind.value if kind in (StorageKind.PARAMETER, StorageKind.BUFFER, StorageKind.INPUT) else None
-            preset[saved.index] = (UNKNOWN, compiled_reason(save.origin, itself))
+            preset[saved.index] = (UNKNOWN, compiled_reason(save.origin, itself, save.copy_of))
         elif save.function is not None and (inner := hidden_by(save.function)):
             # hidden inside CopySlices by an in-place op on a view: the op knowledge of the nodes that
             # op may create says what their backward reads. trim cannot reach such saves (no node lists

@@ -19,7 +19,7 @@ from .rules.registry import check_codes
 from .tracking import held_after_forward
 from .tensors import ModelTree, first_meta_parameter, iter_tensors, split_inputs, unique
 from .values import to_meta
-from .torchapi.compiler import COMPILED_NODE, compiled_original, force_eager
+from .torchapi.compiler import COMPILED_NODE, compiled_original, force_eager, keeping_graphs
 from .torchapi.distributed import distributed_rank, wait_unwaited
 from .torchapi.fsdp import fsdp_reshard, fsdp_unsharded_parameters
 from .torchapi.pipelining import is_schedule
@@ -176,7 +176,7 @@ def _recorded_forward(model: nn.Module, args: Any, kwargs: Any, recorder: Record
     # is emulated (entered last: its casts come first)
     emulation = standing_for(target) if target is not None else contextlib.nullcontext()
     stance = force_eager("audit(eager=True)") if eager else contextlib.nullcontext()
-    with recorder, emulation as emulated, stance, warnings.catch_warnings():
+    with recorder, emulation as emulated, stance, keeping_graphs(), warnings.catch_warnings():
         # gradaudit's own saved-tensor hooks are what torch warns about around a selective
         # checkpoint (its cache bypasses them: the recorder reads the cache itself)
         warnings.filterwarnings("ignore", message="A saved_tensors_hooks context", category=FutureWarning)

@@ -29,9 +29,10 @@ from torch.overrides import TorchFunctionMode
 from . import torchapi
 from .meta import SdpaChoice, emulated_sdpa, sdpa_arguments, sdpa_backend
 from .module_tracker import ModuleTracker
-from .torchapi.compiler import COMPILED_NODE, SavedOrigin, compiling, saved_origins
+from .compiled import ParameterLayouts, attribute
+from .torchapi.compiler import COMPILED_NODE, SavedOrigin, compiling
 from .records import NEEDED, AttentionCall, Leaf, Manager
-from .sites import constructed, user_frame, construction_site, short_path, traced_source_line, user_source_line
+from .sites import constructed, user_frame, construction_site, short_path, user_source_line
 from .sites import noting_construction  # noqa: F401  (recorder.noting_construction, as before the move)
 from .tensors import flatten, iter_tensors, storage_key, tensor_attributes, unique
 from .torchapi.autograd import (NO_SEQUENCE, called_from_autograd, caller_frame, manager_of, node_scalars,
@@ -83,6 +84,7 @@ class LiveSave:
     reason: str = ""
     function: Optional[str] = None  # the Python-level torch function running when it was packed (hidden saves)
     origin: Optional[SavedOrigin] = None  # a compiled region's save: where its graphs say it comes from
+    copy_of: Optional[str] = None  # a compiled region's save: the parameter it is a copy of (its values, a new storage)
 
 
 CHECKPOINT_INPUTS = "CheckpointInputs"  # the node a non-reentrant checkpoint's saved inputs are shown on
@@ -333,6 +335,7 @@ class Recorder:
         self._placeholders: set[int] = set()  # packs of checkpoint placeholders (torch 2.11 to 2.13), not saves
         self._entered = 0  # submodule forwards started so far
         self._module_paths: Optional[dict[int, tuple[str, str]]] = None  # id(module) -> (path, class)
+        self._layouts: Optional[ParameterLayouts] = None  # made when a compiled region's saves need it
         # the frame that calls the forward (audit()'s): lines at or outside it explain nothing
         self._caller: Any = None
         # module path -> its construction line, for ops whose every frame inside the forward is
@@ -604,6 +607,11 @@ class Recorder:
         region.closure_modules = [paths[id(m)] for m in closure if id(m) in paths]
         return region
 
+    def _parameter_layouts(self) -> ParameterLayouts:
+        if self._layouts is None:
+            self._layouts = ParameterLayouts(self.model)
+        return self._layouts
+
     # -- the walk ------------------------------------------------------------------------------
     def _owned(self, packed: Any) -> bool:
         if not isinstance(packed, Packed):
@@ -714,45 +722,17 @@ class Recorder:
                 saves[-1].verdict, saves[-1].reason = NEEDED, region.reason()
             live.saves.append(len(saves) - 1)
         if live.name == COMPILED_NODE:
-            _attribute_compiled(live, [saves[k] for k in live.saves])
+            _attribute_compiled(live, [saves[k] for k in live.saves], self._parameter_layouts)
 
-def _attribute_compiled(live: LiveNode, saves: list[LiveSave]) -> None:
-    """Each save of a compiled region's node attributed as an eager save is, from the region's graphs:
-    the module (inside the compiled module, whose path the node's site holds) and source line of the
-    op whose gradient reads it, and its ``origin`` (the ops that make and read it). Left at the
-    region's site when the graphs say nothing certain (``saved_origins``)."""
-    if [save.attr for save in saves] != [f"saved_tensors[{i}]" for i in range(len(saves))]:
-        return  # a slot missing: the saves cannot be matched with the graph's inputs one by one
-    origins = saved_origins(live.node, [save.tensor for save in saves])
-    if origins is None:
-        return
+def _attribute_compiled(live: LiveNode, saves: list[LiveSave], parameters: Callable[[], ParameterLayouts]) -> None:
+    """Each save of a compiled region's node attributed from the region's graphs (``compiled.attribute``):
+    its site, its ``origin`` and the parameter it copies; left at the region's site when the graphs
+    say nothing certain."""
     region = live.site
-    for save, origin in zip(saves, origins):
-        module, module_class = region.module, region.module_class
-        if origin.module is not None:
-            # the module paths of the original model, as an eager audit names them (an
-            # OptimizedModule's _orig_mod left out)
-            parts = [*region.module.split("."), *origin.module.split(".")]
-            module = ".".join(part for part in parts if part and part != "_orig_mod")
-            module_class = origin.module_class or module_class
-        source = (traced_source_line(origin.trace) if origin.trace else None) or region.source
-        save.site, save.origin = NodeSite(module, module_class, source), origin
-
-
-def compiled_reason(origin: SavedOrigin, itself: Optional[str]) -> str:
-    """Why a compiled region's save is there, in one sentence: what made it (``itself``: the kind
-    of storage it is when it is a parameter, buffer or input the region was given, else None), and
-    what reads it."""
-    if origin.made_by:
-        made = f"made by {origin.made_by} in its forward graph"
-    elif itself:
-        made = f"the {itself} the region was given, itself"
-    else:
-        # the graph names an input of the region, but the storage is new: the compiled code's own
-        # copy of it (inductor's channels-last copy of a convolution's weight, say)
-        made = "a copy the compiled code made of a parameter, buffer or input the region was given"
-    read = f", read by {', '.join(origin.read_by)} in its backward graph" if origin.read_by else ""
-    return f"kept by the compiled region: {made}{read}; the compiler chose to keep it, no op knowledge judges it yet"
+    found = attribute(live.node, [save.attr for save in saves], [save.tensor for save in saves],
+                      (region.module, region.module_class, region.source), parameters)
+    for save, (module, module_class, source, origin, copy_of) in zip(saves, found or ()):
+        save.site, save.origin, save.copy_of = NodeSite(module, module_class, source), origin, copy_of
 
 
 def _modules_named_by(function: Any) -> tuple[list[nn.Module], list[nn.Module]]:

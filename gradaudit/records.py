@@ -136,6 +136,7 @@ class SavedTensor:
     stride: tuple[int, ...] = ()
     explained_by: Optional[str] = None  # the rule the op knowledge names for it when unneeded/bit-packable
     unproven: str = ""  # verify=True: why the proof could not settle it ("" when proven or not tried)
+    copy_of: Optional[str] = None  # a compiled region's copy of this parameter (its values in a storage of its own)
 
     @property
     def held(self) -> bool:
@@ -182,6 +183,7 @@ class SavedTensor:
             "rule": self.rule,
             "bitpackable": self.bitpackable,
             "unproven": self.unproven or None,
+            "copy_of": self.copy_of,
         }
 
 

@@ -117,6 +117,8 @@ TENSOR = {
     "bitpackable": Field(BOOL, "backward reads only its sign or two values: one bit per element would do"),
     "unproven": Field(_nullable(STR), "with `--verify`: why the proof could not decide this save (`null`: "
                                       "it did, or no proof ran)"),
+    "copy_of": Field(_nullable(STR), "a `torch.compile`d region's save: the parameter it is a copy of (equal "
+                                     "values in a storage of its own, another layout say); `null` otherwise"),
 }
 
 STORAGE = {

@@ -1,7 +1,7 @@
 """The rule catalogue. Codes: GA + 3 digits; the hundreds digit names the family.
 
 0xx catch-all, shape-only and unwanted-gradient saves   1xx convolution      2xx normalisation   3xx pooling
-4xx compressible saves          5xx leaf gradients   6xx views/storage   7xx dtype casts
+4xx compressible saves          5xx leaf gradients   6xx views/storage   7xx copies (casts, layouts)
 8xx attention                   9xx checkpointing hygiene
 """
 

@@ -140,7 +140,7 @@ def saved_for_shape_only(node: GraphNode, hits: list[SavedTensor]) -> str:
 
 @rule("GA003", "compiled-region-keeps-unread-save",
       fix="Compile the parts that train and run the frozen ones eagerly under gradaudit.trim, or let the "
-          "compiler recompute (torch._functorch.config.activation_memory_budget)",
+          "compiler recompute (an activation_memory_budget below 1.0 in torch's functorch config)",
       fix_safe=False,
       fix_code="""
         import torch
@@ -149,8 +149,8 @@ def saved_for_shape_only(node: GraphNode, hits: list[SavedTensor]) -> str:
         model[0] = torch.compile(model[0])
         with gradaudit.trim(model):
             model(x).sum().backward()
-        # or keep the whole model compiled and let the partitioner recompute instead of keeping
-        torch._functorch.config.activation_memory_budget = 0.5
+        # or keep the whole model compiled and let the partitioner recompute instead of keeping:
+        # torch._functorch.config.activation_memory_budget = 0.5, before compiling
       """)
 def compiled_region_keeps_unread_save(ctx: RuleContext):
     """A torch.compile'd region keeps a tensor its backward never reads (or reads only as a sign).

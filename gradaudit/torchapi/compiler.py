@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -145,3 +146,14 @@ def donated_saves(node: Any) -> Optional[frozenset[int]]:
         return frozenset(int(i) for i in donated)
     except (TypeError, ValueError):
         return None
+
+
+def keeping_graphs() -> Any:
+    """A context in which a region torch.compile compiles keeps its backward graph on its autograd
+    function (``saved_origins`` reads it): AOTAutograd's cache of compiled graphs is off, since a
+    region loaded from it carries no graph. Only where it compiles is anything different (it
+    compiles anew instead of loading); the setting is restored on leaving."""
+    config = getattr(getattr(torch, "_functorch", None), "config", None)
+    if config is None or not hasattr(config, "enable_autograd_cache"):
+        return contextlib.nullcontext()
+    return config.patch(enable_autograd_cache=False)

@@ -1,0 +1,85 @@
+"""What a ``torch.compile``'d region keeps for backward, attributed as eager saves are: from the
+region's graphs (``torchapi.compiler.saved_origins``), the module and source line of the op whose
+gradient reads each save, the ops that make and read it, and whether it is a copy of one of the
+model's parameters."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from .sites import traced_source_line
+from .torchapi.compiler import SavedOrigin, saved_origins
+
+# (module path, module class, source line, origin, parameter it copies) of one save
+Attribution = tuple[str, str, Optional[str], SavedOrigin, Optional[str]]
+
+
+def attribute(node: Any, attrs: list[str], tensors: list[Optional[torch.Tensor]],
+              region: tuple[str, str, Optional[str]], parameters: Callable[[], "ParameterLayouts"],
+              ) -> Optional[list[Attribution]]:
+    """Per save of a compiled region's ``node`` (its ``attrs`` and ``tensors`` in order; ``region``: the
+    module path, class and source line the node itself was attributed to), where it comes from.
+    None when the graphs say nothing certain: a slot missing, or no graph that matches the saves."""
+    if attrs != [f"saved_tensors[{i}]" for i in range(len(attrs))]:
+        return None  # a slot missing: the saves cannot be matched with the graph's inputs one by one
+    origins = saved_origins(node, tensors)
+    if origins is None:
+        return None
+    path, cls, line = region
+    found = []
+    for tensor, origin in zip(tensors, origins):
+        module, module_class = path, cls
+        if origin.module is not None:
+            # the module paths of the original model, as an eager audit names them (an
+            # OptimizedModule's _orig_mod left out)
+            parts = [*path.split("."), *origin.module.split(".")]
+            module = ".".join(part for part in parts if part and part != "_orig_mod")
+            module_class = origin.module_class or module_class
+        source = (traced_source_line(origin.trace) if origin.trace else None) or line
+        copy_of = parameters().copied(tensor) if origin.made_by is None and tensor is not None else None
+        found.append((module, module_class, source, origin, copy_of))
+    return found
+
+
+class ParameterLayouts:
+    """The model's parameters by shape and dtype, to recognise a compiled region's copy of one: a
+    tensor in a storage of its own whose values equal exactly one parameter's."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.by_layout: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+        self.storages: set[int] = set()
+        for name, p in model.named_parameters():
+            name = ".".join(part for part in name.split(".") if part != "_orig_mod")
+            self.by_layout.setdefault((tuple(p.shape), p.dtype), []).append((name, p))
+            if p.device.type != "meta":
+                self.storages.add(p.untyped_storage().data_ptr())
+
+    def copied(self, t: torch.Tensor) -> Optional[str]:
+        """The name of the one parameter ``t`` is a copy of, or None (no values to compare on meta, the
+        parameter itself, no parameter or several with its values)."""
+        if type(t) is not torch.Tensor or t.device.type == "meta" or t.untyped_storage().data_ptr() in self.storages:
+            return None
+        same = [name for name, p in self.by_layout.get((tuple(t.shape), t.dtype), ())
+                if p.device == t.device and torch.equal(p.detach(), t)]
+        return same[0] if len(same) == 1 else None
+
+
+def compiled_reason(origin: SavedOrigin, itself: Optional[str], copy_of: Optional[str] = None) -> str:
+    """Why a compiled region's save is there, in one sentence: what made it (``itself``: the kind
+    of storage it is when it is a parameter, buffer or input the region was given, else None;
+    ``copy_of``: the parameter it copies), and what reads it."""
+    if origin.made_by:
+        made = f"made by {origin.made_by} in its forward graph"
+    elif copy_of:
+        made = f"a copy the compiled code made of parameter {copy_of}"
+    elif itself:
+        made = f"the {itself} the region was given, itself"
+    else:
+        # the graph names an input of the region, but the storage is new: the compiled code's own
+        # copy of it (inductor's channels-last copy of a convolution's weight, say)
+        made = "a copy the compiled code made of a parameter, buffer or input the region was given"
+    read = f", read by {', '.join(origin.read_by)} in its backward graph" if origin.read_by else ""
+    return f"kept by the compiled region: {made}{read}; the compiler chose to keep it, no op knowledge judges it yet"
