@@ -727,6 +727,24 @@ class OpNames(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def steady_ops_added(model: nn.Module, x: torch.Tensor, **trim_options) -> list:
+    """The aten ops (names, sorted) a steady trimmed forward and backward dispatch beyond a plain one."""
+    def counted() -> list:
+        for t in [*model.parameters(), x]:
+            t.grad = None
+        with OpNames() as count:
+            torch.manual_seed(0)
+            model(x).sum().backward()
+        return count.names
+
+    plain = counted()
+    with trim(model, **trim_options) as handle:
+        counted()
+        steady = counted()
+        assert handle.forwards == {"full": 1, "steady": 1}
+    for name in plain:
+        steady.remove(name)
+    return sorted(steady)
 
 
 class Branching(nn.Module):
@@ -816,34 +834,16 @@ def test_a_dropout_whose_p_changed_decides_again():
 def test_a_steady_forward_syncs_nothing_and_adds_few_ops():
     """The steady forward adds, per save it changes, only the operations of its pack and unpack
     hooks, and none reads a value back to the host (a dropout mask is packed without checking it)."""
-    def added_ops(model: nn.Module, x: torch.Tensor) -> list:
-        def counted() -> list:
-            for p in model.parameters():
-                p.grad = None
-            with OpNames() as count:
-                torch.manual_seed(0)
-                model(x).sum().backward()
-            return count.names
-
-        plain = counted()
-        with trim(model) as handle:
-            counted()
-            steady = counted()
-            assert handle.forwards == {"full": 1, "steady": 1}
-        for name in plain:
-            steady.remove(name)
-        return sorted(steady)
-
     # a frozen conv's input (the trainable conv's output) dropped: one unfilled tensor in backward,
     # and two detaches autograd itself makes for a save with hooks (one as register_hooks hands
     # the tensor to the pack hook, one as it attaches what the unpack hook returns to the graph)
     drop = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3).requires_grad_(False))
-    assert added_ops(drop, torch.randn(2, 3, 10, 10)) == ["detach", "detach", "empty_strided"]
+    assert steady_ops_added(drop, torch.randn(2, 3, 10, 10)) == ["detach", "detach", "empty_strided"]
     # a dropout's keep-mask before a frozen linear layer: bits (numpy packs them into a
     # torch-allocated byte tensor), and in backward the values from the bits: no .item(), .all()
     # or any other host read
     mask = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 2).requires_grad_(False))
-    added = added_ops(mask, torch.randn(4, 6))
+    added = steady_ops_added(mask, torch.randn(4, 6))
     syncs = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "item"}
     assert not syncs & set(added) and "ne" in added, added
     # measured on 2.14.1 (11): the flat view, the comparison, the bytes (numpy reads and writes
@@ -861,25 +861,11 @@ def test_bits_in_torch_operations_take_three_kernels_to_pack_and_two_to_unpack(m
 
     monkeypatch.setattr(codec, "numpy", None)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)).requires_grad_(False)
-    x = torch.randn(2, 3, 8, 8, requires_grad=True)
-
-    def counted() -> list:
-        x.grad = None
-        with OpNames() as count:
-            model(x).sum().backward()
-        return count.names
-
-    plain = counted()
-    with trim(model) as handle:
-        counted()
-        steady = counted()
-        assert handle.forwards == {"full": 1, "steady": 1}
-    for name in plain:
-        steady.remove(name)
+    steady = steady_ops_added(model, torch.randn(2, 3, 8, 8, requires_grad=True))
     # not kernels: views, autograd's detaches, allocations, and the bit weights made from a Python
     # list on the CPU (kept per GPU: codec._pack_bits_with_torch)
     kernels = [name for name in steady if name not in ("as_strided", "detach", "view", "empty_strided", "lift_fresh")]
-    assert sorted(kernels) == ["_to_copy", "index_select", "le", "mul", "sum"], steady
+    assert kernels == ["_to_copy", "index_select", "le", "mul", "sum"], steady
 
 
 def test_kernels_option_is_checked_up_front(monkeypatch):
@@ -943,22 +929,10 @@ def test_masks_as_bytes_hold_one_byte_per_element_and_cost_one_operation_each_wa
     assert figures["bits"]["held_after"] == 64 and figures["bytes"]["held_after"] == 512
     assert figures["bytes"]["held_before"] == 2048
 
-    def counted() -> list:
-        x.grad = None
-        with OpNames() as count:
-            model(x).sum().backward()
-        return count.names
-
-    plain = counted()
-    with trim(model, masks="bytes") as handle:
-        counted()
-        steady = counted()
-        assert handle.forwards == {"full": 1, "steady": 1} and handle.masks == "bytes"
-    for name in plain:
-        steady.remove(name)
+    steady = steady_ops_added(model, x, masks="bytes")
     kernels = [name for name in steady if name not in ("as_strided", "detach", "view")]
     # the comparison, the select; the second conv's input dropped: one unfilled tensor
-    assert sorted(kernels) == ["empty_strided", "le", "where"], steady
+    assert kernels == ["empty_strided", "le", "where"], steady
 
 
 def test_masks_takes_bits_or_bytes_and_plans_count_bits():
