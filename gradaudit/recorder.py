@@ -724,6 +724,7 @@ class Recorder:
         if live.name == COMPILED_NODE:
             _attribute_compiled(live, [saves[k] for k in live.saves], self._parameter_layouts)
 
+
 def _attribute_compiled(live: LiveNode, saves: list[LiveSave], parameters: Callable[[], ParameterLayouts]) -> None:
     """Each save of a compiled region's node attributed from the region's graphs (``compiled.attribute``):
     its site, its ``origin`` and the parameter it copies; left at the region's site when the graphs

@@ -110,8 +110,8 @@ def _byte_if_gt_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 
 def _byte_scaled_mask(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
-    found = _scaled_mask(values)
-    return None if found is None else (values != 0, found[1])
+    scale = _mask_scale(values)
+    return None if scale is None else (values != 0, scale)
 
 
 Packer = Callable[[torch.Tensor], Optional[tuple[torch.Tensor, float]]]
