@@ -101,6 +101,9 @@ def build_report(
     accountant = Accountant(tensors, storages)
     params = {name: p.requires_grad for name, p in tree.parameters}
     classes = {path: type(m).__name__ for path, m in tree.modules}
+    # a compiled module's saves are attributed to its original's paths, without _orig_mod
+    classes.update({".".join(part for part in path.split(".") if part != "_orig_mod"): name
+                    for path, name in list(classes.items()) if "_orig_mod" in path.split(".")})
     ctx = RuleContext(tensors=tensors, nodes=nodes, storages=storages, parameter_names=params,
                       training=model.training, accountant=accountant, measured=dict(measured or {}),
                       module_classes=classes, checkpoints=checkpoint_regions(model, recording, tree))

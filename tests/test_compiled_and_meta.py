@@ -132,6 +132,8 @@ def test_a_compiled_resnets_saves_are_attributed_as_eager_ones_are(compiled_resn
     assert saves and all(t.module in modules and t.module != "" for t in saves), \
         sorted({t.module for t in saves if t.module not in modules or t.module == ""})
     assert all(t.module_class == type(modules[t.module]).__name__ for t in saves)
+    # the per-module table names their classes too (its paths are the original model's)
+    assert all(m.module_class == type(modules[m.path]).__name__ for m in report.modules if m.own_bytes)
     assert all(t.source.startswith("torchvision/models/resnet.py:") for t in saves)
     found = {int(t.attr[len("saved_tensors["):-1]): t.module for t in saves}
     # 20 convolutions' and batch norms' weights at least (the frozen ones too: their input's gradient reads them)
