@@ -60,6 +60,10 @@ def run_example(r):
     namespace = {"__name__": f"example_{r.code}", "torch": torch, "nn": nn, "F": F, "gradaudit": gradaudit}
     if "torchvision" in source:
         namespace["torchvision"] = pytest.importorskip("torchvision")
+    if "torch.compile" in source:
+        # a fresh compile: dynamo's recompile limit counts per code object (nn.Sequential's forward)
+        # across the whole suite, and past it runs the model eagerly
+        torch._dynamo.reset()
     exec(compile(source, f"<{r.code} Example>", "exec"), namespace)
     report = namespace.get("report")
     assert isinstance(report, gradaudit.Report), f"{r.code}'s Example defines no report"
