@@ -21,6 +21,7 @@ from .records import (
 )
 from .rules.registry import Flag, RuleContext, all_rules, selected
 from .tensors import ModelTree, dtype_name, first_meta_parameter, itemsize, storage_key, tensor_attributes
+from .torchapi.compiler import original_path
 from .torchapi.distributed import local_of
 from .torchapi.fsdp import fsdp_unsharded_storages
 from .torchapi.storages import storage_id
@@ -102,8 +103,8 @@ def build_report(
     params = {name: p.requires_grad for name, p in tree.parameters}
     classes = {path: type(m).__name__ for path, m in tree.modules}
     # a compiled module's saves are attributed to its original's paths, without _orig_mod
-    classes.update({".".join(part for part in path.split(".") if part != "_orig_mod"): name
-                    for path, name in list(classes.items()) if "_orig_mod" in path.split(".")})
+    classes.update({original_path(path): name for path, name in list(classes.items())
+                    if "_orig_mod" in path.split(".")})
     ctx = RuleContext(tensors=tensors, nodes=nodes, storages=storages, parameter_names=params,
                       training=model.training, accountant=accountant, measured=dict(measured or {}),
                       module_classes=classes, checkpoints=checkpoint_regions(model, recording, tree))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .sites import traced_source_line
-from .torchapi.compiler import SavedOrigin, saved_origins
+from .torchapi.compiler import SavedOrigin, original_path, saved_origins
 
 # (module path, module class, source line, origin, parameter it copies) of one save
 Attribution = tuple[str, str, Optional[str], SavedOrigin, Optional[str]]
@@ -35,8 +35,7 @@ def attribute(node: Any, attrs: list[str], tensors: list[Optional[torch.Tensor]]
         if origin.module is not None:
             # the module paths of the original model, as an eager audit names them (an
             # OptimizedModule's _orig_mod left out)
-            parts = [*path.split("."), *origin.module.split(".")]
-            module = ".".join(part for part in parts if part and part != "_orig_mod")
+            module = original_path(f"{path}.{origin.module}")
             module_class = origin.module_class or module_class
         source = (traced_source_line(origin.trace) if origin.trace else None) or line
         copy_of = parameters().copied(tensor) if origin.made_by is None and tensor is not None else None
@@ -52,8 +51,7 @@ class ParameterLayouts:
         self.by_layout: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
         self.storages: set[int] = set()
         for name, p in model.named_parameters():
-            name = ".".join(part for part in name.split(".") if part != "_orig_mod")
-            self.by_layout.setdefault((tuple(p.shape), p.dtype), []).append((name, p))
+            self.by_layout.setdefault((tuple(p.shape), p.dtype), []).append((original_path(name), p))
             if p.device.type != "meta":
                 self.storages.add(p.untyped_storage().data_ptr())
 

@@ -313,3 +313,12 @@ def default_loss(output: Any) -> torch.Tensor:
     if first is None:
         raise GradauditError("the model's output holds no tensor to take a loss from: pass loss=fn(output) -> scalar")
     return first.sum()
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

@@ -9,7 +9,8 @@ from ..knowledge import weight_slot
 from ..records import NOT_NEEDED, Manager, StorageKind
 from .registry import Flag, RuleContext, rule
 from .shared import shape_text
-from ..torchapi.compiler import COMPILED_NODE
+from ..tensors import contiguous_strides
+from ..torchapi.compiler import COMPILED_NODE, original_path
 
 LOW_PRECISION = ("float16", "bfloat16")
 
@@ -194,22 +195,13 @@ def compiled_weight_layout_copy_saved(ctx: RuleContext):
     trains: Optional[dict[str, bool]] = None  # parameter names as copy_of gives them (no _orig_mod)
     for t in ctx.held():
         if (t.node != COMPILED_NODE or t.copy_of is None or t.storage_kind != StorageKind.ACTIVATION
-                or tuple(t.stride) == _contiguous(t.shape) or t.index in ctx.covered):
+                or tuple(t.stride) == contiguous_strides(t.shape) or t.index in ctx.covered):
             continue
         if trains is None:
-            trains = {".".join(part for part in name.split(".") if part != "_orig_mod"): flag
-                      for name, flag in ctx.parameter_names.items()}
+            trains = {original_path(name): flag for name, flag in ctx.parameter_names.items()}
         frozen = "frozen " if trains.get(t.copy_of) is False else ""
         yield Flag(ctx.nodes[t.node_id], [t],
                    f"{t.module or 'model'} ({t.module_class}): the compiled region keeps a copy of {frozen}"
                    f"{t.copy_of} ({shape_text(t)}, strides {tuple(t.stride)}) beside the parameter itself",
                    module=t.module, module_class=t.module_class, source=t.source,
                    bytes=sum(ctx.freed_by_storage([t.index]).values()))
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))

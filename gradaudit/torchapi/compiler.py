@@ -24,6 +24,12 @@ def compiled_original(module: Any) -> Optional[torch.nn.Module]:
     return None
 
 
+def original_path(path: str) -> str:
+    """A module or parameter path as the eager model names it: a compiled module's ``_orig_mod`` (and
+    empty parts) left out (``block._orig_mod.lin`` -> ``block.lin``)."""
+    return ".".join(part for part in path.split(".") if part and part != "_orig_mod")
+
+
 _IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 

@@ -297,14 +297,6 @@ def shape_stand_in(shape: torch.Size, dtype: torch.dtype, device: torch.device) 
     return torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device)
 
 
-def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 def dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill ``t.numel()`` consecutive memory slots (dense, no overlap)."""
     if t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)):

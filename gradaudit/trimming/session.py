@@ -14,7 +14,8 @@ from .. import torchapi
 from ..errors import GradauditError
 from ..tensors import iter_tensors, storage_key
 from ..torchapi.modules import add_forward_hooks, remove_forward_hooks
-from .codec import BYTES, FUSED, Packer, contiguous_strides, dense, shape_stand_in, unfilled_strided, unpack_bits
+from ..tensors import contiguous_strides
+from .codec import BYTES, FUSED, Packer, dense, shape_stand_in, unfilled_strided, unpack_bits
 from .plan import KEEP, kind_of, plan_for
 from ..torchapi.autograd import (NO_SEQUENCE, called_from_autograd, caller_frame, in_backward,
                                  node_sequence_number, pop_node_creation_hook, push_node_creation_hook,

@@ -28,8 +28,9 @@ from torch import nn
 from ..errors import GradauditError
 from ..tensors import iter_tensors
 from ..torchapi.autograd import in_backward, node_scalars, node_sequence_number, raw_slot_attribute, sequence_number
-from .codec import (BYTES, FUSED, PACKERS, contiguous_strides, dense, dropout_mask, scaled_mask, shape_stand_in,
-                    unfilled_strided, unpack_bits)
+from ..tensors import contiguous_strides
+from .codec import (BYTES, FUSED, PACKERS, dense, dropout_mask, scaled_mask, shape_stand_in, unfilled_strided,
+                    unpack_bits)
 from .plan import kind_of
 
 # the torch.nn dropout classes whose keep-mask is two-valued by construction (ATen's Dropout.cpp)
