@@ -441,6 +441,18 @@ def _trim_case(name: str, model, memsave_model, args, kwargs, loss_fn, repeats: 
         if key.startswith("grads_"):
             del row[key]
     row.update(_time_variants(variants, args, kwargs, loss_fn, repeats))
+    if CUDA:
+        for key, (variant_model, context) in variants.items():
+            try:
+                row[f"gpu_{key}"] = _gpu_profile(variant_model, context, args, kwargs, loss_fn,
+                                                 trace=TRACE.get(name) if key == "trim" else None)
+            except Exception as error:  # noqa: BLE001
+                row[f"gpu_{key}"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+                traceback.print_exc(limit=4)
+        print("   per steady step: " + "; ".join(
+            f"{key}: {g.get('kernels', '?')} kernels, {g.get('changed', '-')} saves changed, GPU busy "
+            f"{g.get('busy_ms', float('nan')):.2f} of {g.get('span_ms', float('nan')):.2f} ms, syncs {g.get('syncs', '?')}"
+            for key in variants for g in [row[f"gpu_{key}"]]), flush=True)
     held_memsave = "-" if "held_memsave" not in row else f"{row['held_memsave'] / MIB:.1f}"
     peak_memsave = "-" if "peak_memsave" not in row else f"{row['peak_memsave'] / MIB:.1f}"
     print(f"| {name} | {row['held_plain'] / MIB:.1f} | {row['held_trim'] / MIB:.1f} | {held_memsave} | "
@@ -453,6 +465,82 @@ def _trim_case(name: str, model, memsave_model, args, kwargs, loss_fn, repeats: 
     return row
 
 
+# a torch.profiler trace of the trimmed steady step is written for these cases (name -> file)
+TRACE: dict = {}
+
+
+def _gpu_profile(model, context, args, kwargs, loss_fn, trace=None) -> dict:
+    """One variant's steady step on the GPU, read off torch.profiler over 3 steps: device activities
+    (kernels, copies, fills) launched per step, the GPU's busy time per step (the union of their
+    intervals) and its span (first start to last end: the gaps between are the GPU waiting for the
+    host), the saves trim changed per step, and host syncs per step (``set_sync_debug_mode("warn")``
+    over one step, nothing synchronised by this script inside it)."""
+    import contextlib
+    import warnings
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from gradaudit.trimming.handle import handle_of
+    steps = 3
+    with (context() if context else contextlib.nullcontext()):
+        for _ in range(2):
+            _step(model, args, kwargs, loss_fn)
+        handle = handle_of(model)
+        before = dict(handle.stats) if handle is not None else None
+        for p in model.parameters():
+            p.grad = None
+        sync()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loss_fn(model(*args, **kwargs)).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        sync()
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        changed = None
+        if handle is not None:
+            after = handle.stats
+            changed = (after["dropped"] - before["dropped"]) + (after["bitpacked"] - before["bitpacked"])
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                _step(model, args, kwargs, loss_fn)
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == DeviceType.CUDA)
+    busy, last_end = 0.0, None
+    for start, end in intervals:
+        if last_end is None or start >= last_end:
+            busy += end - start
+            last_end = end
+        elif end > last_end:
+            busy += end - last_end
+            last_end = end
+    # the span per step: the steps are separated by a host sync each, so the span of all three
+    # includes the host's time between steps; each step's own span is what the GPU saw of it
+    spans = _step_spans(intervals, steps)
+    if trace is not None:
+        import gzip
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(f"{tmp}/trace.json")
+            with open(f"{tmp}/trace.json", "rb") as source, gzip.open(f"{trace}.gz", "wb") as sink:
+                sink.write(source.read())
+    return {"kernels": len(intervals) / steps, "busy_ms": busy / 1e3 / steps,
+            "span_ms": statistics.median(spans) / 1e3 if spans else float("nan"),
+            "syncs": syncs, "changed": changed}
+
+
+def _step_spans(intervals: list, steps: int) -> list:
+    """Split the device intervals of ``steps`` steps at the ``steps - 1`` largest gaps between them (the
+    host syncs between steps), and give each step's span, microseconds."""
+    if len(intervals) < steps:
+        return []
+    gaps = sorted(range(1, len(intervals)), key=lambda i: intervals[i][0] - intervals[i - 1][1])[-(steps - 1):]
+    cuts = [0, *sorted(gaps), len(intervals)]
+    return [max(e for _, e in intervals[a:b]) - intervals[a][0] for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
 def trim_section(out: Path, budget: Budget, repeats: int, small: bool = False) -> None:
     import torchvision
     from gradaudit.scenarios import SCENARIOS, apply_scenario
@@ -461,6 +549,9 @@ def trim_section(out: Path, budget: Budget, repeats: int, small: bool = False) -
     except ImportError:
         convert_to_memory_saving = None
     rows = []
+    if CUDA:
+        TRACE["ResNet-50 32x224 input-only-bn-eval"] = out / "trace_resnet50_bn_eval.json"
+        TRACE["Llama 8x1024 bf16 4x1024 probe layer 4"] = out / "trace_llama_probe.json"
     print("| case | held MiB plain | trim | memsave | peak MiB plain | trim | memsave | plain step ms | "
           "trim/plain | held MiB trim bytes | trim bytes/plain | memsave/plain | plain again/plain "
           "| trim grads bit-identical | trim triton/plain |", flush=True)
@@ -505,6 +596,21 @@ def trim_section(out: Path, budget: Budget, repeats: int, small: bool = False) -
             del model
         except Exception as error:  # noqa: BLE001
             rows.append({"case": f"Llama {setting}", "error": f"{type(error).__name__}: {str(error)[:300]}"})
+            traceback.print_exc(limit=4)
+        write(out, "trim", rows)
+    # a BERT whose dropouts are stock modules (on the GPU: native_dropout, whose node keeps a bool mask)
+    if budget.left() > 0:
+        try:
+            fresh()
+            model = _hf("BertForSequenceClassification", torch.float32, num_hidden_layers=6, hidden_act="relu")(DEVICE)
+            model.bert.embeddings.requires_grad_(False)
+            batch = _text_batch(30522, 2 if small else 32, 64 if small else 128)(DEVICE)
+            batch["labels"] = torch.zeros(batch["input_ids"].shape[0], dtype=torch.long, device=DEVICE)
+            rows.append(_trim_case("BERT 6x768 fp32 32x128 dropout, embeddings frozen", model, None, (), batch,
+                                   lambda o: o.loss, repeats))
+            del model
+        except Exception as error:  # noqa: BLE001
+            rows.append({"case": "BERT dropout", "error": f"{type(error).__name__}: {str(error)[:300]}"})
             traceback.print_exc(limit=4)
         write(out, "trim", rows)
     # the audit's own cost on the GPU (per-op host work that a CPU forward hides)
@@ -782,6 +888,280 @@ def fitcuda(out: Path, budget: Budget) -> None:
         write(out, "fitcuda", rows)
 
 
+# ---------------------------------------------------------------------------------------------- codec
+
+def _time_op(fn, reps: int = 20) -> tuple[float, float]:
+    """(GPU ms per call by CUDA events, host us per call with no sync inside), medians."""
+    fn()
+    sync()
+    host, device = [], []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+        end.record()
+        end.synchronize()
+        device.append(start.elapsed_time(end))
+    return statistics.median(device), 1e6 * statistics.median(host)
+
+
+def codec_section(out: Path, budget: Budget) -> None:
+    """Ways to pack a ReLU result's bits and unpack them on the GPU, side by side at ResNet-50's
+    activation sizes: GPU time per call and host time per call (the launch cost a step pays)."""
+    from gradaudit.trimming import codec, fused
+
+    class Box:
+        pass
+
+    rows = []
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=DEVICE)
+    shifts = torch.arange(8, dtype=torch.uint8, device=DEVICE)
+    zero, one = torch.zeros((), device=DEVICE), torch.ones((), device=DEVICE)
+    for shape, dtype in [((32, 64, 112, 112), torch.float32), ((32, 256, 56, 56), torch.float32),
+                         ((32, 2048, 7, 7), torch.float32), ((32, 256, 56, 56), torch.bfloat16),
+                         ((4, 1024, 2816), torch.bfloat16)]:
+        if budget.left() < 0:
+            break
+        x = torch.randn(shape, device=DEVICE, dtype=dtype).relu_().view(-1)
+        mask = x <= 0
+        packed = codec._pack_bits_with_torch(mask)
+        box = Box()
+        box.payload, box.scale, box.dtype = packed, -1.0, dtype
+        table = codec._bit_table(-1.0, dtype, packed.device)
+        zero_, one_ = zero.to(dtype), one.to(dtype)
+        variants = {
+            "pack: compare": lambda: x <= 0,
+            "pack: compare, mul, sum (before)": lambda: torch.sum((x <= 0).view(-1, 8).view(torch.uint8) * weights,
+                                                                  dim=1, dtype=torch.uint8),
+            "pack: compare, word mul, copy (now)": lambda: codec._pack_bits_with_torch(x <= 0),
+            "unpack: where from bytes": lambda: torch.where(mask, zero_, one_),
+            "unpack: int, index_select (before)": lambda: torch.index_select(table, 0, packed.int()),
+            "unpack: long, index (table[idx])": lambda: table[packed.long()],
+            "unpack: and, bool, where (now)": lambda: codec._unpack_with_torch(box),
+            "unpack: shift, and, where": lambda: torch.where(((packed.view(-1, 1) >> shifts) & 1).view(torch.bool),
+                                                             zero_, one_),
+        }
+        if fused.installed() and fused.takes(x):
+            variants["pack: triton fused"] = lambda: fused.pack(x, fused.LE_ZERO)
+            variants["unpack: triton fused"] = lambda: fused.unpack(packed, x.numel(), -1.0, dtype)
+        expected = torch.where(mask, zero_, one_)
+        row: dict = {"shape": list(shape), "dtype": str(dtype)[6:], "elements": x.numel()}
+        for name, fn in variants.items():
+            try:
+                result = fn()
+                if name.startswith("unpack"):
+                    row[f"{name} exact"] = bool(torch.equal(result.reshape(-1)[:x.numel()], expected))
+                elif "sum" in name or "copy" in name or "triton" in name:
+                    row[f"{name} exact"] = bool(torch.equal(result, packed))
+                del result
+                row[name] = _time_op(fn)
+            except Exception as error:  # noqa: BLE001
+                row[name] = f"{type(error).__name__}: {str(error)[:200]}"
+        rows.append(row)
+        print(f"{tuple(shape)} {row['dtype']}:", flush=True)
+        for name in variants:
+            value = row[name]
+            text = f"GPU {value[0] * 1e3:8.1f} us, host {value[1]:6.1f} us" if isinstance(value, tuple) else value
+            print(f"   {name:40s} {text}  exact: {row.get(name + ' exact', '-')}", flush=True)
+        write(out, "codec", rows)
+        del x, mask, packed
+    # what a saved tensor's register_hooks and a module forward hook cost on this host
+    lin = torch.nn.Linear(64, 64, device=DEVICE).requires_grad_(False)
+    inp = torch.randn(8, 64, device=DEVICE, requires_grad=True)
+    nodes = [(inp * 2).sin() for _ in range(200)]
+    t0 = time.perf_counter()
+    for y in nodes:
+        y.grad_fn._raw_saved_self.register_hooks(lambda t: None, lambda v: None)
+    per_hook = (time.perf_counter() - t0) / len(nodes) * 1e6
+    handle = lin.register_forward_hook(lambda m, a, o: None)
+    plain_calls, hooked_calls = [], []
+    for _ in range(5):
+        handle.remove()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            lin(inp)
+        plain_calls.append(time.perf_counter() - t0)
+        handle = lin.register_forward_hook(lambda m, a, o: None)
+        t0 = time.perf_counter()
+        for _ in range(200):
+            lin(inp)
+        hooked_calls.append(time.perf_counter() - t0)
+    handle.remove()
+    sync()
+    host = {"register_hooks_us": per_hook,
+            "linear_call_us": statistics.median(plain_calls) / 200 * 1e6,
+            "forward_hook_added_us": (statistics.median(hooked_calls) - statistics.median(plain_calls)) / 200 * 1e6}
+    rows.append(host)
+    print(host, flush=True)
+    write(out, "codec", rows)
+
+
+# ------------------------------------------------------------------------------------------- compiled
+
+def _compiled_held(loss, model, inputs) -> tuple[int, int, int]:
+    """(compiled regions, bytes of the storages their nodes keep beside the parameters, buffers and
+    inputs, bytes every node of the graph keeps beside them), read off a plain run's graph: the
+    independent count."""
+    alive = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *inputs]}
+    regions, compiled_storages, all_storages, stack, seen = 0, {}, {}, [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        is_region = type(node).__name__ == "CompiledFunctionBackward"
+        regions += is_region
+        saved = list(node.saved_tensors) if is_region else []
+        if not is_region:
+            for name in dir(node):
+                if name.startswith("_saved_"):
+                    try:
+                        value = getattr(node, name)
+                    except Exception:  # noqa: BLE001
+                        continue
+                    saved.extend(v for v in (value if isinstance(value, (tuple, list)) else [value]))
+        for t in saved:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().data_ptr() not in alive:
+                key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+                all_storages[key] = size
+                if is_region:
+                    compiled_storages[key] = size
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return regions, sum(compiled_storages.values()), sum(all_storages.values())
+
+
+def _compiled_resnet(device: str):
+    import torchvision
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).requires_grad_(False).eval()
+    model.layer1.requires_grad_(True)
+    model.fc.requires_grad_(True)
+    return model.to(device)
+
+
+def _compiled_gpt2(device: str):
+    model = _hf("GPT2LMHeadModel", torch.float32, n_layer=4, n_embd=256, n_head=4, vocab_size=1000, bos_token_id=0,
+                eos_token_id=0)(device)
+    model.transformer.wte.requires_grad_(False)
+    return model
+
+
+def _compiled_case(name: str, build, make_inputs, backend: str, loss_fn) -> dict:
+    """A compiled model on the GPU as its user runs it (regions, held bytes counted off the graph, the
+    allocator's rise over the forward) against gradaudit's audit of it, with every save's record; and
+    the audit of the same model on meta for CUDA (what it gives today)."""
+    import warnings
+    row: dict = {"case": name, "backend": backend}
+    torch._dynamo.reset()
+    fresh()
+    model = build(DEVICE)
+    args, kwargs = make_inputs(DEVICE)
+    compiled = torch.compile(model, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t0 = time.perf_counter()
+        loss_fn(compiled(*args, **kwargs)).backward()  # the compile
+        row["compile_s"] = time.perf_counter() - t0
+        for p in model.parameters():
+            p.grad = None
+        sync()
+        base = allocated()
+        loss = loss_fn(compiled(*args, **kwargs))
+        sync()
+        row["allocator_rise"] = allocated() - base
+        tensors = [*args, *[v for v in kwargs.values() if isinstance(v, torch.Tensor)]]
+        row["regions"], row["compiled_held"], row["graph_held"] = _compiled_held(loss, model, tensors)
+        del loss
+        t0 = time.perf_counter()
+        inputs = kwargs if kwargs else (args[0] if len(args) == 1 else args)
+        report = gradaudit.audit(compiled, inputs)
+        row["audit_s"] = time.perf_counter() - t0
+        saves = [t for t in report.tensors if t.node == "CompiledFunctionBackward"]
+        row.update(audit_saved=report.saved_bytes, audit_regions=sum(n.name == "CompiledFunctionBackward"
+                                                                          for n in report.nodes),
+                   audit_compiled_bytes=_bytes_by_kind(report, saves),
+                   on_root=sum(t.module == "" for t in saves), saves=len(saves),
+                   findings=[(f.code, f.module, f.bytes) for f in report.findings],
+                   tensors=[(t.attr, list(t.shape), str(t.dtype), report.storages[t.storage_id].nbytes
+                             if t.storage_id >= 0 else None, str(t.storage_kind), t.module, str(t.verdict),
+                             getattr(t, "copy_of", None), t.reason[:160]) for t in saves])
+        if backend == "aot_eager" or budget_ok():
+            t0 = time.perf_counter()
+            verified = gradaudit.audit(compiled, inputs, verify=True)
+            row["verify_s"] = time.perf_counter() - t0
+            row["verified"] = collections.Counter(f"{t.verdict}{' proven' if t.proven else ''}"
+                                                  for t in verified.tensors if t.node == "CompiledFunctionBackward")
+            row["verified_findings"] = [(f.code, f.module, f.bytes) for f in verified.findings]
+    del compiled, model
+    torch._dynamo.reset()
+    try:
+        meta_model = build("meta")
+        meta_args, meta_kwargs = make_inputs("meta")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            on_meta = gradaudit.audit(torch.compile(meta_model, backend=backend),
+                                      meta_kwargs if meta_kwargs else meta_args[0], target="cuda")
+        row["meta_cuda"] = {"saved": on_meta.saved_bytes,
+                            "nodes": collections.Counter(t.node for t in on_meta.tensors)}
+    except Exception as error:  # noqa: BLE001
+        row["meta_cuda"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    torch._dynamo.reset()
+    return row
+
+
+def _bytes_by_kind(report, saves) -> dict:
+    """Bytes of the distinct storages of ``saves``, per storage kind."""
+    kinds: dict = {}
+    for sid in {t.storage_id for t in saves if t.storage_id >= 0}:
+        kind = str(next(t.storage_kind for t in saves if t.storage_id == sid))
+        kinds[kind] = kinds.get(kind, 0) + report.storages[sid].nbytes
+    return kinds
+
+
+_COMPILED_BUDGET = [None]
+
+
+def budget_ok() -> bool:
+    return _COMPILED_BUDGET[0] is None or _COMPILED_BUDGET[0].left() > 60
+
+
+def compiled_section(out: Path, budget: Budget) -> None:
+    """Compiled models on the GPU (issue 44's reference figures for a later meta-as-CUDA emulation)."""
+    _COMPILED_BUDGET[0] = budget
+
+    def pixels(batch: int, size: int):
+        def make(device: str):
+            x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
+            return (x.to(device) if device != "meta" else x.to("meta"),), {}
+        return make
+
+    def text(device: str):
+        return (), _text_batch(1000, 4, 128)(device)
+
+    cases = [("ResNet-18 2x64 layer1+fc trained, rest eval", _compiled_resnet, pixels(2, 64), "aot_eager",
+              lambda o: o.sum()),
+             ("ResNet-18 2x64 layer1+fc trained, rest eval", _compiled_resnet, pixels(2, 64), "inductor",
+              lambda o: o.sum()),
+             ("ResNet-18 32x224 layer1+fc trained, rest eval", _compiled_resnet, pixels(32, 224), "inductor",
+              lambda o: o.sum()),
+             ("GPT-2 4x256 fp32 4x128 padded, labels, embeddings frozen", _compiled_gpt2, text, "inductor",
+              lambda o: o.loss)]
+    rows = []
+    for name, build, make_inputs, backend, loss_fn in cases:
+        if budget.left() < 45:
+            break
+        try:
+            row = _compiled_case(name, build, make_inputs, backend, loss_fn)
+        except Exception as error:  # noqa: BLE001
+            row = {"case": name, "backend": backend, "error": f"{type(error).__name__}: {str(error)[:400]}"}
+            traceback.print_exc(limit=6)
+        rows.append(row)
+        print({k: v for k, v in row.items() if k != "tensors"}, flush=True)
+        write(out, "compiled", rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -793,7 +1173,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sections = args.sections.split(",")
-    unknown = set(sections) - {"facts", "zoo", "fit", "trim", "gaps", "profile", "determinism", "fitcuda"}
+    unknown = set(sections) - {"facts", "zoo", "fit", "trim", "gaps", "profile", "determinism", "fitcuda", "compiled", "codec"}
     if unknown:
         parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
     start = time.monotonic()
@@ -810,6 +1190,10 @@ def main() -> None:
                 fit(args.out, share)
             elif section in ("gaps", "profile", "determinism", "fitcuda"):
                 globals()[section](args.out, share)
+            elif section == "compiled":
+                compiled_section(args.out, share)
+            elif section == "codec":
+                codec_section(args.out, share)
             else:
                 trim_section(args.out, share, args.repeats, args.small)
         except Exception:  # noqa: BLE001

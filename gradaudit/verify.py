@@ -50,6 +50,10 @@ SEED = 20240917
 
 Outputs = list[Any]
 
+NOT_REPEATABLE = ("its backward gives different results when called twice on the same values "
+                  "(a nondeterministic kernel): a change proves no read; "
+                  "torch.use_deterministic_algorithms(True) around the audit lets the proof settle it")
+
 
 def _floating(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
@@ -222,6 +226,7 @@ class NodeCall:
         else:
             self.wanted = [i for i, (fn, _) in enumerate(node.next_functions) if fn is not None]
         self._baselines: dict[Optional[tuple[int, ...]], Outputs] = {}
+        self._repeats: dict[Optional[tuple[int, ...]], bool] = {}
 
     def __call__(self, edges: Optional[tuple[int, ...]] = None) -> Outputs:
         """The gradients for the wanted edges (``edges``: only those, computed alone if the
@@ -259,6 +264,14 @@ class NodeCall:
             self._baselines[edges] = self(edges)
         return self._baselines[edges]
 
+    def repeatable(self, edges: Optional[tuple[int, ...]] = None) -> bool:
+        """Whether a second call with the recorded values gives the baseline's result bit for bit.
+        Not where a kernel is nondeterministic (atomic adds on a GPU): there a change under a
+        poison proves nothing, and "read" would be a guess."""
+        if edges not in self._repeats:
+            self._repeats[edges] = same_outputs(self.baseline(edges), self(edges))
+        return self._repeats[edges]
+
     def changed_by(self, replacements: Sequence[tuple[Packed, torch.Tensor]],
                    edges: Optional[tuple[int, ...]] = None) -> bool:
         """Does backward's result differ from the baseline with these values swapped in?
@@ -275,6 +288,19 @@ class NodeCall:
                 raise
             except Exception as error:  # the backward inspected the values and rejected them
                 return [_Raised(error)]
+
+
+@contextmanager
+def deterministic_cudnn() -> Iterator[None]:
+    """cuDNN's deterministic algorithms while the proof calls nodes (its default ones for a
+    convolution's weight gradient add with atomics, so two calls on the same values differ in the
+    last bits, and every save would look read), the user's setting restored after."""
+    before = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic = before
 
 
 class Narrowing:
@@ -446,8 +472,9 @@ class Prover:
                 if self.live_tensors[j].device.type == "meta":
                     raise GradauditError("verify=True needs real values; it cannot run on the meta device")
                 by_node[t.node_id].append(j)
-        for node_id, indices in by_node.items():
-            self.prove_node(node_id, indices)
+        with deterministic_cudnn():
+            for node_id, indices in by_node.items():
+                self.prove_node(node_id, indices)
         return self.disagreements
 
     # ------------------------------------------------------------------------------------------
@@ -527,7 +554,10 @@ class Prover:
                     # one gradient that should read it, computed alone with and without a
                     # witness: a change proves the read at a fraction of the cost
                     if call.changed_by([(box, witness)], hints[j]):
-                        self._settle_needed(j)
+                        if not call.repeatable(hints[j]):
+                            self._unproven([j], NOT_REPEATABLE)
+                        else:
+                            self._settle_needed(j)
                         continue
                 self._prove_one(call, poisons, j, box, witness)
             except _PoolsTouched:
@@ -558,6 +588,9 @@ class Prover:
             if not any(call.changed_by([(box, p)]) for p in poisons.signs(value)):
                 self._settle(j, SIGN_ONLY, bitpackable=_sign_classes(value) <= 2)
                 return
+        if not call.repeatable():
+            # every change seen may be the kernel's own: neither read nor unread is proven
+            return self._unproven([j], NOT_REPEATABLE)
         self._settle_needed(j)
 
     def _settle_needed(self, j: int) -> None:

@@ -852,20 +852,51 @@ def test_a_steady_forward_syncs_nothing_and_adds_few_ops():
     assert len(added) <= 12, added
 
 
-def test_bits_in_torch_operations_take_three_kernels_to_pack_and_two_to_unpack(monkeypatch):
+def test_bits_in_torch_operations_take_three_elementwise_kernels_each_way(monkeypatch):
     """Without numpy (as on a GPU, where each operation is a kernel launch and a pass over memory), a
-    ReLU's result before a frozen conv is packed by a comparison, a weighted sum of each 8 bools
-    (a multiplication and a sum), and unpacked by an index conversion and a gather from a kept
-    table: no pass flips the bits (the table does) and no table is made per save."""
+    ReLU's result before a frozen conv is packed by a comparison, a multiplication of each 8 bools
+    read as one word, and a copy of each word's top byte; unpacked by a shift, a mask and a select:
+    every one elementwise (on an H200 a row-wise sum took 4x, and a gather from a kept table 13x,
+    the time of these; benchmarks/gpu_check.py --sections codec), and no table made per save."""
     import gradaudit.trimming.codec as codec
 
     monkeypatch.setattr(codec, "numpy", None)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)).requires_grad_(False)
     steady = steady_ops_added(model, torch.randn(2, 3, 8, 8, requires_grad=True))
-    # not kernels: views, autograd's detaches, allocations, and the bit weights made from a Python
-    # list on the CPU (kept per GPU: codec._pack_bits_with_torch)
-    kernels = [name for name in steady if name not in ("as_strided", "detach", "view", "empty_strided", "lift_fresh")]
-    assert kernels == ["_to_copy", "index_select", "le", "mul", "sum"], steady
+    # not kernels: views, autograd's detaches, allocations, and the constants made from Python
+    # numbers on the CPU (kept per GPU: codec._shifts, codec._constant)
+    kernels = [name for name in steady if name not in ("as_strided", "detach", "view", "empty_strided", "lift_fresh",
+                                                       "arange", "full", "slice", "select", "empty")]
+    assert sorted(kernels) == ["bitwise_and", "bitwise_right_shift", "clone", "le", "mul", "where"], steady
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_bits_in_torch_operations_equal_numpys_bits_and_the_tables_values(monkeypatch, dtype):
+    """The torch path (a GPU's) packs the bytes numpy's packbits makes, for every count (a partial
+    last byte included) and a mask starting off a word's boundary; and unpacks the values a kept
+    table's rows give, for a mask whose set bit stands for 0.0 and for a scaled one."""
+    import numpy
+    import gradaudit.trimming.codec as codec
+
+    generator = torch.Generator().manual_seed(0)
+    for count in (1, 7, 8, 9, 63, 64, 65, 1000, 4104):
+        for offset in (0, 3, 8):
+            mask = (torch.rand(count + offset, generator=generator) < 0.5)[offset:]
+            packed = codec._pack_bits_with_torch(mask)
+            assert torch.equal(packed, torch.from_numpy(numpy.packbits(mask.numpy(), bitorder="little"))), \
+                (count, offset)
+
+    class Box:
+        pass
+
+    for scale in (-1.0, torch.tensor(1 / 0.9, dtype=dtype).item()):
+        box = Box()
+        box.payload = torch.randint(0, 256, (37,), dtype=torch.uint8, generator=generator)
+        box.scale, box.dtype = scale, dtype
+        table = codec._bit_table(scale, dtype, box.payload.device)
+        expected = torch.index_select(table, 0, box.payload.int()).view(-1)
+        values = codec._unpack_with_torch(box)
+        assert values.dtype == dtype and torch.equal(values, expected)
 
 
 def test_kernels_option_is_checked_up_front(monkeypatch):

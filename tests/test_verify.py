@@ -232,3 +232,44 @@ def test_saves_no_poison_can_reach_stay_unproven():
     zeros, sparse = saves["saved_tensors[0]"], saves["saved_tensors[1]"]
     assert not zeros.proven and "no in-range value" in zeros.unproven
     assert not sparse.proven and "layout" in sparse.unproven
+
+
+class _NoisyBackward(torch.autograd.Function):
+    """Saves its input and never reads it; its backward adds noise of the global RNG's, as a
+    GPU kernel that adds with atomics differs from call to call in the last bits."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x.exp())
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2 + torch.rand_like(grad) * 1e-6
+
+
+class _NoisyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _NoisyBackward.apply(self.linear(x)).sum()
+
+
+def test_a_backward_that_differs_from_call_to_call_proves_nothing():
+    """A node whose backward gives a different result each call (a nondeterministic kernel) would
+    change under any poison: the proof leaves its save unproven and says why, instead of calling
+    it read (on an H200, every save of a compiled ResNet-18's cuDNN backward came out "needed").
+    The proof's calls run with cuDNN's deterministic algorithms and the user's setting comes back."""
+    torch.manual_seed(0)
+    before = torch.backends.cudnn.deterministic
+    report = gradaudit.audit(_NoisyModel(), torch.randn(3, 4), verify=True)
+    assert torch.backends.cudnn.deterministic == before
+    (save,) = by_attr(report, "_NoisyBackwardBackward").values()
+    assert not save.proven and save.verdict != NEEDED
+    assert "nondeterministic" in save.unproven and "use_deterministic_algorithms" in save.unproven
+    # a deterministic read is still proven read
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2).requires_grad_(False))
+    tanh = by_attr(gradaudit.audit(model, torch.randn(3, 4), verify=True), "TanhBackward0")["result"]
+    assert tanh.verdict == NEEDED and tanh.proven

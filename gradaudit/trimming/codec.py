@@ -16,6 +16,7 @@ Which packer a save gets comes from the op knowledge (``Read.bit``; a MASK read:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -179,27 +180,59 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
 
 def _pack_bits_with_torch(mask: torch.Tensor) -> torch.Tensor:
     """``pack_bits`` in torch operations (a GPU, meta): each is a dispatch, and on a GPU a kernel
-    launch, so as few as the layout allows (a count that is a multiple of 8 needs no padded copy)."""
+    launch, so as few as the layout allows (a count that is a multiple of 8 needs no padded copy),
+    and each elementwise: a sum over rows of 8 bytes ran as a reduction that took a GPU ~40 us per
+    ResNet-50 activation (an H200, benchmarks/gpu_check.py).
+
+    Each 8 bools, read as one little-endian 64-bit word (byte k is element k, 0 or 1), times
+    ``_GATHER`` has bit k of element k at bit 56 + k, and no other product lands on bits 56-63 or
+    carries into them (element j's copies land at bits 8j + 56 - 7i, all distinct): the word's top
+    byte is the packed byte, read through a strided view and copied out. The multiplication keeps
+    the low 64 bits of the product, as every torch backend's integer multiplication does."""
     count = mask.numel()
-    if count % 8 == 0 and mask.is_contiguous():
-        octets = mask.view(torch.uint8).view(-1, 8)
+    if count % 8 == 0 and mask.is_contiguous() and mask.storage_offset() % 8 == 0:
+        octets = mask.view(torch.uint8)
     else:
         octets = torch.zeros((((count + 7) // 8) * 8,), dtype=torch.uint8, device=mask.device)
         octets[:count] = mask.view(torch.uint8)
-        octets = octets.view(-1, 8)
-    weights = _BIT_WEIGHTS.get(mask.device)
+    if not _LITTLE_ENDIAN:
+        weights = _bit_weights(mask.device)
+        return torch.sum(octets.view(-1, 8) * weights, dim=1, dtype=torch.uint8)
+    words = torch.mul(octets.view(torch.int64), _GATHER)
+    return words.view(torch.uint8).view(-1, 8)[:, 7].contiguous()
+
+
+# sum of 2**(56 - 7k), k = 0..7: gathers the low bit of each byte of a word into its top byte
+_GATHER = 0x0102040810204080
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """The 8 bit weights 1, 2, ..., 128 as uint8 on ``device``, kept per GPU: a tensor built from a
+    Python list there is a blocking copy from the host, which per save stalled every trimmed step
+    (benchmarks/gpu_check.py on an H100). Never a fake or meta one: it would outlive the mode that
+    made it."""
+    weights = _BIT_WEIGHTS.get(device)
     if weights is None:
-        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
+        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
         if type(weights) is torch.Tensor and weights.device.type == "cuda":
-            # kept per GPU: a tensor built from a Python list there is a blocking copy from the host,
-            # which per save stalled every trimmed step (benchmarks/gpu_check.py on an H100). Never
-            # a fake or meta one: it would outlive the mode that made it
-            _BIT_WEIGHTS[mask.device] = weights
-    return torch.sum(octets * weights, dim=1, dtype=torch.uint8)
+            _BIT_WEIGHTS[device] = weights
+    return weights
 
 
 _TABLES: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
 _BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    """0, 1, ..., 7 as uint8 on ``device``, kept per GPU as ``_bit_weights`` is."""
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = torch.arange(8, dtype=torch.uint8, device=device)
+        if type(shifts) is torch.Tensor and shifts.device.type == "cuda":
+            _SHIFTS[device] = shifts
+    return shifts
 
 
 def _bit_table(scale: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -255,18 +288,36 @@ def unpack_bits(box: Any, fused_kernels: bool = False) -> torch.Tensor:
         return unpack_bytes(box)
     if fused_kernels and box.dtype in fused.DTYPES and fused.usable(packed):
         return fused.unpack(packed, box.shape.numel(), box.scale, box.dtype).as_strided(box.shape, box.stride)
-    table = _bit_table(box.scale, box.dtype, packed.device)
     if numpy is not None and type(packed) is torch.Tensor and packed.device.type == "cpu" \
             and box.dtype in _NUMPY_DTYPES:
+        table = _bit_table(box.scale, box.dtype, packed.device)
         # numpy's take (every index is in range: mode="clip" skips its bounds buffer) is about
         # twice as fast as index_select; the values are allocated by torch
         values = torch.empty((packed.numel() * 8,), dtype=box.dtype)
         numpy.take(table.numpy(), packed.numpy(), axis=0, out=values.numpy().reshape(-1, 8), mode="clip")
     else:
-        values = torch.index_select(table, 0, packed.int())
+        values = _unpack_with_torch(box)
     # the bits were taken in memory order from a dense tensor: the saved strides put every value
     # back in place, and a kernel's choice of memory format (and so of algorithm) cannot change
     return values.as_strided(box.shape, box.stride)
+
+
+def _unpack_with_torch(box: Any) -> torch.Tensor:
+    """The values of bits in torch operations (a GPU, meta), each elementwise: each byte shifted
+    right by 0..7, the lowest bit kept (0 or 1: read as bools with no pass), a select between the
+    two values. A gather of rows from a 256-row table was one operation fewer, but on a GPU it ran
+    at a tenth of the memory's speed: on an H200, 1,960 us for a 32x64x112x112 float32 activation
+    where these three take 148 us (and a mask, a comparison, a copy: 182 us; benchmarks/gpu_check.py
+    --sections codec)."""
+    packed = box.payload
+    bits = torch.bitwise_and(torch.bitwise_right_shift(packed.view(-1, 1), _shifts(packed.device)), 1)
+    bits = bits.view(torch.bool)
+    if box.scale == -1.0:
+        set_value, clear_value = 0.0, 1.0
+    else:
+        set_value, clear_value = box.scale, 0.0
+    return torch.where(bits, _constant(set_value, box.dtype, packed.device),
+                       _constant(clear_value, box.dtype, packed.device)).view(-1)
 
 
 _EMPTIES: dict[Any, torch.Tensor] = {}
