@@ -1,7 +1,7 @@
 """gradaudit's CUDA figures against a real GPU, in one run of a few minutes (the device check of the
 "Every torch users run" work): run it on the GPU machine's own torch, from a source tree.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py OUT_DIR [--budget 420] [--sections facts,zoo,fit,trim]
+    PYTHONPATH=. python benchmarks/gpu_check.py OUT_DIR [--budget 420] [--sections facts,zoo,fit,trim] [--cases ...]
 
 Sections, each writing ``OUT_DIR/<section>.json`` as it goes and printing a table:
 
@@ -26,7 +26,16 @@ Sections, each writing ``OUT_DIR/<section>.json`` as it goes and printing a tabl
   Times are medians over interleaved repeats of each variant's fastest step in a block of 3, with a
   second plain block against the first as the noise floor. Trimmed gradients are compared with plain ones.
   Where Triton is installed, trim(kernels="triton") too (one fused kernel to pack a save's bits, one to
-  unpack them): its step time against plain, and its gradients against plain ones.
+  unpack them): its step time against plain, and its gradients against plain ones. Per variant, from
+  torch.profiler over steady steps: kernels launched, GPU busy time and span, saves changed, and host
+  syncs (``set_sync_debug_mode("warn")``); a gzipped trace for two cases. A BERT with dropout.
+- codec: ways to pack and unpack a ReLU result's bits on the GPU side by side (GPU and host time per
+  call), and what a saved tensor's register_hooks and a forward hook cost on the host.
+- compiled: compiled models (ResNet-18 under aot_eager and inductor, a GPT-2 under inductor) on the GPU:
+  regions and held bytes counted off the step's graph and the allocator against the audit, every save's
+  record, verify=True; the same model on meta for CUDA; and an eager verify=True on the GPU's kernels.
+
+``--cases a,b``: only the trim and compiled cases whose names hold one of the substrings.
 """
 
 from __future__ import annotations
@@ -53,6 +62,11 @@ sys.path.insert(0, str(ROOT / ".dev" / "memsave"))
 import gradaudit  # noqa: E402
 
 MIB = 2**20
+CASES: list = []  # --cases: substrings; a trim or compiled case runs when its name holds one (empty: all)
+
+
+def wanted(name: str) -> bool:
+    return not CASES or any(part in name for part in CASES)
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
@@ -558,6 +572,8 @@ def trim_section(out: Path, budget: Budget, repeats: int, small: bool = False) -
     for scenario in SCENARIOS:
         if budget.left() < 0:
             break
+        if not wanted(f"ResNet-50 32x224 {scenario}"):
+            continue
         try:
             fresh()
             torch.manual_seed(0)
@@ -578,6 +594,8 @@ def trim_section(out: Path, budget: Budget, repeats: int, small: bool = False) -
     for setting in ("probe layer 4", "norm-only", "LoRA q,v r16"):
         if budget.left() < 0:
             break
+        if not wanted(f"Llama 8x1024 bf16 4x1024 {setting}"):
+            continue
         try:
             fresh()
             model = _hf("LlamaForCausalLM", torch.bfloat16, **LLAMA)(DEVICE)
@@ -599,7 +617,7 @@ def trim_section(out: Path, budget: Budget, repeats: int, small: bool = False) -
             traceback.print_exc(limit=4)
         write(out, "trim", rows)
     # a BERT whose dropouts are stock modules (on the GPU: native_dropout, whose node keeps a bool mask)
-    if budget.left() > 0:
+    if budget.left() > 0 and wanted("BERT 6x768 fp32 32x128 dropout, embeddings frozen"):
         try:
             fresh()
             model = _hf("BertForSequenceClassification", torch.float32, num_hidden_layers=6, hidden_act="relu")(DEVICE)
@@ -614,7 +632,7 @@ def trim_section(out: Path, budget: Budget, repeats: int, small: bool = False) -
             traceback.print_exc(limit=4)
         write(out, "trim", rows)
     # the audit's own cost on the GPU (per-op host work that a CPU forward hides)
-    if budget.left() > 0 and not small:
+    if budget.left() > 0 and not small and wanted("audit time"):
         fresh()
         model = torchvision.models.resnet50(num_classes=1000).to(DEVICE).train()
         x = torch.randn(32, 3, 224, 224, device=DEVICE)
@@ -1149,9 +1167,25 @@ def compiled_section(out: Path, budget: Budget) -> None:
              ("GPT-2 4x256 fp32 4x128 padded, labels, embeddings frozen", _compiled_gpt2, text, "inductor",
               lambda o: o.loss)]
     rows = []
+    if wanted("eager verify"):
+        # the proof on the GPU's own kernels: an eager ResNet-18 as above, its verdicts proven
+        fresh()
+        model = _compiled_resnet(DEVICE)
+        x = torch.randn(2, 3, 64, 64, device=DEVICE)
+        report = gradaudit.audit(model, x, verify=True)
+        rows.append({"case": "eager verify, ResNet-18 2x64 layer1+fc trained, rest eval",
+                     "verified": collections.Counter(f"{t.verdict}{' proven' if t.proven else ''}" for t in report.tensors),
+                     "unproven": collections.Counter(t.unproven[:60] for t in report.tensors if t.unproven),
+                     "disagreements": [(d.node, d.attr, d.static, d.proven) for d in report.disagreements],
+                     "reclaimable": report.reclaimable_bytes, "findings": len(report.findings)})
+        print(rows[-1], flush=True)
+        write(out, "compiled", rows)
+        del model, x
     for name, build, make_inputs, backend, loss_fn in cases:
         if budget.left() < 45:
             break
+        if not wanted(f"{name} {backend}"):
+            continue
         try:
             row = _compiled_case(name, build, make_inputs, backend, loss_fn)
         except Exception as error:  # noqa: BLE001
@@ -1169,9 +1203,12 @@ def main() -> None:
     parser.add_argument("--sections", default="facts,zoo,fit,trim")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--small", action="store_true", help="trim on small inputs (a smoke test on the CPU)")
+    parser.add_argument("--cases", default="", help="comma-separated substrings: only the trim and compiled cases "
+                        "whose names hold one")
     parser.add_argument("--zoo-share", type=float, default=0.3, help="share of the budget the zoo may take")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    CASES.extend(part for part in args.cases.split(",") if part)
     sections = args.sections.split(",")
     unknown = set(sections) - {"facts", "zoo", "fit", "trim", "gaps", "profile", "determinism", "fitcuda", "compiled", "codec"}
     if unknown:

@@ -289,7 +289,7 @@ def trim(model: nn.Module, *, bitpack: bool = True, masks: str = "bits", kernels
     element, 75% freed, one operation to make and one to unpack. ``plan`` and ``fit`` count bits.
 
     ``kernels``: what packs and unpacks bits on a GPU: ``"torch"`` (the default), torch operations
-    (three kernels to pack a save, two to unpack it); ``"triton"``, one fused Triton kernel each way
+    (three elementwise kernels each way); ``"triton"``, one fused Triton kernel each way
     (Triton must be installed), the same bytes, so plans and fits count them alike. Elsewhere (the
     CPU, meta) the torch path runs either way.
 
