@@ -31,7 +31,9 @@ def attribute(node: Any, attrs: list[str], tensors: list[Optional[torch.Tensor]]
     path, cls, line = region
     found = []
     for tensor, origin in zip(tensors, origins):
-        module, module_class = path, cls
+        # the module paths of the original model, as an eager audit names them (an OptimizedModule's
+        # _orig_mod left out): the region's own where the graph names none (the model's own code)
+        module, module_class = original_path(path), cls
         if origin.module is not None:
             # the module paths of the original model, as an eager audit names them (an
             # OptimizedModule's _orig_mod left out)

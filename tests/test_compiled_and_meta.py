@@ -36,6 +36,14 @@ def test_a_compiled_model_is_named_as_such(compiled):
     note, = [n for n in report.notes if "torch.compile" in n]
     assert "eager=True" in note and "compiler's choice" in note
     assert report.findings == []  # no per-op verdicts inside a compiled region
+    # the summary says why its saves have no verdict: not that no rule knows their op
+    from gradaudit.report.text import render
+
+    text = render(report, width=None)
+    assert "have no verdict (kept by compiled regions, judged by --verify alone)" in text
+    assert "no rule knows" not in text
+    proven = render(gradaudit.audit(compiled, x, verify=True), width=None)
+    assert "kept by compiled regions, whose proof leaves parameters, buffers and inputs alone" in proven
 
 
 class _Attention(nn.Module):
@@ -187,6 +195,54 @@ def test_a_compiled_resnets_unread_saves_are_proven_found_and_truly_unread(compi
     plain, poisoned = gradients(set()), gradients(unread)
     assert len(plain) == len(poisoned) > 0
     assert all(torch.equal(a, b) for a, b in zip(plain, poisoned))
+
+
+def test_a_compiled_hugging_face_model_is_audited_as_its_user_runs_it():
+    """A GPT-2 from a config, trained as users train it (no cache, a padded batch with labels, the token
+    embeddings frozen), compiled with aot_eager: the audit sees the regions a plain run of the compiled
+    model makes (2: the model breaks its graph once by itself) and no eager save between them, its bytes
+    are those the plain run's graph keeps, and every save is attributed to the module whose code made it,
+    with a line of transformers' sources: a module other than the root, but for the loss's."""
+    if not torchapi.has("compiler stance"):
+        pytest.skip("torch.compile is missing its stance API")
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0, use_cache=False)
+    model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation="sdpa").train()
+    model.transformer.wte.requires_grad_(False)
+    ids = torch.randint(3, 1000, (2, 32))
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[1, 20:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    modules = dict(model.named_modules())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(model, backend="aot_eager")
+        try:
+            loss = compiled(**batch).loss
+            regions, held = _compiled_saves(loss, model, ids)
+            eager_saves = [n for n in _nodes(loss) if type(n).__name__ != "CompiledFunctionBackward"
+                           and any(name.startswith("_saved_") for name in dir(n))]
+            del loss
+            report = gradaudit.audit(compiled, batch)
+        finally:
+            torch._dynamo.reset()
+    assert regions == 2 and held > 0
+    assert sum(n.name == "CompiledFunctionBackward" for n in report.nodes) == regions
+    assert report.saved_bytes == held
+    assert all(t.node == "CompiledFunctionBackward" for t in report.tensors) and not eager_saves
+    # the loss is the model's own code (GPT2LMHeadModel.forward calls it): its saves are the root's, named
+    # as an eager audit names the root (not the compiled wrapper's "_orig_mod"); every other save is
+    # on the module whose forward made it
+    own = [t for t in report.tensors if t.source.startswith("transformers/loss/")]
+    assert own and all(t.module == "" and t.module_class == "GPT2LMHeadModel" for t in own)
+    rest = [t for t in report.tensors if t not in own]
+    assert all(t.module in modules and t.module != "" for t in rest), \
+        sorted({t.module for t in rest if t.module not in modules or t.module == ""})
+    assert all(t.source.startswith("transformers/") for t in report.tensors)
+    assert any(t.module.startswith("transformer.h.1.attn") for t in report.tensors)
 
 
 def _nodes(loss: torch.Tensor) -> list:

@@ -32,7 +32,7 @@ def scan_json(*args: str) -> dict:
 
 
 @pytest.mark.parametrize("name", ["resnet_surgical", "llama_probe", "bert_checkpointing", "custom_function",
-                                  "parallel_llama", "qwen_lora"])
+                                  "parallel_llama", "qwen_lora", "resnet_compiled"])
 def test_each_example_says_what_question_it_answers(name):
     doc = load(name).__doc__
     assert doc and "?" in doc.split("\n\n")[0]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..records import Report, Severity
+from ..records import UNKNOWN, Report, Severity
+from ..torchapi.compiler import COMPILED_NODE
 from .units import human_bytes, share
 from .views import ranked_findings, selection
 
@@ -89,9 +90,25 @@ def _figures(report: Report, paint: "_Painter") -> list[str]:
         lines.append(paint(f"  {summary['uncounted_tensors']} saved tensors are not in these bytes: their "
                            f"size is unknown (sparse or other non-strided layout)", "dim"))
     if summary["unknown_tensors"]:
-        lines.append(paint(f"  {summary['unknown_tensors']} saved tensors have no verdict (no rule knows "
-                           f"their op); see the report's unexplained list", "dim"))
+        lines.append(paint(f"  {summary['unknown_tensors']} saved tensors have no verdict ({_why_unknown(report)}); "
+                           f"see the report's unexplained list", "dim"))
     return lines
+
+
+def _why_unknown(report: Report) -> str:
+    """Why the saves with no verdict have none: a compiled region's are judged by the proof alone,
+    which leaves parameters, buffers and inputs (alive anyway) unproven; the rest have no rule."""
+    unknown = [t for t in report.tensors if t.held and t.verdict == UNKNOWN]
+    compiled = sum(t.node == COMPILED_NODE for t in unknown)
+    if not compiled:
+        return "no rule knows their op"
+    rest = len(unknown) - compiled
+    count = f"{compiled} " if rest else ""
+    if report.verified:
+        region = f"{count}kept by compiled regions, whose proof leaves parameters, buffers and inputs alone"
+    else:
+        region = f"{count}kept by compiled regions, judged by --verify alone"
+    return region if not rest else f"{region}; {rest} whose op no rule knows"
 
 
 def _findings(report: Report, paint: "_Painter", top: int, width: Optional[int]) -> list[str]:
