@@ -191,15 +191,16 @@ def _pack_bits_with_torch(mask: torch.Tensor) -> torch.Tensor:
     the low 64 bits of the product, as every torch backend's integer multiplication does."""
     count = mask.numel()
     if count % 8 == 0 and mask.is_contiguous() and mask.storage_offset() % 8 == 0:
-        octets = mask.view(torch.uint8)
+        octets = mask
     else:
         octets = torch.zeros((((count + 7) // 8) * 8,), dtype=torch.uint8, device=mask.device)
         octets[:count] = mask.view(torch.uint8)
     if not _LITTLE_ENDIAN:
         weights = _bit_weights(mask.device)
-        return torch.sum(octets.view(-1, 8) * weights, dim=1, dtype=torch.uint8)
+        return torch.sum(octets.view(torch.uint8).view(-1, 8) * weights, dim=1, dtype=torch.uint8)
+    # (each view is a dispatch too, a few microseconds of host time: as few as the layout allows)
     words = torch.mul(octets.view(torch.int64), _GATHER)
-    return words.view(torch.uint8).view(-1, 8)[:, 7].contiguous()
+    return words.view(torch.uint8)[7::8].contiguous()
 
 
 # sum of 2**(56 - 7k), k = 0..7: gathers the low bit of each byte of a word into its top byte
@@ -270,12 +271,15 @@ _CONSTANTS: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def unpack_bytes(box: Any) -> torch.Tensor:
-    """The values of a byte-packed save: one select from its bool mask (in memory order)."""
+    """The values of a byte-packed save: one select from its bool mask (in memory order, or in the
+    save's own layout: then the select's result has it too, and needs no view)."""
     mask = box.payload
     if box.scale == -1.0:
         values = torch.where(mask, _constant(0.0, box.dtype, mask.device), _constant(1.0, box.dtype, mask.device))
     else:
         values = torch.where(mask, _constant(box.scale, box.dtype, mask.device), _constant(0.0, box.dtype, mask.device))
+    if values.shape == box.shape and values.stride() == box.stride:
+        return values
     return values.as_strided(box.shape, box.stride)
 
 
@@ -317,7 +321,7 @@ def _unpack_with_torch(box: Any) -> torch.Tensor:
     else:
         set_value, clear_value = box.scale, 0.0
     return torch.where(bits, _constant(set_value, box.dtype, packed.device),
-                       _constant(clear_value, box.dtype, packed.device)).view(-1)
+                       _constant(clear_value, box.dtype, packed.device))
 
 
 _EMPTIES: dict[Any, torch.Tensor] = {}

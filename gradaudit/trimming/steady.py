@@ -92,11 +92,16 @@ def _unpack_dropped(saved: tuple) -> torch.Tensor:
 
 
 def _bit_packer(packer: Callable) -> Callable[[torch.Tensor], Any]:
+    # a byte packer's comparison is elementwise: on the dense tensor itself its bools come in its own
+    # layout (one dispatch fewer to pack, and to unpack: codec.unpack_bytes); bits are packed from the
+    # values in memory order
+    flat = packer not in _BYTE_PACKERS
+
     def pack(t: torch.Tensor) -> Any:
         if not t.is_floating_point() or t.numel() == 0 or not dense(t):
             return _Kept(t)
         with torch.no_grad():
-            found = packer(t.as_strided((t.numel(),), (1,)))
+            found = packer(t.as_strided((t.numel(),), (1,)) if flat else t)
         if found is None:
             return _Kept(t)
         return _Bits(found[0], found[1], t)
@@ -118,6 +123,7 @@ def _unpack_fused(saved: Any) -> torch.Tensor:
     return unpack_bits(saved, fused_kernels=True)
 
 
+_BYTE_PACKERS = frozenset(BYTES.values())
 # one pack function per packer, made once (the steady state's saves share them)
 _PACK_BITS = {packer: _bit_packer(packer)
               for packer in [*PACKERS.values(), scaled_mask, *BYTES.values(), *FUSED.values()]}
@@ -134,9 +140,9 @@ def _dropout_packer(scale: float, dtype: torch.dtype, form: str) -> Callable[[to
         if t.dtype != dtype or t.numel() == 0 or not dense(t):
             return _Kept(t)
         with torch.no_grad():
-            flat = t.as_strided((t.numel(),), (1,))
             if form == "bytes":
-                return _Bits(flat != 0, scale, t)
+                return _Bits(t != 0, scale, t)
+            flat = t.as_strided((t.numel(),), (1,))
             return _Bits(dropout_mask(flat, scale, fused_kernels=form == "fused"), scale, t)
 
     return pack
