@@ -19,6 +19,7 @@ from .rules.registry import check_codes
 from .tracking import held_after_forward
 from .tensors import ModelTree, first_meta_parameter, iter_tensors, split_inputs, unique
 from .values import to_meta
+from .compiled import compiled_paths, ran_eagerly_note
 from .torchapi.compiler import COMPILED_NODE, compiled_original, force_eager, keeping_graphs
 from .torchapi.distributed import distributed_rank, wait_unwaited
 from .torchapi.fsdp import fsdp_reshard, fsdp_unsharded_parameters
@@ -217,7 +218,7 @@ def _notes_after(model: nn.Module, report: Report, emulated: Any) -> list[str]:
         notes.extend(_rank_notes(report))
     if emulated is not None:
         notes.extend(emulated.notes)
-    notes.extend(_compiled_notes(model, report))
+    notes.extend(_compiled_notes(model, report, emulated is not None))
     if trimmed_now(model):
         # trim stands aside while gradaudit audits (its hooks would hide the saves from the audit)
         notes.append(
@@ -268,12 +269,13 @@ def _forward_failure(error: Exception, on_meta: bool) -> str:
     return message
 
 
-def _compiled_notes(model: nn.Module, report: Report) -> list[str]:
+def _compiled_notes(model: nn.Module, report: Report, on_meta: bool) -> list[str]:
     """What a torch.compile'd model's report can and cannot say."""
     regions = sum(1 for n in report.nodes if n.name == COMPILED_NODE)
     if not regions:
-        return []
-    compiled = [path or "the model" for path, m in model.named_modules() if compiled_original(m) is not None]
+        eager = ran_eagerly_note(model, on_meta)
+        return [eager] if eager else []
+    compiled = compiled_paths(model)
     where = f" ({', '.join(compiled[:5])})" if compiled else ""
     return [f"{regions} torch.compile'd region{'s' if regions > 1 else ''}{where} ran as one compiled graph each "
             f"({COMPILED_NODE}): what such a region keeps for backward is the compiler's choice, "

@@ -46,6 +46,32 @@ def test_a_compiled_model_is_named_as_such(compiled):
     assert "kept by compiled regions, whose proof leaves parameters, buffers and inputs alone" in proven
 
 
+def test_a_compiled_model_on_meta_runs_eagerly_and_says_so(compiled):
+    """On meta TorchDynamo does not compile under the emulation: the audit and fit say their figures are
+    eager autograd's, not the compiled graph's, instead of passing them off as the compiled model's."""
+    meta = torch.compile(_frozen_mlp().to("meta"), backend="aot_eager")
+    x = torch.randn(8, 16, device="meta")
+    report = gradaudit.audit(meta, x, target="cuda")
+    assert not [n for n in report.nodes if n.name == "CompiledFunctionBackward"]
+    note, = [n for n in report.notes if "torch.compile'd" in n]
+    assert "ran eagerly here (on the meta device" in note and "not what its compiled graphs keep" in note
+    fitted = gradaudit.fit(meta, x, memory="1GiB", target="cuda", remedy=False)
+    assert any("ran eagerly here" in n for n in fitted.notes)
+    # on the CPU the compiled step itself is measured, and fit says which it measured
+    on_cpu = gradaudit.fit(compiled, torch.randn(8, 16), memory="1GiB", remedy=False)
+    assert any("its compiled step's as it ran here" in n for n in on_cpu.notes)
+
+
+def test_plan_refuses_a_compiled_model_and_says_what_to_plan_instead(compiled):
+    """Checkpointing inside a compiled region compiles it anew: plan cannot predict what it keeps then,
+    and says so in one message naming what to do, instead of finding no candidate block."""
+    from gradaudit.errors import GradauditError
+
+    with pytest.raises(GradauditError, match=r"plan cannot plan a torch.compile'd model \(1 compiled region ran\)"
+                                             r".*plan\(model._orig_mod"):
+        gradaudit.plan(compiled, torch.randn(8, 16), budget="1KiB")
+
+
 class _Attention(nn.Module):
     """Self-attention through F.scaled_dot_product_attention, whose call the audit records."""
 

@@ -17,7 +17,8 @@ from .. import torchapi
 from ..auditing import audit
 from ..conditions import as_audited, meta_inputs, prepare_data_parallel, runs_on_meta
 from ..errors import GradauditError
-from ..records import Bound, Cost
+from ..records import Bound, Cost, Report
+from ..torchapi.compiler import COMPILED_NODE
 from ..sizes import as_bytes
 from ..torchapi.checkpoint import checkpointing_off
 from ..values import is_assumption_note
@@ -223,6 +224,7 @@ def _audit(run: _Run, paths: Sequence[str], bitpack: Optional[bool], say: Callab
     tensors is refused (``_refuse_opaque``)."""
     say(f"auditing the forward ({len(paths)} candidate blocks)")
     report = audit(run.model, run.inputs, trainable=run.trainable, frozen=run.frozen, watch=paths, target=run.target)
+    _refuse_compiled(report)
     now = checkpointed_now(report)
     if not now:
         _refuse_opaque(report)
@@ -238,6 +240,19 @@ def _audit(run: _Run, paths: Sequence[str], bitpack: Optional[bool], say: Callab
                              f"from what it would hold; turn it off and plan again")
     _refuse_opaque(report)
     return _Audited(report, now, current_held)
+
+
+def _refuse_compiled(report: Report) -> None:
+    """A model whose forward ran compiled regions cannot be planned: checkpointing a block inside one
+    compiles it anew, and what the region keeps then is the partitioner's choice."""
+    regions = sum(1 for n in report.nodes if n.name == COMPILED_NODE)
+    if regions:
+        raise GradauditError(
+            f"plan cannot plan a torch.compile'd model ({regions} compiled region{'s' if regions > 1 else ''} ran): "
+            f"checkpointing a block inside a region compiles it anew, and what the region keeps then is the "
+            f"partitioner's choice, which plan cannot tell without compiling each candidate. Plan the model "
+            f"before compiling (plan(model._orig_mod, ...); scan --eager shows its figures), checkpoint the "
+            f"blocks it chooses, then compile; an audit or fit of the compiled model measures what it keeps")
 
 
 def _candidates(run: _Run, blocks: Optional[Sequence[str]], say: Callable[[str], None]
