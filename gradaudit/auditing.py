@@ -19,7 +19,7 @@ from .rules.registry import check_codes
 from .tracking import held_after_forward
 from .tensors import ModelTree, first_meta_parameter, iter_tensors, split_inputs, unique
 from .values import to_meta
-from .compiled import compiled_paths, ran_eagerly_note
+from .compiled import compare_with_eager, compiled_paths, ran_eagerly_note
 from .torchapi.compiler import COMPILED_NODE, compiled_original, force_eager, keeping_graphs
 from .torchapi.distributed import distributed_rank, wait_unwaited
 from .torchapi.fsdp import fsdp_reshard, fsdp_unsharded_parameters
@@ -39,6 +39,7 @@ def audit(
     progress: Optional[Callable[[str], None]] = None,
     watch: Sequence[str] = (),
     target: Optional[str] = None,
+    compare_eager: bool = False,
 ) -> Report:
     """Run one forward of ``model`` on ``inputs`` and report what autograd saved for backward.
 
@@ -64,10 +65,15 @@ def audit(
         pick on an H100, fused dropout) and ``torch.autocast`` is emulated as that device's. An audit on a real device
         audits that device: a target other than its device type raises GradauditError.
         ``Report.target`` records it.
+    compare_eager: a ``torch.compile``'d model audited again with ``eager=True``: what eager autograd would
+        hold, per module too (``Report.eager``); a model that ran no compiled region raises GradauditError.
 
     The model is left exactly as found: parameters, buffers, requires_grad flags, ``.grad``,
     train/eval flags, the RNG state and module hooks - also when the forward raises.
     """
+    if compare_eager:
+        return _compared_with_eager(model, inputs, verify=verify, trainable=trainable, frozen=frozen, select=select,
+                                    ignore=ignore, eager=eager, progress=progress, watch=watch, target=target)
     model, inputs, stage_note = one_stage(model, inputs) if is_schedule(model) else (model, inputs, None)
     model, trainable, frozen = _checked_model(model, trainable, frozen, eager)
     select, ignore = check_codes(select, "select entry"), check_codes(ignore, "ignore entry")
@@ -88,17 +94,11 @@ def audit(
         after = ModelTree(model)  # as the forward left it (a lazy module has parameters now)
         say("walking the autograd graph")
         recording = recorder.collect(outputs, _leaf_names(model, after, input_tensors))
-        prove = None
-        if verify:
-            from .verify import prove  # noqa: WPS433 (imported only when asked for)
-        measured = {}
-        if _attention_dropout_chose_math(recording):
-            say("measuring the forward without attention dropout")
-            measured["held_without_attention_dropout"] = _held_without_attention_dropout(model, inputs, target, on_meta)
-            after = ModelTree(model)
+        measured = _measured_beside(recording, model, inputs, target, on_meta, say)
+        after = ModelTree(model) if measured else after  # a second forward may have made parameters
         say("analysing saved tensors")
-        report = build_report(model, recording, inputs=input_tensors, verify=verify, select=select,
-                              ignore=ignore, prove=prove, measured=measured, target=target, tree=after)
+        report = build_report(model, recording, inputs=input_tensors, verify=verify, select=select, ignore=ignore,
+                              prove=_prover() if verify else None, measured=measured, target=target, tree=after)
         del recording, output, outputs
     finally:
         fsdp_reshard(model)  # (FSDP2) the root keeps its gathered parameters after a forward
@@ -156,6 +156,37 @@ def _checked_model(model: Any, trainable: Any, frozen: Any,
     if eager and compiled_original(model) is not None:
         model = compiled_original(model)  # its module paths, without "_orig_mod."
     return model, trainable, frozen
+
+
+def _prover() -> Callable[..., Any]:
+    from .verify import prove  # noqa: WPS433 (imported only when asked for)
+    return prove
+
+
+def _measured_beside(recording: Any, model: nn.Module, inputs: Any, target: str, on_meta: bool,
+                     say: Callable[[str], None]) -> dict[str, int]:
+    """Figures a second forward measures beside the recorded one: where attention dropout made the
+    math kernel run, what the model holds without it."""
+    if not _attention_dropout_chose_math(recording):
+        return {}
+    say("measuring the forward without attention dropout")
+    return {"held_without_attention_dropout": _held_without_attention_dropout(model, inputs, target, on_meta)}
+
+
+def _compared_with_eager(model: nn.Module, inputs: Any, **options: Any) -> Report:
+    """``audit(compare_eager=True)``: the audit as asked, and beside it one with eager=True."""
+    if options["eager"]:
+        raise GradauditError("compare_eager=True compares the compiled run with an eager one: drop eager=True")
+    say = options["progress"] or (lambda step: None)
+    report = audit(model, inputs, **options)
+    if not any(n.name == COMPILED_NODE for n in report.nodes):
+        where = " (on the meta device a compiled model runs eagerly)" if report.device == "meta" else ""
+        raise GradauditError(f"compare_eager=True: the model ran no torch.compile'd region{where}, so there is no "
+                             f"compiled run to compare with eager; drop compare_eager")
+    say("auditing the model again, eagerly")
+    eager = audit(model, inputs, **{**options, "eager": True})
+    report.eager = compare_with_eager(report, eager)
+    return report
 
 
 def _check_verify(verify: bool, on_meta: bool) -> None:
@@ -282,4 +313,5 @@ def _compiled_notes(model: nn.Module, report: Report, on_meta: bool) -> list[str
             f"counted in the byte figures and attributed to the module and line its graphs name (each "
             f"save's reason names the ops that make and read it); verdicts and findings (GA003) come "
             f"from the proof alone (verify=True, scan --verify). To see what eager autograd would keep "
-            f"and which fixes apply, audit with eager=True (gradaudit scan --eager)"]
+            f"and which fixes apply, audit with eager=True (gradaudit scan --eager); both side by side, per "
+            f"module: compare_eager=True (scan --compare-eager)"]

@@ -5,13 +5,16 @@ model's parameters."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from .sites import traced_source_line
 from .torchapi.compiler import SavedOrigin, compiled_original, original_path, saved_origins
+
+if TYPE_CHECKING:
+    from .records import EagerComparison, Report
 
 # (module path, module class, source line, origin, parameter it copies) of one save
 Attribution = tuple[str, str, Optional[str], SavedOrigin, Optional[str]]
@@ -104,4 +107,22 @@ def ran_eagerly_note(model: nn.Module, on_meta: bool) -> Optional[str]:
             f"433,586,176 B). For the compiled figures run it on the CPU or the GPU: the partitioner is the same, "
             f"and for that ResNet-18 the CPU's graph keeps the GPU's bytes, but where a kernel differs between "
             f"devices (attention, batch norm) a region can keep other tensors")
+
+
+def compare_with_eager(compiled: "Report", eager: "Report") -> "EagerComparison":
+    """Per module, what the compiled regions' saves hold (``compiled``, attributed to the module whose op
+    reads each) beside what eager autograd's saves hold (``eager``, an audit of the same model with
+    eager=True); modules either holds something in, largest change first."""
+    from .records import EagerComparison, ModuleChange
+
+    compiled_by = {m.path: m for m in compiled.modules}
+    eager_by = {m.path: m for m in eager.modules}
+    rows = []
+    for path in {*compiled_by, *eager_by}:
+        was, now = eager_by.get(path), compiled_by.get(path)
+        eager_bytes, compiled_bytes = (was.own_bytes if was else 0), (now.own_bytes if now else 0)
+        if eager_bytes or compiled_bytes:
+            rows.append(ModuleChange(path, (now or was).module_class, eager_bytes, compiled_bytes))
+    rows.sort(key=lambda m: (-abs(m.compiled_bytes - m.eager_bytes), m.path))
+    return EagerComparison(eager.saved_bytes, eager.reclaimable_with_bitpacking_bytes, rows)
 

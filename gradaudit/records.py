@@ -383,6 +383,34 @@ class ModuleTotal:
 
 
 @dataclass
+class ModuleChange:
+    """One module's own saves compiled and eager (``EagerComparison``)."""
+
+    path: str
+    module_class: str
+    eager_bytes: int  # held by the saves eager autograd makes in its forward
+    compiled_bytes: int  # held by the compiled regions' saves attributed to it
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class EagerComparison:
+    """What the same model run eagerly holds, beside what its compiled regions hold
+    (``audit(..., compare_eager=True)``): the eager audit's figures and, per module, both."""
+
+    saved_bytes: int
+    reclaimable_with_bitpacking_bytes: int
+    modules: list[ModuleChange]  # every module either holds something in, largest change first
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"saved_bytes": self.saved_bytes,
+                "reclaimable_with_bitpacking_bytes": self.reclaimable_with_bitpacking_bytes,
+                "modules": [m.to_dict() for m in self.modules]}
+
+
+@dataclass
 class Report:
     """The result of one audit. Plain data; ``to_dict()`` is the JSON form (docs/json.md)."""
 
@@ -426,6 +454,8 @@ class Report:
     # FSDP2 gathered parameters the forward saved: resharded after it (nothing held), gathered again
     # for backward; their bytes once gathered, each storage once
     regathered_bytes: int = 0
+    # audit(compare_eager=True) of a compiled model: what the model run eagerly holds, per module too
+    eager: Optional[EagerComparison] = None
 
     @property
     def held_tensors(self) -> list[SavedTensor]:
@@ -490,6 +520,7 @@ class Report:
             # present only for an audit of one rank of a distributed run
             **({"world": {"size": self.world_size, "rank": self.rank, "regathered_bytes": self.regathered_bytes}}
                if self.world_size > 1 else {}),
+            **({"eager": self.eager.to_dict()} if self.eager is not None else {}),
         }
 
     def __repr__(self) -> str:  # keep the repr short: reports can hold thousands of tensors

@@ -203,6 +203,17 @@ REPORT = {
         "regathered_bytes": Field(INT, "the storages of the FSDP2 gathered weights the forward saved, padded as "
                                        "FSDP2 gathers them, gathered again for backward"),
     }, optional=True),
+    "eager": Field(OBJ, "only with `compare_eager=True` (`scan --compare-eager`) for a compiled model: what the same "
+                        "model run eagerly holds", {
+        "saved_bytes": Field(INT, "held by eager autograd's saves"),
+        "reclaimable_with_bitpacking_bytes": Field(INT, "of those, what eager's fixes free"),
+        "modules": Field(LIST, "per module either run holds something in, largest change first", {
+            "path": MODULE["path"],
+            "module_class": MODULE["module_class"],
+            "eager_bytes": Field(INT, "held by the saves its eager forward makes"),
+            "compiled_bytes": Field(INT, "held by the compiled regions' saves attributed to it"),
+        }),
+    }, optional=True),
 }
 
 BLOCK = {

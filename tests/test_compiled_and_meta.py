@@ -271,6 +271,57 @@ def test_a_compiled_hugging_face_model_is_audited_as_its_user_runs_it():
     assert any(t.module.startswith("transformer.h.1.attn") for t in report.tensors)
 
 
+def _eager_saves(loss: torch.Tensor, model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the storages every node of a plain eager run's graph keeps beside the parameters,
+    buffers and the input (its ``_saved_*`` attributes), each storage once: the independent count."""
+    alive = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), x]}
+    storages = {}
+    for node in _nodes(loss):
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                value = getattr(node, name)
+                for t in value if isinstance(value, (tuple, list)) else [value]:
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in alive:
+                        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def test_compare_eager_puts_what_eager_autograd_holds_beside_each_module(compiled_resnet, tmp_path):
+    """compare_eager=True: beside the compiled figures, what the same model run eagerly holds (equal to a
+    plain eager run's graph, counted independently) and, per module, both runs' own bytes, largest
+    change first; in the JSON document (valid against its schema), the terminal and the HTML report."""
+    import json
+
+    import jsonschema
+
+    from gradaudit.errors import GradauditError
+    from gradaudit.report import html
+    from gradaudit.report.text import render
+    from gradaudit.schemas import json_schema
+
+    model, compiled, x = compiled_resnet
+    eager_held = _eager_saves(model(x).sum(), model, x)
+    report = gradaudit.audit(compiled, x, compare_eager=True)
+    assert report.eager is not None and report.eager.saved_bytes == eager_held > 0
+    rows = report.eager.modules
+    assert sum(m.eager_bytes for m in rows) == eager_held  # every eager byte sits on one module
+    assert sum(m.compiled_bytes for m in rows) == report.saved_bytes
+    changes = [abs(m.compiled_bytes - m.eager_bytes) for m in rows]
+    assert changes == sorted(changes, reverse=True)
+    assert {m.path for m in rows} <= set(dict(model.named_modules()))
+    document = report.to_dict()
+    jsonschema.validate(document, json_schema("report"))
+    assert document["eager"]["saved_bytes"] == eager_held
+    assert "eager" not in gradaudit.audit(compiled, x).to_dict()
+    text = render(report, width=None)
+    assert "Compiled against eager" in text and "eager autograd would hold" in text
+    assert 'id="compare-eager"' in html.render(report)
+    with pytest.raises(GradauditError, match="ran no torch.compile'd region"):
+        gradaudit.audit(model, x, compare_eager=True)
+    with pytest.raises(GradauditError, match="drop eager=True"):
+        gradaudit.audit(compiled, x, compare_eager=True, eager=True)
+
+
 def _nodes(loss: torch.Tensor) -> list:
     found, stack, seen = [], [loss.grad_fn], set()
     while stack:

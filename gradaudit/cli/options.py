@@ -41,6 +41,7 @@ class CommandOptions:
     memory_viz: Optional[str] = None  # the memory_viz snapshot (a pickle)
     verify: bool = False
     eager: bool = False
+    compare_eager: bool = False
     select: tuple[str, ...] = ()
     ignore: tuple[str, ...] = ()
     fail_on_waste: bool = False

@@ -48,7 +48,8 @@ def run_scan(options: CommandOptions) -> int:
     model, inputs, where = prepare_for_target(options)
     report = audit(model, inputs, verify=options.verify, eager=options.eager, trainable=options.trainable_patterns,
                    frozen=list(options.freeze), select=options.select, ignore=options.ignore,
-                   progress=options.progress, target=options.target if where == "meta" else None)
+                   progress=options.progress, target=options.target if where == "meta" else None,
+                   compare_eager=options.compare_eager)
 
     options.progress("writing the reports")
     _write_reports(report, options, output)
@@ -215,6 +216,9 @@ def _thresholds(report: Any, options: CommandOptions, limit: Optional[int]) -> i
               "finding together would free more than SIZE (e.g. 64MiB).")
 @click.option("--eager", is_flag=True, help="Run torch.compile'd parts of the model eagerly, so that what "
               "eager autograd keeps is audited op by op (a compiled region is otherwise one opaque node).")
+@click.option("--compare-eager", is_flag=True, help="For a torch.compile'd model: audit it eagerly too, and show "
+              "beside the compiled figures what eager autograd would hold, per module (what compiling gives back "
+              "and what it adds).")
 @click.option("--trim", is_flag=True, help="Also measure held and peak memory with gradaudit.trim.")
 @quiet_option
 @click.option("-v", "--verbose", count=True, help="List more findings (-v: 50, -vv: all).")
@@ -222,8 +226,8 @@ def _thresholds(report: Any, options: CommandOptions, limit: Optional[int]) -> i
 def scan(spec: str, model: dict[str, Any], html: str, no_html: bool, json_path: Optional[str], svg: Optional[str],
          dot: Optional[str], memory_viz: Optional[str], verify: bool,
          select: tuple[str, ...], ignore: tuple[str, ...], fail_on_waste: bool,
-         max_reclaimable: Optional[str], eager: bool, trim: bool, output_format: str, quiet: bool, verbose: int,
-         debug: bool) -> None:
+         max_reclaimable: Optional[str], eager: bool, compare_eager: bool, trim: bool, output_format: str,
+         quiet: bool, verbose: int, debug: bool) -> None:
     """Audit the model built by SPEC (path/to/file.py:factory or package.module:factory).
 
     The factory takes no arguments and returns a torch.nn.Module, or (module, inputs). Without
@@ -237,6 +241,7 @@ def scan(spec: str, model: dict[str, Any], html: str, no_html: bool, json_path: 
       gradaudit scan mymodel.py:make --input-shape 8,3,224,224 --trainable 'fc.*'
       gradaudit scan mymodel.py:make --inputs mymodel.py:batch --fail-on-waste --ignore GA401
       gradaudit scan examples/resnet_surgical.py:build --memory-viz held.pickle
+      gradaudit scan examples/resnet_compiled.py:build --compare-eager
     """
     progress = Progress(enabled=sys.stderr.isatty() and not quiet)
     if output_format == "json":
@@ -252,7 +257,7 @@ def scan(spec: str, model: dict[str, Any], html: str, no_html: bool, json_path: 
                                "with --rank R")
     options = CommandOptions(
         spec=spec, **model, html=None if no_html else html, json=json_path, output_format=output_format, svg=svg,
-        dot=dot, memory_viz=memory_viz, verify=verify, eager=eager,
+        dot=dot, memory_viz=memory_viz, verify=verify, eager=eager, compare_eager=compare_eager,
         select=split_codes(select), ignore=split_codes(ignore), fail_on_waste=fail_on_waste,
         max_reclaimable=max_reclaimable, top={0: 10, 1: 50}.get(verbose, 1_000_000), quiet=quiet, trim=trim,
         progress=progress, schedules=True,

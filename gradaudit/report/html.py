@@ -21,7 +21,7 @@ from ..records import Report
 from ..rules.registry import get_rule
 from . import graph
 from .jsonout import finite
-from .units import human_bytes, share
+from .units import human_bytes, share, signed_bytes
 from .views import module_bitpacking_totals, ranked_findings, selection, timeline
 
 # The module picture lists at most this many rows, cutting at the deepest level that fits.
@@ -43,6 +43,7 @@ def environment() -> jinja2.Environment:
             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
         )
         _env.filters["bytes"] = human_bytes
+        _env.filters["signed_bytes"] = signed_bytes
     return _env
 
 

@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 from ..records import UNKNOWN, Report, Severity
 from ..torchapi.compiler import COMPILED_NODE
-from .units import human_bytes, share
+from .units import human_bytes, share, signed_bytes
 from .views import ranked_findings, selection
 
 _RESET = "\033[0m"
@@ -53,6 +53,8 @@ def render(report: Report, *, color: bool = False, top: int = 10, width: Optiona
     lines += _findings(report, paint, top, width) + [""]
     modules = _modules(report, paint, top, width)
     lines += modules + ([""] if modules else [])
+    compared = _compared(report, paint, top, width)
+    lines += compared + ([""] if compared else [])
     for note in report.notes:
         lines.append(_clip(f"note: {note}", width) if width is not None and len(note) < width else f"note: {note}")
     return "\n".join(lines).rstrip() + "\n"
@@ -159,3 +161,26 @@ def _modules(report: Report, paint: "_Painter", top: int, width: Optional[int]) 
         text = _clip("  " + "  ".join(row).rstrip(), width)
         lines.append(paint(text, "dim") if i == 0 else text)
     return lines
+
+
+def _compared(report: Report, paint: "_Painter", top: int, width: Optional[int]) -> list[str]:
+    """With ``compare_eager``: what the model run eagerly holds, and the ``top`` modules whose own saves
+    changed most by compiling (none asked: no lines)."""
+    if report.eager is None:
+        return []
+    eager = report.eager
+    change = report.saved_bytes - eager.saved_bytes
+    lines = [paint("Compiled against eager", "bold"),
+             f"  eager autograd would hold {human_bytes(eager.saved_bytes)} (reclaimable with its fixes: "
+             f"{human_bytes(eager.reclaimable_with_bitpacking_bytes)}); compiled, {human_bytes(report.saved_bytes)} "
+             f"({signed_bytes(change)})"]
+    rows = [["MODULE", "CLASS", "EAGER", "COMPILED", "CHANGE"]]
+    for m in [m for m in eager.modules if m.compiled_bytes != m.eager_bytes][:top]:
+        rows.append([m.path or "(root)", m.module_class, human_bytes(m.eager_bytes), human_bytes(m.compiled_bytes),
+                     signed_bytes(m.compiled_bytes - m.eager_bytes)])
+    if len(rows) > 1:
+        for i, row in enumerate(_columns(rows, (False, False, True, True, True))):
+            text = _clip("  " + "  ".join(row).rstrip(), width)
+            lines.append(paint(text, "dim") if i == 0 else text)
+    return lines
+

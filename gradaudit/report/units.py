@@ -62,3 +62,9 @@ def path_ranges(paths: Sequence[str]) -> str:
     if run:
         parts.append(f"{run[0] + '.' if run[0] else ''}{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
     return ", ".join(parts)
+
+
+def signed_bytes(amount: int) -> str:
+    """A change in bytes: "+1.5 MiB", "-512 B", "0 B"."""
+    return ("+" if amount > 0 else "-" if amount < 0 else "") + human_bytes(abs(amount))
+
