@@ -23,6 +23,9 @@ def _frozen_mlp():
 def compiled():
     if not torchapi.has("compiler stance"):
         pytest.skip("torch.compiler.set_stance is missing")
+    # a fresh dynamo: its recompile limit counts per code object (nn.Sequential.forward) across the
+    # suite, and past it the model would run eagerly
+    torch._dynamo.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield torch.compile(_frozen_mlp(), backend="aot_eager")  # no C++ compiler needed
@@ -49,6 +52,7 @@ def test_a_compiled_model_is_named_as_such(compiled):
 def test_a_compiled_model_on_meta_runs_eagerly_and_says_so(compiled):
     """On meta TorchDynamo does not compile under the emulation: the audit and fit say their figures are
     eager autograd's, not the compiled graph's, instead of passing them off as the compiled model's."""
+    torch._dynamo.reset()
     meta = torch.compile(_frozen_mlp().to("meta"), backend="aot_eager")
     x = torch.randn(8, 16, device="meta")
     report = gradaudit.audit(meta, x, target="cuda")
@@ -67,8 +71,9 @@ def test_plan_refuses_a_compiled_model_and_says_what_to_plan_instead(compiled):
     and says so in one message naming what to do, instead of finding no candidate block."""
     from gradaudit.errors import GradauditError
 
-    with pytest.raises(GradauditError, match=r"plan cannot plan a torch.compile'd model \(1 compiled region ran\)"
-                                             r".*plan\(model._orig_mod"):
+    # (the count of regions the planner's audit sees differs between releases: 1 on 2.14.1, 3 on 2.11.0)
+    with pytest.raises(GradauditError, match=r"plan cannot plan a torch.compile'd model \(\d+ compiled regions? "
+                                             r"ran\).*plan\(model._orig_mod"):
         gradaudit.plan(compiled, torch.randn(8, 16), budget="1KiB")
 
 
