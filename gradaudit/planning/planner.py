@@ -251,7 +251,7 @@ def _refuse_compiled(report: Report) -> None:
             f"plan cannot plan a torch.compile'd model ({regions} compiled region{'s' if regions > 1 else ''} ran): "
             f"checkpointing a block inside a region compiles it anew, and what the region keeps then is the "
             f"partitioner's choice, which plan cannot tell without compiling each candidate. Plan the model "
-            f"before compiling (plan(model._orig_mod, ...); scan --eager shows its figures), checkpoint the "
+            f"before compiling (the module given to torch.compile; scan --eager shows its figures), checkpoint the "
             f"blocks it chooses, then compile; an audit or fit of the compiled model measures what it keeps")
 
 
