@@ -311,8 +311,8 @@ def _unpack_with_torch(box: Any) -> torch.Tensor:
     right by 0..7, the lowest bit kept (0 or 1: read as bools with no pass), a select between the
     two values. A gather of rows from a 256-row table was one operation fewer, but on a GPU it ran
     at a tenth of the memory's speed: on an H200, 1,960 us for a 32x64x112x112 float32 activation
-    where these three take 148 us (and a mask, a comparison, a copy: 182 us; benchmarks/gpu_check.py
-    --sections codec)."""
+    where these three take 148 us (a mask, a conversion to bools and a select: 182 us;
+    benchmarks/gpu_check.py --sections codec)."""
     packed = box.payload
     bits = torch.bitwise_and(torch.bitwise_right_shift(packed.view(-1, 1), _shifts(packed.device)), 1)
     bits = bits.view(torch.bool)
