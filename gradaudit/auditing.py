@@ -19,7 +19,7 @@ from .rules.registry import check_codes
 from .tracking import held_after_forward
 from .tensors import ModelTree, first_meta_parameter, iter_tensors, split_inputs, unique
 from .values import to_meta
-from .compiled import compare_with_eager, compiled_paths, ran_eagerly_note
+from .compiled import compare_with_eager, compiled_paths, compiled_regions, ran_eagerly_note
 from .torchapi.compiler import COMPILED_NODE, compiled_original, force_eager, keeping_graphs
 from .torchapi.distributed import distributed_rank, wait_unwaited
 from .torchapi.fsdp import fsdp_reshard, fsdp_unsharded_parameters
@@ -179,7 +179,7 @@ def _compared_with_eager(model: nn.Module, inputs: Any, **options: Any) -> Repor
         raise GradauditError("compare_eager=True compares the compiled run with an eager one: drop eager=True")
     say = options["progress"] or (lambda step: None)
     report = audit(model, inputs, **options)
-    if not any(n.name == COMPILED_NODE for n in report.nodes):
+    if not compiled_regions(report):
         where = " (on the meta device a compiled model runs eagerly)" if report.device == "meta" else ""
         raise GradauditError(f"compare_eager=True: the model ran no torch.compile'd region{where}, so there is no "
                              f"compiled run to compare with eager; drop compare_eager")
@@ -302,7 +302,7 @@ def _forward_failure(error: Exception, on_meta: bool) -> str:
 
 def _compiled_notes(model: nn.Module, report: Report, on_meta: bool) -> list[str]:
     """What a torch.compile'd model's report can and cannot say."""
-    regions = sum(1 for n in report.nodes if n.name == COMPILED_NODE)
+    regions = compiled_regions(report)
     if not regions:
         eager = ran_eagerly_note(model, on_meta)
         return [eager] if eager else []

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .sites import traced_source_line
-from .torchapi.compiler import SavedOrigin, compiled_original, original_path, saved_origins
+from .torchapi.compiler import COMPILED_NODE, SavedOrigin, compiled_original, original_path, saved_origins
 
 if TYPE_CHECKING:
     from .records import EagerComparison, Report
@@ -86,6 +86,11 @@ def compiled_reason(origin: SavedOrigin, itself: Optional[str], copy_of: Optiona
         made = "a copy the compiled code made of a parameter, buffer or input the region was given"
     read = f", read by {', '.join(origin.read_by)} in its backward graph" if origin.read_by else ""
     return f"kept by the compiled region: {made}{read}; the compiler chose to keep it, no op knowledge judges it yet"
+
+
+def compiled_regions(report: "Report") -> int:
+    """How many ``torch.compile``'d regions the audited forward ran (one ``CompiledFunctionBackward`` node each)."""
+    return sum(1 for n in report.nodes if n.name == COMPILED_NODE)
 
 
 def compiled_paths(model: nn.Module) -> list[str]:

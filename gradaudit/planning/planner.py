@@ -18,7 +18,7 @@ from ..auditing import audit
 from ..conditions import as_audited, meta_inputs, prepare_data_parallel, runs_on_meta
 from ..errors import GradauditError
 from ..records import Bound, Cost, Report
-from ..torchapi.compiler import COMPILED_NODE
+from ..compiled import compiled_regions
 from ..sizes import as_bytes
 from ..torchapi.checkpoint import checkpointing_off
 from ..values import is_assumption_note
@@ -245,7 +245,7 @@ def _audit(run: _Run, paths: Sequence[str], bitpack: Optional[bool], say: Callab
 def _refuse_compiled(report: Report) -> None:
     """A model whose forward ran compiled regions cannot be planned: checkpointing a block inside one
     compiles it anew, and what the region keeps then is the partitioner's choice."""
-    regions = sum(1 for n in report.nodes if n.name == COMPILED_NODE)
+    regions = compiled_regions(report)
     if regions:
         raise GradauditError(
             f"plan cannot plan a torch.compile'd model ({regions} compiled region{'s' if regions > 1 else ''} ran): "
