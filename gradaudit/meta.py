@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from . import cuda_choices
+from . import cuda_choices, kernel_cache
 from .torchapi.checkpoint import checkpoint_meta_as, recomputing_under
 from .torchapi.dispatch import TorchDispatchMode, op_namespaces
 from .torchapi.kernels import (any_autocast_enabled, cpu_flash_attention, cuda_autocast_without_cuda,
@@ -370,7 +370,7 @@ class DeviceKernelsOnMeta(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.target == "cpu" and func in _CPU_LOSSES_ON_THEIR_BUFFER:
-            out = func(*args, **kwargs)
+            out = kernel_cache.call(func, args, kwargs)
             if out.device.type == "meta" and out.dim() == 0:  # (reduction "none" keeps the whole shape)
                 elements = torch.broadcast_shapes(args[0].shape, args[1].shape).numel()
                 return torch.empty(elements, dtype=out.dtype, device="meta")[0] if elements > 1 else out
@@ -381,12 +381,12 @@ class DeviceKernelsOnMeta(TorchDispatchMode):
             dtype = kwargs.get("out_dtype") or args[0].dtype
             return torch.empty_strided(shape, _grouped_mm_strides(shape, dtype), dtype=dtype, device="meta")
         if func is _CONVOLUTION:
-            out = func(*args, **kwargs)
+            out = kernel_cache.call(func, args, kwargs)
             layout = _channels_last_of(args[:2]) if out.device.type == "meta" else None
             if layout is not None and not out.is_contiguous(memory_format=layout):
                 return torch.empty(out.shape, dtype=out.dtype, device="meta", memory_format=layout)
             return out
-        return func(*args, **kwargs)
+        return kernel_cache.call(func, args, kwargs)
 
 
 _CONVOLUTION = torch.ops.aten.convolution.default

@@ -16,6 +16,17 @@ import pytest
 GOLDEN_MODEL = Path(__file__).parent / "golden" / "model.py"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _meta_kernels_checked():
+    """Every meta op the suite answers from ``gradaudit.kernel_cache`` runs its kernel too, and a
+    remade output that differs from the kernel's fails the test that made it: the whole suite is the
+    cache's cross-check."""
+    from gradaudit import kernel_cache
+
+    with kernel_cache.checking():
+        yield
+
+
 # -- the golden model (tests/golden/model.py) ----------------------------------------------------
 
 

@@ -19,6 +19,12 @@ def without_dispatch_modes() -> Any:
     return _disable_current_modes()
 
 
+def dispatch_modes_below() -> int:
+    """Inside a TorchDispatchMode's handler: how many dispatch modes are still in force (those below it:
+    the handler's own mode is set aside while it runs); 0 when it is the bottom one."""
+    return torch._C._len_torch_dispatch_stack()
+
+
 def function_modes() -> list[Any]:
     """The TorchFunctionModes in force, outermost first."""
     return list(torch.overrides._get_current_function_mode_stack())
