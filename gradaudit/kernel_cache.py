@@ -38,7 +38,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .torchapi.dispatch import dispatch_modes_below, op_schema
+from .torchapi.dispatch import dispatch_modes_below, op_schema, without_function_modes
 from .torchapi.storages import storage_key
 
 MAX_ENTRIES = 100_000  # distinct calls remembered before the cache starts afresh (each entry is ~1 KB)
@@ -154,11 +154,11 @@ def _reusable_op(func: Any) -> bool:
 def _key_of(value: Any, tensors: list) -> Any:
     """The key part for ``value``; its tensors are appended to ``tensors``."""
     if isinstance(value, torch.Tensor):
-        if type(value) not in _PLAIN or value.device != _META or value.layout != torch.strided:
+        if type(value) not in _PLAIN or not value.is_meta or value.layout != torch.strided:
             raise _Uncacheable
         tensors.append(value)
-        return (value.dtype, tuple(value.shape), value.stride(), value.storage_offset(),
-                value.is_neg(), value.is_conj())
+        return (value.dtype, value.shape, value.stride(), value.storage_offset(), value.is_neg(),
+                value.is_complex() and value.is_conj())
     if isinstance(value, _ATOMS):
         return (type(value), value)
     if isinstance(value, (list, tuple)):
@@ -197,8 +197,9 @@ def _needed_bytes(t: torch.Tensor) -> int:
 
 def _remade(entry: Any) -> Any:
     container, specs = entry
-    outputs = [None if spec is None else torch.empty_strided(spec[0], spec[1], dtype=spec[2], device=_META)
-               for spec in specs]
+    with without_function_modes():  # made as the kernel makes them: no function mode sees them
+        outputs = [None if spec is None else torch.empty_strided(spec[0], spec[1], dtype=spec[2], device=_META)
+                   for spec in specs]
     return outputs[0] if container is None else container(outputs)
 
 

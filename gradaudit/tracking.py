@@ -65,6 +65,9 @@ class Life:
     source: Optional[str] = None
 
 
+_OP_NAMES: dict[Any, tuple[Any, str]] = {}  # op overload -> (its packet, its name as lives carry it)
+
+
 class Lifetimes(TorchDispatchMode):
     """Every storage an op produces while active, on a device ``counts`` accepts, and not in
     ``exclude`` (what is alive anyway: parameters, buffers, inputs, optimizer state). After op n
@@ -90,10 +93,13 @@ class Lifetimes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         self.samples += 1
-        packet = overload_packet(func)
+        named = _OP_NAMES.get(func)
+        if named is None:
+            packet = overload_packet(func)
+            named = _OP_NAMES[func] = (packet, str(packet).removeprefix("aten."))
         if self.observe is not None:
-            self.observe(packet, args)
-        self._op = str(packet).removeprefix("aten.")
+            self.observe(named[0], args)
+        self._op = named[1]
         for t in op_leaves(out):
             if isinstance(t, torch.Tensor):
                 for part in strided_parts(t):

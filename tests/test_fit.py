@@ -1067,3 +1067,44 @@ def test_no_remedy_names_the_limit_the_floor_passes():
     below = gradaudit.fit(model, x, memory=floor - 1000, optimizer="sgd")
     note = next(n for n in below.notes if n.startswith("no remedy"))
     assert "take 73.1 KiB, more than the memory (72.1 KiB)" in note, note
+
+
+def test_the_remedy_search_skips_steps_that_cannot_fit_and_finds_what_running_them_finds(tiny_hf_model, monkeypatch):
+    """A frontier point whose bytes alive throughout the step (parameters, inputs, optimizer state) and
+    plan-held bytes already pass the memory is not run (fitting/remedy.py, _Bound): the fit is the one
+    that runs every point the bisection visits, field for field, in fewer steps."""
+    from gradaudit.fitting import remedy as remedy_module
+
+    model = tiny_hf_model("llama", num_hidden_layers=8, hidden_size=128, intermediate_size=512,
+                          use_cache=False).to("meta").train()
+    ids = torch.zeros(2, 512, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids}
+    plain = gradaudit.fit(model, batch, memory="1GiB", target="cuda")
+    memory = plain.peak_bytes * 60 // 100
+
+    def fitted() -> tuple[dict, int]:
+        said: list[str] = []
+        fit = gradaudit.fit(model, batch, memory=memory, target="cuda", progress=said.append)
+        return fit.to_dict(), sum(text.startswith("measuring a step:") for text in said)
+
+    bounded, bounded_steps = fitted()
+    monkeypatch.setattr(remedy_module, "BOUND_SLACK", 2**62)  # no point passes the memory by this: all run
+    every, every_steps = fitted()
+    assert bounded["remedy"] is not None and bounded["remedy"]["checkpointed"]
+    assert bounded == every
+    assert bounded_steps < every_steps
+
+
+def test_a_bound_that_a_measured_step_undercuts_is_dropped():
+    """Were a plan's held bytes ever more than its step holds, the bound would skip steps that fit: a
+    measured step below its bound marks it broken, and the search bisects by steps alone."""
+    from types import SimpleNamespace
+
+    from gradaudit.fitting.remedy import BOUND_SLACK, _Bound
+
+    planned = SimpleNamespace(on_frontier=lambda index, memory: SimpleNamespace(held_bytes=[2000, 900, 500][index]))
+    steps = {1: SimpleNamespace(peak_bytes=1010), 2: SimpleNamespace(peak_bytes=400)}  # point 0 is never run
+    bound = _Bound(planned, BOUND_SLACK + 100, 1000, lambda i: (None, steps[i]), lambda step: step.peak_bytes)
+    assert bound.needed(0) == 2100 and not bound.broken  # 100 + 2000 passes 1000: not run
+    assert bound.needed(1) == 1010 and not bound.broken  # 100 + 900 does not: run, 1010 >= its bound 1000
+    assert bound.needed(2) == 400 and bound.broken  # bound 600, measured 400: not a bound for this model

@@ -107,7 +107,7 @@ def fit(
         result.remedy_searched = True
         result.notes.append(_beyond_remedy(measured.floor_bytes, memory_bytes, headroom_of(measured)))
     elif remedy:
-        _search_remedy(result, step, memory_bytes, headroom_of, split_batch, say)
+        _search_remedy(result, step, measured, memory_bytes, headroom_of, split_batch, say)
     return result
 
 
@@ -200,16 +200,19 @@ def _peak_and_headroom(step: Step, headroom_of: _Headroom) -> tuple[int, int]:
     return measured.peak_bytes, headroom_of(measured)
 
 
-def _search_remedy(result: Fit, step: Step, memory_bytes: int, headroom_of: _Headroom, split_batch: bool,
-                   say: Callable[[str], None]) -> None:
-    """The cheapest change whose measured step fits (``Fit.remedy``), the alternatives and their notes."""
+def _search_remedy(result: Fit, step: Step, measured: Figures, memory_bytes: int, headroom_of: _Headroom,
+                   split_batch: bool, say: Callable[[str], None]) -> None:
+    """The cheapest change whose measured step fits (``Fit.remedy``), the alternatives and their notes.
+    Frontier points that cannot fit by the bytes alive throughout ``measured`` and a plan's held bytes are
+    not run, where the plan's held bytes are its step's: the plan audits no autocast and no process group."""
     def measure_with(step_inputs: Any, micro_batches: int) -> Callable[[Callable[[], Any]], Figures]:
         on = step.on(step_inputs, micro_batches)
         return lambda applied: figures(on.run(applied), step.target)
 
     result.remedy, result.alternatives, more = search_levers(
         step.model, step.inputs, memory_bytes, measure_with, accumulation=step.accumulation, trainable=step.trainable,
-        frozen=step.frozen, target=step.target, say=say, needed=headroom_of.needed, split_batch=split_batch)
+        frozen=step.frozen, target=step.target, say=say, needed=headroom_of.needed, split_batch=split_batch,
+        measured=measured if step.autocast is None and not in_fake_world() else None)
     result.remedy_searched = True
     result.notes += more
     result.alternatives += _smaller_batch(result, say)

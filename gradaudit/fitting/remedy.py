@@ -168,15 +168,19 @@ Needed = Callable[[Any], int]  # what a step's Figures need of the memory: its p
 
 def search_levers(model: nn.Module, inputs: Any, memory: int, measure_with: Callable[[Any, int], Measure], *,
                   accumulation: int, trainable: Any, frozen: Any, target: str, say: Callable[[str], None],
-                  needed: Needed, split_batch: bool = True) -> tuple[Optional[Remedy], list[Alternative], list[str]]:
+                  needed: Needed, split_batch: bool = True, measured: Any = None
+                  ) -> tuple[Optional[Remedy], list[Alternative], list[str]]:
     """(the cheapest remedy over every split of the batch into micro-batches, None when nothing
     fits; beside it "every block checkpointed" and the other remedies that fit, cheapest first;
     notes). ``measure_with(inputs, accumulation)``: a Measure of the step on those inputs; a step
-    fits where ``needed(figures) <= memory``."""
+    fits where ``needed(figures) <= memory``. ``measured``: the Figures of the step on ``inputs`` as
+    it is, where a plan's held bytes are what its step holds after the forward (no autocast, no
+    process group): a frontier point that cannot fit by them is not run (``_Bound``)."""
     from .largest import size_of
 
     best, alternatives, notes = search(model, inputs, memory, measure_with(inputs, accumulation),
-                                       trainable=trainable, frozen=frozen, target=target, say=say, needed=needed)
+                                       trainable=trainable, frozen=frozen, target=target, say=say, needed=needed,
+                                       steady=measured.steady_bytes if measured is not None else None)
     found = [best] if best is not None else []
     try:
         batch = size_of(inputs, 0) if split_batch else 1
@@ -196,7 +200,8 @@ def search_levers(model: nn.Module, inputs: Any, memory: int, measure_with: Call
                                 headroom=needed(plain) - plain.peak_bytes, **lever))
             break
         remedy, _, more = search(model, micro_inputs, memory, measure, trainable=trainable, frozen=frozen,
-                                 target=target, say=say, needed=needed, every=False)
+                                 target=target, say=say, needed=needed, every=False,
+                                 steady=plain.steady_bytes if measured is not None else None)
         notes += [note for note in more if note not in notes]
         if remedy is not None:
             found.append(dataclasses.replace(remedy, **lever))
@@ -208,10 +213,11 @@ def search_levers(model: nn.Module, inputs: Any, memory: int, measure_with: Call
 
 
 def search(model: nn.Module, inputs: Any, memory: int, measure: Measure, *, trainable: Any, frozen: Any,
-           target: str, say: Callable[[str], None], needed: Needed, every: bool = True
-           ) -> tuple[Optional[Remedy], list[Alternative], list[str]]:
+           target: str, say: Callable[[str], None], needed: Needed, every: bool = True,
+           steady: Optional[int] = None) -> tuple[Optional[Remedy], list[Alternative], list[str]]:
     """(the cheapest remedy of trim and checkpointing, None when nothing fits; "every block
-    checkpointed" beside it, where ``every``; notes)."""
+    checkpointed" beside it, where ``every``; notes). ``steady``: the bytes alive throughout the step on
+    these inputs, where frontier points may be bounded by them (``_Bound``)."""
     from ..planning import plan as make_plan
     from ..planning.frontier import by_peak
 
@@ -228,7 +234,7 @@ def search(model: nn.Module, inputs: Any, memory: int, measure: Measure, *, trai
             continue
         measured: dict[int, Any] = {}
 
-        def figures_at(index: int, planned: Any = planned, measured: dict = measured) -> Any:
+        def figures_at(index: int, planned: Any = planned, measured: dict = measured, trim: bool = trim) -> Any:
             if index not in measured:
                 at = planned.on_frontier(index, memory)
                 say(f"measuring a step: {len(at.checkpointed)} of {len(at.blocks)} blocks checkpointed"
@@ -243,7 +249,11 @@ def search(model: nn.Module, inputs: Any, memory: int, measure: Measure, *, trai
                 measured[index] = (at, measure(applied))
             return measured[index]
 
-        index = by_peak(list(range(planned.frontier_size())), memory, lambda i: needed(figures_at(i)[1]), 0)
+        points = list(range(planned.frontier_size()))
+        bound = _Bound(planned, steady, memory, figures_at, needed)
+        index = by_peak(points, memory, bound.needed, 0)
+        if bound.broken:  # a measured step below its bound: the bound is not one here; bisect by steps alone
+            index = by_peak(points, memory, lambda i: needed(figures_at(i)[1]), 0)
         if index is not None:
             at, step = figures_at(index)
             found.append((at.extra_flops, step.peak_bytes, Remedy(at, step.peak_bytes, step.breakdown, step.timeline,
@@ -255,6 +265,33 @@ def search(model: nn.Module, inputs: Any, memory: int, measure: Measure, *, trai
         return None, alternatives, notes
     found.sort(key=lambda entry: (entry[0], entry[1]))
     return found[0][2], alternatives, notes
+
+
+BOUND_SLACK = 2**20  # bytes: the audit counts 0-dim numbers autograd saves that no op makes; the step's tracker does not
+
+
+class _Bound:
+    """What a frontier point's step needs, for the bisection: where the bytes alive throughout the step
+    (``steady``) and the plan's held bytes at the point (alive together when the forward ends) pass
+    ``memory`` by more than ``BOUND_SLACK``, the step cannot fit and is not run (the bound is returned);
+    else the step is measured. A measured step whose peak is below its bound means the bound does not
+    hold for this model (``broken``): the caller bisects again by measured steps alone."""
+
+    def __init__(self, planned: Any, steady: Optional[int], memory: int, figures_at: Callable[[int], Any],
+                 needed: Needed) -> None:
+        self.planned, self.steady, self.memory = planned, steady, memory
+        self.figures_at, self.needed_of = figures_at, needed
+        self.broken = False
+
+    def needed(self, index: int) -> int:
+        if self.steady is None or self.broken:
+            return self.needed_of(self.figures_at(index)[1])
+        lower = self.steady + self.planned.on_frontier(index, self.memory).held_bytes - BOUND_SLACK
+        if lower > self.memory:
+            return lower
+        step = self.figures_at(index)[1]
+        self.broken = step.peak_bytes < lower
+        return self.needed_of(step)
 
 
 def _every_block(model: nn.Module, planned: Any, measure: Measure, memory: int, needed: Needed) -> Alternative:

@@ -42,6 +42,8 @@ class Figures:
     floor_bytes: int = 0
     reserved_bytes: Optional[int] = None  # on CUDA, what the caching allocator would reserve (an estimate)
     attribution: dict[str, Any] = field(default_factory=dict)  # what made the bytes at the peak (attribute)
+    # what is alive at every moment of the step: parameters, buffers, inputs, optimizer state, workspaces
+    steady_bytes: int = 0
 
 
 LARGEST = 10  # the storages, modules and ops an attribution lists
@@ -141,7 +143,7 @@ def figures(run: StepRun, target: str) -> Figures:
                                                         if life.category == GRADIENTS)
     attribution = attribute(run.lives, worst + 1, phase_of, lambda n: allocated(n, target)) if samples else {}
     return Figures(totals[worst] if samples else sum(steady.values()), at(worst) if samples else steady,
-                   phase_of[worst] if samples else "", timeline, floor, reserved, attribution)
+                   phase_of[worst] if samples else "", timeline, floor, reserved, attribution, sum(steady.values()))
 
 
 @dataclass

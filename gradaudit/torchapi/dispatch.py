@@ -25,6 +25,12 @@ def dispatch_modes_below() -> int:
     return torch._C._len_torch_dispatch_stack()
 
 
+def without_function_modes() -> Any:
+    """A context in which no TorchFunctionMode (and no tensor subclass's ``__torch_function__``) sees the
+    torch functions called (tensors a dispatch mode makes as a kernel would)."""
+    return torch._C.DisableTorchFunction()
+
+
 def function_modes() -> list[Any]:
     """The TorchFunctionModes in force, outermost first."""
     return list(torch.overrides._get_current_function_mode_stack())
