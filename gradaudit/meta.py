@@ -375,6 +375,8 @@ class DeviceKernelsOnMeta(TorchDispatchMode):
                 elements = torch.broadcast_shapes(args[0].shape, args[1].shape).numel()
                 return torch.empty(elements, dtype=out.dtype, device="meta")[0] if elements > 1 else out
             return out
+        if self.target == "cpu" and func in _CPU_NORM_PARAMETERS:
+            return _cpu_statistics(func, args, kernel_cache.call(func, args, kwargs))
         if func is _GROUPED_MM and _meta_floats_other_than_bf16(args[:2]):
             as_bf16 = [torch.empty_like(t, dtype=torch.bfloat16) for t in args[:2]]
             shape = func(*as_bf16, *args[2:], **kwargs).shape
@@ -390,6 +392,29 @@ class DeviceKernelsOnMeta(TorchDispatchMode):
 
 
 _CONVOLUTION = torch.ops.aten.convolution.default
+# On the CPU, layer, batch and group norm keep their statistics (outputs 1 and 2: mean and rstd or
+# invstd) in the input's dtype, or in float32 where a parameter is float32 beside a bfloat16 or float16
+# input (ATen's is_mixed_type); their meta kernels keep layer and batch norm's in float32 always, group
+# norm's in the input's (a bfloat16 LayerNorm saves bfloat16 statistics on the CPU, float32 on meta:
+# checked on torch 2.11, 2.14 and 2.15). The positions of each op's parameters:
+_CPU_NORM_PARAMETERS = {torch.ops.aten.native_layer_norm.default: (2, 3),
+                        torch.ops.aten.native_group_norm.default: (1, 2),
+                        torch.ops.aten.native_batch_norm.default: (1, 2, 3, 4),
+                        torch.ops.aten._native_batch_norm_legit.default: (1, 2, 3, 4),
+                        torch.ops.aten._native_batch_norm_legit.no_stats: (1, 2)}
+
+
+def _cpu_statistics(func: Any, args: tuple, out: tuple) -> tuple:
+    """``out`` with its statistics in the dtype the CPU kernel gives them (_CPU_NORM_PARAMETERS)."""
+    x = args[0]
+    if not (x.is_meta and x.dtype in (torch.bfloat16, torch.float16)):
+        return out
+    mixed = any(isinstance(args[i], torch.Tensor) and args[i].dtype == torch.float32
+                for i in _CPU_NORM_PARAMETERS[func] if i < len(args))
+    dtype = torch.float32 if mixed else x.dtype
+    stats = [t if t.dtype == dtype else torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
+             for t in out[1:3]]
+    return (out[0], *stats, *out[3:])
 _CPU_LOSSES_ON_THEIR_BUFFER = {torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default,
                                torch.ops.aten.binary_cross_entropy.default, torch.ops.aten.soft_margin_loss.default}
 

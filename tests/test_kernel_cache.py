@@ -117,3 +117,61 @@ def test_a_model_audited_with_and_without_the_cache_gives_the_same_report(fresh,
     hits, misses = kernel_cache.counts()
     assert first == without and second == without
     assert misses > 0 and hits > 3 * misses  # the second audit's calls all hit; the first's layers too
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        if bool(mask[:, -1].any()):  # a branch on the batch's values (known beside the meta tensors)
+            h = h * mask[:, :, None].to(h.dtype)
+        return x + self.drop(h)
+
+
+class _Repeats(torch.nn.Module):
+    """Eight blocks of one shape that differ where reuse would go wrong: a block in bfloat16, one in
+    eval mode, one frozen, one whose output a forward hook replaces with a transposed copy, one that
+    takes a channels-last-like strided input, and a branch on the mask's values in each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(8))
+        self.blocks[2].to(torch.bfloat16)
+        self.blocks[3].eval()
+        self.blocks[4].requires_grad_(False)
+        self.blocks[5].register_forward_hook(lambda module, args, out: out.transpose(0, 1).contiguous().transpose(0, 1))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if i == 2:
+                x = block(x.to(torch.bfloat16), mask).float()
+            elif i == 6:
+                x = block(x.transpose(0, 1).contiguous().transpose(0, 1), mask)  # strides (32, 64*32... ) differ
+            else:
+                x = block(x, mask[i % 2:] if i == 7 else mask)  # block 7: the mask's other rows (the branch differs)
+        return x
+
+
+def test_blocks_that_differ_where_reuse_would_go_wrong_are_audited_as_without_the_cache(fresh):
+    """Every difference the issue names (dtype, mode, trainability, a hook, strides, a branch on the
+    input's values): the report on meta equals the one with every kernel run, and the CPU's bytes."""
+    torch.manual_seed(0)
+    model = _Repeats()
+    meta_model = _Repeats().to("meta")
+    x = torch.randn(2, 64, 32)
+    mask = torch.ones(2, 64)
+    mask[1, -8:] = 0  # the second row padded: mask[:, -1].any() is True for rows (0, 1), False for row 1 alone
+    inputs = gradaudit.Args(x.to("meta").requires_grad_(), mask)
+    with kernel_cache.disabled():
+        without = gradaudit.audit(meta_model, inputs).to_dict()
+    cached = gradaudit.audit(meta_model, inputs)
+    hits, _ = kernel_cache.counts()
+    assert hits > 0 and cached.to_dict() == without
+    on_cpu = gradaudit.audit(model, gradaudit.Args(x.clone().requires_grad_(), mask))
+    assert (cached.saved_bytes, len(cached.tensors)) == (on_cpu.saved_bytes, len(on_cpu.tensors))

@@ -440,3 +440,38 @@ def test_segformer_on_meta_is_audited_as_on_the_cpu():
     on_meta = gradaudit.audit(build("meta"), batch)
     assert on_meta.saved_bytes == on_cpu.saved_bytes and saves(on_meta) == saves(on_cpu)
     assert sum(t.node == "AddmmBackward0" for t in on_meta.tensors) > sum(t.node == "MmBackward0" for t in on_meta.tensors)
+
+
+@pytest.mark.parametrize("parameters", ["same", "float32"], ids=["parameters-same", "parameters-float32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("norm", ["layer", "batch-train", "batch-eval", "group", "layer-no-affine"])
+def test_normalisation_statistics_on_meta_have_the_cpu_kernels_dtype(norm, dtype, parameters):
+    """On the CPU, a reduced-precision layer, batch or group norm saves its mean and rstd in the input's
+    dtype, or in float32 beside float32 parameters; meta's kernels say float32 (layer, batch) or the
+    input's (group) whatever the parameters."""
+    def build():
+        torch.manual_seed(0)
+        module = {"layer": lambda: nn.LayerNorm(16), "layer-no-affine": lambda: nn.LayerNorm(16, elementwise_affine=False),
+                  "batch-train": lambda: nn.BatchNorm1d(16), "batch-eval": lambda: nn.BatchNorm1d(16).eval(),
+                  "group": lambda: nn.GroupNorm(4, 16)}[norm]()
+        model = nn.Sequential(nn.Linear(16, 16), module, nn.Linear(16, 16)).to(dtype)
+        if parameters == "float32":
+            model[1].float()
+        return model
+
+    x = torch.randn(8, 16, dtype=dtype)
+    on_cpu = gradaudit.audit(build(), x)
+    on_meta = gradaudit.audit(build().to("meta"), x.to("meta"))
+
+    def saves(report):
+        # eval-mode batch norm's statistics are empty on the CPU and C floats on meta (a known difference
+        # of torch's kernels, noted on meta: test_cnn_in_eval_on_meta_differs_only_by_batch_norm_statistics);
+        # their dtype is compared there too
+        stats = norm == "batch-eval"
+        return [(t.node, t.attr, t.dtype) + (() if stats and t.attr in ("result1", "result2") else (
+            t.shape, report.storages[t.storage_id].nbytes if t.storage_id >= 0 else None)) for t in report.tensors]
+
+    assert saves(on_meta) == saves(on_cpu)
+    # batch-eval: 2 statistics * 16 channels * 2 or 4 bytes more on meta
+    statistics = 2 * 16 * (4 if parameters == "float32" else 2) if norm == "batch-eval" else 0
+    assert on_meta.saved_bytes - on_cpu.saved_bytes == statistics
