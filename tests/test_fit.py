@@ -1071,8 +1071,9 @@ def test_no_remedy_names_the_limit_the_floor_passes():
 
 def test_the_remedy_search_skips_steps_that_cannot_fit_and_finds_what_running_them_finds(tiny_hf_model, monkeypatch):
     """A frontier point whose bytes alive throughout the step (parameters, inputs, optimizer state) and
-    plan-held bytes already pass the memory is not run (fitting/remedy.py, _Bound): the fit is the one
-    that runs every point the bisection visits, field for field, in fewer steps."""
+    plan-held bytes already pass the memory is not run (fitting/remedy.py, _Bound), and checkpointing
+    every block is the bisection's step where it ran that point: the fit is the one that runs every
+    step, field for field, in fewer steps."""
     from gradaudit.fitting import remedy as remedy_module
 
     model = tiny_hf_model("llama", num_hidden_layers=8, hidden_size=128, intermediate_size=512,
@@ -1089,6 +1090,9 @@ def test_the_remedy_search_skips_steps_that_cannot_fit_and_finds_what_running_th
 
     bounded, bounded_steps = fitted()
     monkeypatch.setattr(remedy_module, "BOUND_SLACK", 2**62)  # no point passes the memory by this: all run
+    # and "checkpoint every block" measured on its own, not taken from the bisection's step of that point
+    every_block = remedy_module._every_block
+    monkeypatch.setattr(remedy_module, "_every_block", lambda *args: every_block(*args[:5]))
     every, every_steps = fitted()
     assert bounded["remedy"] is not None and bounded["remedy"]["checkpointed"]
     assert bounded == every

@@ -259,7 +259,7 @@ def search(model: nn.Module, inputs: Any, memory: int, measure: Measure, *, trai
             found.append((at.extra_flops, step.peak_bytes, Remedy(at, step.peak_bytes, step.breakdown, step.timeline,
                                                                   headroom=needed(step) - step.peak_bytes)))
         if every and not trim and planned.blocks:
-            every_block = _every_block(model, planned, measure, memory, needed)
+            every_block = _every_block(model, planned, measure, memory, needed, list(measured.values()))
     alternatives = [every_block] if every_block is not None else []
     if not found:
         return None, alternatives, notes
@@ -294,10 +294,17 @@ class _Bound:
         return self.needed_of(step)
 
 
-def _every_block(model: nn.Module, planned: Any, measure: Measure, memory: int, needed: Needed) -> Alternative:
-    """Checkpointing every block (Hugging Face's activation_checkpointing_enable()), measured."""
+def _every_block(model: nn.Module, planned: Any, measure: Measure, memory: int, needed: Needed,
+                 measured: list[tuple[Any, Any]] = ()) -> Alternative:
+    """Checkpointing every block (Hugging Face's activation_checkpointing_enable()), measured: the step
+    of the frontier point that is the same change, where the bisection ran it (``measured``: (plan,
+    figures) of each step run), else its own."""
     from ..planning.apply import PlanHandle
     every = next(b for b in planned.baselines if b.name == "every block")
+    same = [step for at, step in measured
+            if tuple(at.checkpointed) == tuple(every.checkpointed) and not at.selective and not at.trimmed]
+    if same:
+        return Alternative("checkpoint every block", same[0].peak_bytes, planned.share(every), needed(same[0]) <= memory)
 
     def applied() -> Any:
         stack = contextlib.ExitStack()
