@@ -162,9 +162,9 @@ def _key_of(value: Any, tensors: list) -> Any:
     if isinstance(value, _ATOMS):
         return (type(value), value)
     if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_key_of(item, tensors) for item in value))
+        return (type(value), tuple([_key_of(item, tensors) for item in value]))
     if isinstance(value, dict):
-        return tuple((name, _key_of(item, tensors)) for name, item in value.items())
+        return tuple([(name, _key_of(item, tensors)) for name, item in value.items()])
     raise _Uncacheable
 
 

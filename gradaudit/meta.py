@@ -39,9 +39,9 @@ from torch.overrides import TorchFunctionMode
 from . import cuda_choices, kernel_cache
 from .torchapi.checkpoint import checkpoint_meta_as, recomputing_under
 from .torchapi.dispatch import TorchDispatchMode, op_namespaces
-from .torchapi.kernels import (any_autocast_enabled, cpu_flash_attention, cuda_autocast_without_cuda,
-                               cudnn_batch_norm, fused_sdp_choice, native_dropout, sdp_backend_name,
-                               suggest_memory_format)
+from .torchapi.kernels import (BATCH_NORM_LEGIT, BATCH_NORM_LEGIT_NO_STATS, any_autocast_enabled,
+                               cpu_flash_attention, cuda_autocast_without_cuda, cudnn_batch_norm, fused_sdp_choice,
+                               native_dropout, sdp_backend_name, suggest_memory_format)
 from .torchapi.storages import is_view
 from .values import KnownValues, LiteralsOnMeta
 
@@ -400,8 +400,7 @@ _CONVOLUTION = torch.ops.aten.convolution.default
 _CPU_NORM_PARAMETERS = {torch.ops.aten.native_layer_norm.default: (2, 3),
                         torch.ops.aten.native_group_norm.default: (1, 2),
                         torch.ops.aten.native_batch_norm.default: (1, 2, 3, 4),
-                        torch.ops.aten._native_batch_norm_legit.default: (1, 2, 3, 4),
-                        torch.ops.aten._native_batch_norm_legit.no_stats: (1, 2)}
+                        BATCH_NORM_LEGIT: (1, 2, 3, 4), BATCH_NORM_LEGIT_NO_STATS: (1, 2)}
 
 
 def _cpu_statistics(func: Any, args: tuple, out: tuple) -> tuple:

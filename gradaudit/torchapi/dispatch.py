@@ -19,10 +19,10 @@ def without_dispatch_modes() -> Any:
     return _disable_current_modes()
 
 
-def dispatch_modes_below() -> int:
-    """Inside a TorchDispatchMode's handler: how many dispatch modes are still in force (those below it:
-    the handler's own mode is set aside while it runs); 0 when it is the bottom one."""
-    return torch._C._len_torch_dispatch_stack()
+# dispatch_modes_below(): inside a TorchDispatchMode's handler, how many dispatch modes are still in force
+# (those below it: the handler's own mode is set aside while it runs); 0 when it is the bottom one. The
+# builtin itself: it is asked on every op on meta.
+dispatch_modes_below = torch._C._len_torch_dispatch_stack
 
 
 def without_function_modes() -> Any:

@@ -17,6 +17,11 @@ _SDP_FLAGS = {"flash": "flash", "efficient": "mem_efficient", "cudnn": "cudnn", 
               "overrideable": "overrideable", "fa3": "fa3"}
 
 
+# batch norm's functional overloads (what torch.export and the decompositions call; eager reaches them too)
+BATCH_NORM_LEGIT = torch.ops.aten._native_batch_norm_legit.default
+BATCH_NORM_LEGIT_NO_STATS = torch.ops.aten._native_batch_norm_legit.no_stats
+
+
 def sdp_backend_name(choice: int) -> str:
     """"flash", "efficient", "cudnn", "math"... for a backend number (by the enum's names)."""
     backend = getattr(getattr(torch.nn, "attention", None), "SDPBackend", None)
