@@ -1076,12 +1076,12 @@ def test_the_remedy_search_skips_steps_that_cannot_fit_and_finds_what_running_th
     step, field for field, in fewer steps."""
     from gradaudit.fitting import remedy as remedy_module
 
-    model = tiny_hf_model("llama", num_hidden_layers=8, hidden_size=128, intermediate_size=512,
+    model = tiny_hf_model("llama", num_hidden_layers=4, hidden_size=128, intermediate_size=512,
                           use_cache=False).to("meta").train()
     ids = torch.zeros(2, 512, dtype=torch.long)
     batch = {"input_ids": ids, "labels": ids}
     plain = gradaudit.fit(model, batch, memory="1GiB", target="cuda")
-    memory = plain.peak_bytes * 60 // 100
+    memory = plain.peak_bytes * 75 // 100
 
     def fitted() -> tuple[dict, int]:
         said: list[str] = []
