@@ -6,8 +6,8 @@ dtype from the arguments' (for most elementwise ops and reductions, in Python: `
 a few). Those are functions of the arguments' metadata and nothing else, and a model repeats the same
 call with the same metadata in every one of its layers and every run the planner and ``fit`` make. So
 the first call of an op with given arguments runs its kernel and remembers the outputs' metadata, and
-a later identical call makes fresh outputs with that metadata without running it (the 80-layer probe's
-forward and backward on meta: 2.8 s of plain meta kernels, under 1 s).
+a later identical call makes fresh outputs with that metadata without running it (20 layers of the
+80-layer probe, forward and backward on plain meta: 0.65 s, 0.32 s with the cache cold, 0.20 s warm).
 
 What makes a call identical, and which calls are never reused:
 
@@ -41,7 +41,7 @@ import torch
 from .torchapi.dispatch import dispatch_modes_below, op_schema, without_function_modes
 from .torchapi.storages import storage_key
 
-MAX_ENTRIES = 100_000  # distinct calls remembered before the cache starts afresh (each entry is ~1 KB)
+MAX_ENTRIES = 100_000  # distinct calls remembered before the cache starts afresh (bounds what it keeps)
 
 _UNCACHEABLE_TAGS = frozenset(getattr(torch.Tag, name) for name in (
     "dynamic_output_shape", "data_dependent_output", "nondeterministic_seeded", "inplace_view")

@@ -392,6 +392,8 @@ class DeviceKernelsOnMeta(TorchDispatchMode):
 
 
 _CONVOLUTION = torch.ops.aten.convolution.default
+_CPU_LOSSES_ON_THEIR_BUFFER = {torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default,
+                               torch.ops.aten.binary_cross_entropy.default, torch.ops.aten.soft_margin_loss.default}
 # On the CPU, layer, batch and group norm keep their statistics (outputs 1 and 2: mean and rstd or
 # invstd) in the input's dtype, or in float32 where a parameter is float32 beside a bfloat16 or float16
 # input (ATen's is_mixed_type); their meta kernels keep layer and batch norm's in float32 always, group
@@ -414,8 +416,6 @@ def _cpu_statistics(func: Any, args: tuple, out: tuple) -> tuple:
     stats = [t if t.dtype == dtype else torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
              for t in out[1:3]]
     return (out[0], *stats, *out[3:])
-_CPU_LOSSES_ON_THEIR_BUFFER = {torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default,
-                               torch.ops.aten.binary_cross_entropy.default, torch.ops.aten.soft_margin_loss.default}
 
 
 def _channels_last_of(operands: Any) -> Optional[torch.memory_format]:
