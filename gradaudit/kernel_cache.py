@@ -39,6 +39,7 @@ from typing import Any, Iterator
 import torch
 
 from .torchapi.dispatch import dispatch_modes_below, op_schema, without_function_modes
+from .tensors import storage_span
 from .torchapi.storages import storage_key
 
 MAX_ENTRIES = 100_000  # distinct calls remembered before the cache starts afresh (bounds what it keeps)
@@ -175,24 +176,18 @@ def _entry_of(out: Any, arguments: list) -> Any:
     if outputs is None:
         return _RUN
     tensors = [t for t in outputs if t is not None]
-    if not tensors or not all(isinstance(t, torch.Tensor) and type(t) in _PLAIN and t.device == _META
+    if not tensors or not all(isinstance(t, torch.Tensor) and type(t) in _PLAIN and t.is_meta
                               and t.layout == torch.strided for t in tensors):
         return _RUN
     keys = [storage_key(t) for t in tensors]
     inputs = {storage_key(t) for t in arguments}
     if len(set(keys)) != len(keys) or inputs.intersection(keys):
         return _RUN
-    if any(t.storage_offset() != 0 or t.untyped_storage().nbytes() != _needed_bytes(t) for t in tensors):
+    if any(t.storage_offset() != 0
+           or t.untyped_storage().nbytes() != storage_span(t.shape, t.stride()) * t.element_size() for t in tensors):
         return _RUN
     container = None if isinstance(out, torch.Tensor) else type(out)
     return container, tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype) for t in outputs)
-
-
-def _needed_bytes(t: torch.Tensor) -> int:
-    """The bytes ``torch.empty_strided`` gives a tensor of ``t``'s sizes, strides and dtype."""
-    if any(size == 0 for size in t.shape):
-        return 0
-    return (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def _remade(entry: Any) -> Any:

@@ -267,7 +267,8 @@ def search(model: nn.Module, inputs: Any, memory: int, measure: Measure, *, trai
     return found[0][2], alternatives, notes
 
 
-BOUND_SLACK = 2**20  # bytes: the audit counts 0-dim numbers autograd saves that no op makes; the step's tracker does not
+# bytes: the audit counts 0-dim numbers autograd saves that no op makes; the step's tracker does not
+BOUND_SLACK = 2**20
 
 
 class _Bound:
@@ -304,7 +305,8 @@ def _every_block(model: nn.Module, planned: Any, measure: Measure, memory: int, 
     same = [step for at, step in measured
             if tuple(at.checkpointed) == tuple(every.checkpointed) and not at.selective and not at.trimmed]
     if same:
-        return Alternative("checkpoint every block", same[0].peak_bytes, planned.share(every), needed(same[0]) <= memory)
+        return Alternative("checkpoint every block", same[0].peak_bytes, planned.share(every),
+                           needed(same[0]) <= memory)
 
     def applied() -> Any:
         stack = contextlib.ExitStack()
