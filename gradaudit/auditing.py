@@ -12,7 +12,8 @@ from torch import nn
 from .analysis import build_report
 from .conditions import ModelState, apply_trainable, one_stage, resolve_target, runs_on_meta, trimmed_now
 from .errors import ForwardError, GradauditError, NothingRequiresGradError
-from .meta import WithoutAttentionDropout, standing_for
+from .meta import standing_for
+from .sdpa import WithoutAttentionDropout
 from .recorder import Recorder
 from .records import Leaf, Manager, Report, StorageKind
 from .rules.registry import check_codes

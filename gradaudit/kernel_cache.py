@@ -122,6 +122,11 @@ def checking() -> Iterator[None]:
         _state.checking = before
 
 
+def is_checking() -> bool:
+    """Whether ``checking`` is in force (other memories of gradaudit check their answers under it too)."""
+    return _state.checking
+
+
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
     """Every call runs its kernel (to compare figures with and without the cache)."""

@@ -19,8 +19,8 @@ the target's kernel.
 
 Autocast works through dispatch keys meta tensors do not carry, so ``torch.autocast`` inside a forward
 run on meta would change nothing: ``AutocastOnMeta`` casts the arguments of the ops autocast's lists
-name, as CPU (or CUDA) autocast would. ``WithoutAttentionDropout`` is a what-if the audit measures
-when attention dropout sends SDPA to its math kernel.
+name, as CPU (or CUDA) autocast would. The arguments of SDPA, the CPU's choice for them and the
+emulated call are in ``sdpa.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import contextlib
 import inspect
 import weakref
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -39,93 +38,12 @@ from torch.overrides import TorchFunctionMode
 from . import cuda_choices, kernel_cache
 from .torchapi.checkpoint import checkpoint_meta_as, recomputing_under
 from .torchapi.dispatch import TorchDispatchMode, op_namespaces
+from .sdpa import SdpaChoice, as_sdpa, cpu_additive_mask, cpu_choice, emulated_sdpa, meta_query, sdpa_arguments
 from .torchapi.kernels import (BATCH_NORM_LEGIT, BATCH_NORM_LEGIT_NO_STATS, any_autocast_enabled,
-                               cpu_flash_attention, cuda_autocast_without_cuda, cudnn_batch_norm, fused_sdp_choice,
+                               cpu_flash_attention, cuda_autocast_without_cuda, cudnn_batch_norm,
                                native_dropout, sdp_backend_name, suggest_memory_format)
 from .torchapi.storages import is_view
 from .values import KnownValues, LiteralsOnMeta
-
-
-def _cpu_twin(t: Any) -> Any:
-    """An uninitialised CPU tensor with t's shape, strides, dtype and requires_grad (no values read)."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    twin = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-    return twin.requires_grad_(t.requires_grad)
-
-
-def sdpa_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    bound.setdefault("attn_mask", None)
-    bound.setdefault("dropout_p", 0.0)
-    bound.setdefault("is_causal", False)
-    bound.setdefault("scale", None)
-    bound.setdefault("enable_gqa", False)
-    return bound
-
-
-def sdpa_backend(bound: dict[str, Any], dropout_p: Optional[float] = None) -> int:
-    """The backend ``F.scaled_dot_product_attention`` picks for these arguments on their device;
-    meta tensors are asked as CPU tensors (what an audit on meta emulates). ``dropout_p``: ask
-    with another dropout probability (what-if)."""
-    query = bound["query"]
-    tensors = [bound[n] for n in ("query", "key", "value", "attn_mask")]
-    if isinstance(query, torch.Tensor) and query.device.type == "meta":
-        tensors = [_cpu_twin(t) for t in tensors]
-    p = bound["dropout_p"] if dropout_p is None else dropout_p
-    return fused_sdp_choice(*tensors, p, bound["is_causal"], scale=bound["scale"],
-                                     enable_gqa=bound["enable_gqa"])
-
-
-class WithoutAttentionDropout(TorchFunctionMode):
-    """A what-if: every ``F.scaled_dot_product_attention`` call runs with ``dropout_p=0``."""
-
-    # a checkpoint's recomputation in backward runs under it again, as the forward did (planning/apply.py)
-    reenter_on_recompute = True
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            bound = sdpa_arguments(args, kwargs)
-            bound["dropout_p"] = 0.0
-            return func(**bound)
-        return func(*args, **kwargs)
-
-
-@dataclass(frozen=True)
-class SdpaChoice:
-    """The kernel an emulated ``F.scaled_dot_product_attention`` call takes on the target device."""
-
-    kernel: str  # "flash", "efficient", "cudnn" or "math"
-    kernel_without_dropout: str  # what the same call takes with dropout_p = 0
-    device: str  # the device type the choice stands for ("cpu", "cuda")
-    # (backend, why) for every fused backend tried before the chosen one (CUDA's choice only)
-    passed_over: tuple[tuple[str, str], ...] = ()
-
-
-def emulated_sdpa(choice: SdpaChoice, run: Callable[..., torch.Tensor], query: Any, key: Any, value: Any,
-                  attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None,
-                  enable_gqa: bool = False) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` as the kernel choices run it on meta: ``run`` (the chosen
-    kernel) on the arguments. A TorchFunctionMode below the one that calls it receives this function
-    with ``choice`` as its first argument (the recorder notes the call and its kernel from it)."""
-    relevant = tuple(t for t in (query, key, value, attn_mask) if isinstance(t, torch.Tensor))
-    if torch.overrides.has_torch_function(relevant):
-        return torch.overrides.handle_torch_function(emulated_sdpa, relevant, choice, run, query, key, value,
-                                                     attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-
-def _as_sdpa(bound: dict[str, Any]) -> tuple:
-    return tuple(bound[n] for n in ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-                                    "enable_gqa"))
-
-
-def _meta_query(bound: dict[str, Any]) -> bool:
-    query = bound["query"]
-    return isinstance(query, torch.Tensor) and query.device.type == "meta"
 
 
 # Python composites that call F.scaled_dot_product_attention (or dropout) inside: a TorchFunctionMode
@@ -147,10 +65,10 @@ class CpuKernelChoices(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             bound = sdpa_arguments(args, kwargs)
-            if _meta_query(bound):
+            if meta_query(bound):
                 choice = self.sdpa_choice(bound)
                 if choice is not None:
-                    return emulated_sdpa(choice, self.sdpa_runner(bound, choice), *_as_sdpa(bound))
+                    return emulated_sdpa(choice, self.sdpa_runner(bound, choice), *as_sdpa(bound))
         elif func in _KERNEL_COMPOSITES:
             return run_with_mode_inside(self, func, args, kwargs)
         return func(*args, **kwargs)
@@ -159,8 +77,8 @@ class CpuKernelChoices(TorchFunctionMode):
         """The kernel the CPU dispatcher picks for these arguments (asked with CPU twins); None where
         it cannot be asked (torch's own call then runs, and raises where it should)."""
         try:
-            kernel = sdp_backend_name(sdpa_backend(bound))
-            without = sdp_backend_name(sdpa_backend(bound, dropout_p=0.0)) if bound["dropout_p"] else kernel
+            kernel = sdp_backend_name(cpu_choice(bound))
+            without = sdp_backend_name(cpu_choice(bound, dropout_p=0.0)) if bound["dropout_p"] else kernel
         except (RuntimeError, TypeError, ValueError):
             return None
         return SdpaChoice(kernel, without, "cpu")
@@ -170,19 +88,9 @@ class CpuKernelChoices(TorchFunctionMode):
             # the CPU flash kernel takes grouped key/value heads as they are (no repeat); attention.cpp
             # first turns a bool mask into an additive one in the query's dtype (the node saves that)
             return lambda q, k, v, mask, p, causal, scale, gqa: cpu_flash_attention(
-                q, k, v, p, causal, attn_mask=_cpu_additive_mask(mask, q.dtype), scale=scale)
+                q, k, v, p, causal, attn_mask=cpu_additive_mask(mask, q.dtype), scale=scale)
         return lambda q, k, v, mask, p, causal, scale, gqa: F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale, enable_gqa=gqa)
-
-
-def _cpu_additive_mask(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """attention.cpp's convert_boolean_attn_mask as the CPU runs it (seen op by op on torch 2.14):
-    ``where(mask, 0, -inf)`` in the query's dtype; a float mask is used as it is."""
-    if mask is None or mask.dtype != torch.bool:
-        return mask
-    masked = torch.scalar_tensor(float("-inf"), dtype=dtype, device=mask.device)
-    kept = torch.scalar_tensor(0.0, dtype=dtype, device=mask.device)
-    return torch.where(mask, kept, masked)
 
 
 # -- batch norm as CUDA runs it -----------------------------------------------------------------------

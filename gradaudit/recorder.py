@@ -27,7 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
 from . import torchapi
-from .meta import SdpaChoice, emulated_sdpa, sdpa_arguments, sdpa_backend
+from .sdpa import SdpaChoice, cpu_choice, emulated_sdpa, sdpa_arguments
 from .module_tracker import ModuleTracker
 from .compiled import ParameterLayouts, attribute
 from .torchapi.compiler import COMPILED_NODE, SavedOrigin, compiling
@@ -196,8 +196,8 @@ class AttentionCalls(TorchFunctionMode):
         if isinstance(query, torch.Tensor):
             try:
                 if choice is None:
-                    kernel = sdp_backend_name(sdpa_backend(bound))
-                    without = (sdp_backend_name(sdpa_backend(bound, dropout_p=0.0)) if bound["dropout_p"]
+                    kernel = sdp_backend_name(cpu_choice(bound))
+                    without = (sdp_backend_name(cpu_choice(bound, dropout_p=0.0)) if bound["dropout_p"]
                                else kernel)
                     choice = SdpaChoice(kernel, without, "cpu" if query.device.type == "meta" else query.device.type)
                 batch_heads_queries = query.numel() // query.shape[-1] if query.dim() else 0

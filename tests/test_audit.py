@@ -217,7 +217,7 @@ def test_young_only_measurement_matches_a_full_collection(tiny_hf_model):
     import gc
 
     from gradaudit.measure import held_bytes_after_forward
-    from gradaudit.meta import WithoutAttentionDropout
+    from gradaudit.sdpa import WithoutAttentionDropout
 
     class Cyclic(torch.nn.Module):
         def __init__(self):

@@ -1269,6 +1269,41 @@ def assert_trimmed_plan_exact_and_identical(model: nn.Module, inputs, fraction: 
     return chosen
 
 
+class FusedDropoutBlock(nn.Module):
+    """A frozen linear layer, CUDA's fused dropout (native_dropout: a bool keep-mask, GA403) and a
+    trainable linear layer."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.frozen = nn.Linear(width, width).requires_grad_(False)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.out(torch.native_dropout(self.frozen(x), 0.3, self.training)[0])
+
+
+class FusedDropoutStack(nn.Module):
+    def __init__(self, n: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList(FusedDropoutBlock() for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_plan_on_top_of_trim_counts_bool_dropout_masks_as_bits():
+    # per block (8 x 32 activations): the trainable layer's float32 input, 1024 B, and the bool mask,
+    # 256 B, which trim keeps as 32 B of bits (block 0's dropout makes no node: nothing before it
+    # needs a gradient): the plan, the re-audit and the storage tracker agree
+    torch.manual_seed(0)
+    model, x = FusedDropoutStack().train(), torch.randn(8, 32)
+    audited = gradaudit.audit(model, x)
+    assert audited.reclaimable_with_bitpacking_bytes == 3 * (256 - 32)
+    assert_trimmed_plan_exact_and_identical(model, x, 0.8)
+
+
 def test_plan_on_top_of_trim_counts_what_trim_leaves():
     model, x = conv_stack()
     # per block (2x4x8x8 float32 activations, 2048 B; int64 pool indices, 4096 B): the conv saves its

@@ -259,7 +259,10 @@ def test_dropout_keeps_a_bool_mask_on_cuda():
     (cpu_mask,) = [t for t in cpu.tensors if t.node == "MulBackward0" and t.attr == "other"]
     # the 8 x 32 mask: 256 elements, one byte each as bool on CUDA, four as the CPU's float32 mask
     assert (mask.attr, mask.dtype, mask.shape, mask.view_nbytes) == ("result1", "bool", (8, 32), 256)
-    assert (mask.verdict, mask.rule) == (NEEDED, None)  # the backward is grad * mask * 1/(1-p)
+    # the backward is grad * mask * 1/(1-p): needed, and one bit per element holds it (GA403)
+    assert (mask.verdict, mask.rule, mask.bitpackable) == (NEEDED, "GA403", True)
+    (finding,) = [f for f in cuda.findings if f.code == "GA403"]
+    assert finding.bytes == 256 - 256 // 8  # the bool mask's 256 bytes, less 32 bytes of bits
     assert cpu_mask.view_nbytes == 256 * 4 and cpu.saved_bytes - cuda.saved_bytes == 256 * 3
     # GA402 (a float mask holding two values) is the CPU's: CUDA's mask is already bool
     assert "GA402" in {f.code for f in cpu.findings} and "GA402" not in {f.code for f in cuda.findings}
@@ -273,9 +276,10 @@ def test_dropout_keeps_a_bool_mask_on_cuda():
         assert type(F.dropout(y * 1, 0.5, training=True, inplace=True).grad_fn).__name__ != "NativeDropoutBackward0"
 
 
-def test_native_dropout_is_declared_and_trim_keeps_its_mask():
-    """NativeDropoutBackward0 (what CUDA's dropout builds; CPU runs the op too): its mask is read, so
-    the audit calls it needed and trim keeps it; the gradients stay bit-identical."""
+def test_native_dropout_is_declared_and_trim_keeps_its_mask_as_bits():
+    """NativeDropoutBackward0 (what CUDA's dropout builds; CPU runs the op too): its bool mask is read,
+    so the audit calls it needed (proven), and bit-packable (GA403): trim keeps it as bits; the
+    gradients stay bit-identical."""
 
     class FusedDropout(nn.Module):
         def __init__(self):
@@ -288,14 +292,15 @@ def test_native_dropout_is_declared_and_trim_keeps_its_mask():
     torch.manual_seed(0)
     model, x = FusedDropout(), torch.randn(4, 8)
     (mask,) = [t for t in gradaudit.audit(model, x, verify=True).tensors if t.node == "NativeDropoutBackward0"]
-    assert (mask.verdict, mask.proven, mask.bitpackable) == (NEEDED, True, False)
+    assert (mask.verdict, mask.proven, mask.bitpackable) == (NEEDED, True, True)
 
     def gradient(trimmed):
         model.zero_grad()
         torch.manual_seed(1)
         if trimmed:
-            with gradaudit.trim(model):
+            with gradaudit.trim(model) as handle:
                 model(x).square().sum().backward()
+            assert handle.stats["bitpacked"] == 1
         else:
             model(x).square().sum().backward()
         return model.lin.weight.grad.clone()

@@ -109,6 +109,9 @@ def _trigger(code: str):
         return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), frozen(nn.Linear(16, 4))), torch.randn(4, 8), False
     if code == "GA402":
         return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4)).train(), torch.randn(4, 8), False
+    if code == "GA403":  # the fused dropout CUDA runs, called by name on the CPU
+        from tests.fixtures.rule_models import FusedDropoutMLP
+        return FusedDropoutMLP().train(), torch.randn(8, 16), False
     if code == "GA501":  # the input requires grad, only the head trains
         model = nn.Sequential(frozen(nn.Linear(8, 16)), nn.GELU(), frozen(nn.Linear(16, 16)), nn.GELU(),
                               nn.Linear(16, 4))

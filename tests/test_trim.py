@@ -158,6 +158,45 @@ def test_dropout_mask_bitpacked_with_its_scale(p, masks):
     assert_identical(plain, trimmed)
 
 
+class _FusedDropout(nn.Module):
+    """Dropout as CUDA's nn.Dropout runs it in training: native_dropout, which saves a bool keep-mask."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return torch.native_dropout(x, self.p, self.training)[0]
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("masks", ["bits", "bytes"])
+@pytest.mark.parametrize("with_numpy", [True, False], ids=["numpy", "torch-ops"])
+def test_a_bool_dropout_mask_becomes_bits(monkeypatch, p, masks, with_numpy):
+    """native_dropout's bool keep-mask (GA403) is kept as bits by default, read back as the same bools:
+    gradients bit-identical, 7/8 of the mask freed; masks="bytes" leaves it as it is. The torch path
+    (a GPU's) packs by a word multiplication and a copy, and unpacks by a shift and a mask: no select."""
+    import gradaudit.trimming.codec as codec
+
+    if not with_numpy:
+        monkeypatch.setattr(codec, "numpy", None)
+    # 7 x 50 = 350 mask elements, not a multiple of 8; the frozen last layer keeps no input of its own
+    model = nn.Sequential(nn.Linear(6, 50), _FusedDropout(p), nn.Linear(50, 3).requires_grad_(False)).train()
+    x = torch.randn(7, 6)
+    plain, trimmed, stats = plain_and_trimmed(model, (x,), masks=masks)
+    assert_identical(plain, trimmed)
+    assert stats["bitpacked"] == (1 if masks == "bits" else 0)
+    figures = compare(model, (x,), masks=masks)
+    # the bool mask holds 350 bytes; its bits ceil(350 / 8) = 44
+    assert figures["held_before"] - figures["held_after"] == (350 - 44 if masks == "bits" else 0), figures
+    if masks == "bits" and not with_numpy:
+        steady = steady_ops_added(model, x)
+        kernels = [name for name in steady if name not in ("as_strided", "detach", "view", "empty_strided", "lift_fresh",
+                                                           "arange", "full", "slice", "select", "empty", "zeros")]
+        # (350 is not a multiple of 8: the bools are first copied into a zeroed buffer of whole words)
+        assert sorted(kernels) == ["bitwise_and", "bitwise_right_shift", "clone", "copy_", "mul"], steady
+
+
 def test_a_mask_that_is_not_zero_or_one_value_is_kept():
     """A multiplication inside a module named Dropout whose factor is not a 0/c mask stays as is."""
 

@@ -242,7 +242,8 @@ declare("MulBackward0", edges=("self", "other"), source="derivatives.yaml mul.Te
 # the keep-mask, as bool (one byte per element), and the input gradient is grad * mask * 1/(1-p)
 declare("NativeDropoutBackward0", edges=("input",),
         source="derivatives.yaml native_dropout: native_dropout_backward(grad, result1, scale)",
-        saves={"result1": Read(why="the keep-mask says which elements of the gradient pass")})
+        saves={"result1": Read(reads=Reads.BOOL, rule="GA403",
+                               why="the keep-mask says which elements of the gradient pass")})
 
 # -- matrix products: codegen saves each operand only when the other's gradient is wanted
 _MATMUL_WHY = "read by the gradient formula of an input that needs a gradient"

@@ -41,6 +41,7 @@ class Reads(enum.Enum):
     SHAPE = "shape"  # only shape, dtype and memory format: never the values
     SIGN = "sign"  # one bit per element: a comparison with 0 (see Bit)
     MASK = "mask"  # the values, which hold only 0 and one positive constant (see Read.only_in)
+    BOOL = "bool"  # the values of a bool tensor (a keep-mask): one bit per element holds them exactly
     NOTHING = "nothing"  # nothing at all
 
 
@@ -49,6 +50,7 @@ class Bit(enum.Enum):
 
     NOT_LE_ZERO = "not x <= 0"  # threshold_backward(grad, x, 0): x <= 0 ? 0 : grad (NaN passes)
     GT_ZERO = "x > 0"  # leaky_relu_backward: x > 0 ? grad : grad * slope (NaN takes the slope)
+    BOOL = "x"  # a bool tensor's own values (a BOOL read: needed, each element one bit)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class Read:
             raise DeclarationError("a SIGN read names its comparison (bit=Bit...), and only a SIGN read does")
         if (self.reads is Reads.MASK) != bool(self.only_in):
             raise DeclarationError("a MASK read names the module classes where it holds (only_in=...)")
+        if self.reads is Reads.BOOL and self.by:
+            raise DeclarationError("a BOOL read is needed whenever the node runs (no by=...)")
         if self.rule is None and (self.reads is not Reads.VALUES or self.by):
             raise DeclarationError("a read that can leave a save unneeded or bit-packable names the rule "
                              "that explains it (rule='GA...')")
@@ -101,7 +105,7 @@ class Outcome:
     verdict: str  # records.NEEDED / NOT_NEEDED / SIGN_ONLY
     reason: str
     bitpackable: bool = False
-    bit: Optional[Bit] = None  # bit-packable: Bit for a sign; None for a two-valued mask
+    bit: Optional[Bit] = None  # bit-packable: Bit for a sign or a bool tensor; None for a two-valued mask
     shape_only: bool = False  # not needed and only its shape is read: a zero-stride stand-in does
     rule: Optional[str] = None  # the finding code explaining it (not needed or bit-packable)
 
@@ -154,6 +158,9 @@ class Declaration:
                            if wanted else "read by the gradient formula of an input that needs a gradient")
         if read.reads is Reads.SIGN:
             return Outcome(SIGN_ONLY, why, bitpackable=True, bit=read.bit, rule=read.rule)
+        if read.reads is Reads.BOOL and dtype == "bool":
+            return Outcome(NEEDED, f"{why}; a bool tensor spends a byte per element on one bit", bitpackable=True,
+                           bit=Bit.BOOL, rule=read.rule)
         if (read.reads is Reads.MASK and module_class in read.only_in and dtype in FLOATS
                 and not (attr in self.edges and self._wanted(attr, edge_mask))):
             return Outcome(NEEDED, f"{why}; it holds only 0 and one constant (1/(1-p) for dropout), so one "

@@ -1,4 +1,4 @@
-"""GA4xx: saves kept as floats whose information is one bit per element (signs, dropout masks)."""
+"""GA4xx: saves kept as floats or bytes whose information is one bit per element (signs, dropout masks)."""
 
 from __future__ import annotations
 
@@ -71,3 +71,40 @@ def dropout_mask_saved_as_float(node: GraphNode, hits: list[SavedTensor]) -> str
     mask = hits[0]
     return (f"{node.module or 'model'} ({mask.module_class}) keeps a {mask.dtype} dropout mask of "
             f"{shape_text(mask)} that holds only two values")
+
+
+@claims_rule("GA403", "dropout-mask-saved-as-bytes", NEEDED, bitpackable=True, each=True,
+      fix="Keep the bool keep-mask as bits (gradaudit.trim(model), masks=\"bits\", the default): gradients "
+          "stay bit-identical",
+      fix_code="""
+        import gradaudit
+        with gradaudit.trim(model):   # each bool of the keep-mask kept as 1 bit
+            model(x).sum().backward()
+      """)
+def dropout_mask_saved_as_bytes(node: GraphNode, hits: list[SavedTensor]) -> str:
+    """Fused dropout keeps its keep-mask as bool, one byte per element for one bit of information.
+
+    What it flags:
+        ``native_dropout``'s node (NativeDropoutBackward0) saving ``result1``, its bool keep-mask: the
+        dropout every CUDA ``nn.Dropout`` / ``F.dropout`` runs in training (Dropout.cpp sends an
+        out-of-place dropout with 0 < p < 1 on a CUDA tensor to it; ``target="cuda"`` on meta
+        emulates that), and any direct ``torch.native_dropout`` call (decompositions, some libraries).
+    Why it costs memory:
+        A bool takes a byte; the backward, ``grad * mask * 1/(1-p)``, reads one bit of it per element.
+        A BERT keeps three such masks per layer (attention probabilities, attention output,
+        feed-forward output), the first of batch x heads x length x length elements.
+    Example:
+        model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.Linear(32, 10)).train()
+        report = gradaudit.audit(model, torch.randn(8, 16, device="meta"), target="cuda")
+    Fix:
+        ``gradaudit.trim(model)`` (bits, the default) keeps the mask packed 8 elements per byte and
+        gives backward the same bools; ``masks="bytes"`` leaves it as it is.
+    Fix safety:
+        Bit-identical: a bool holds one of two values, which the bits keep exactly.
+    Known limits:
+        Packing and unpacking are two elementwise operations each way on a GPU (see docs/trim.md for
+        what they cost against the bytes they free).
+    """
+    mask = hits[0]
+    return (f"{node.module or 'model'} ({mask.module_class}) keeps a bool dropout mask of {shape_text(mask)}, "
+            f"a byte per element for one bit")

@@ -24,10 +24,15 @@ BATCH_NORM_LEGIT_NO_STATS = torch.ops.aten._native_batch_norm_legit.no_stats
 
 def sdp_backend_name(choice: int) -> str:
     """"flash", "efficient", "cudnn", "math"... for a backend number (by the enum's names)."""
-    backend = getattr(getattr(torch.nn, "attention", None), "SDPBackend", None)
-    names = {int(getattr(backend, n)): n for n in dir(backend) if n.isupper()} if backend is not None else {}
+    names = _backend_names()
     name = names.get(int(choice), "unknown").lower()
     return {"flash_attention": "flash", "efficient_attention": "efficient", "cudnn_attention": "cudnn"}.get(name, name)
+
+
+@functools.lru_cache(maxsize=1)
+def _backend_names() -> dict[int, str]:
+    backend = getattr(getattr(torch.nn, "attention", None), "SDPBackend", None)
+    return {int(getattr(backend, n)): n for n in dir(backend) if n.isupper()} if backend is not None else {}
 
 
 def cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
@@ -96,6 +101,16 @@ def sdp_enabled() -> dict[str, bool]:
     # a flag this torch does not have (FlashAttention-3's, the overrideable backend's) is off
     return {name: bool(getattr(torch._C, f"_get_{flag}_sdp_enabled", lambda: False)())
             for name, flag in _SDP_FLAGS.items()}
+
+
+def sdp_settings() -> tuple:
+    """torch's global attention settings as one hashable value: each backend's enabled flag, the
+    priority order, and whether the math kernel may reduce in low precision (what a memory of the
+    dispatcher's choices keys on besides the call)."""
+    flags = tuple(bool(getattr(torch._C, f"_get_{flag}_sdp_enabled", lambda: False)()) for flag in _SDP_FLAGS.values())
+    order = getattr(torch._C, "_get_sdp_priority_order", None)
+    low = getattr(torch._C, "_get_math_sdp_allow_fp16_bf16_reduction", None)
+    return (flags, tuple(int(c) for c in order()) if order is not None else None, bool(low()) if low is not None else None)
 
 
 def sdp_priority_order() -> tuple[str, ...]:

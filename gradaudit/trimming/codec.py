@@ -11,7 +11,8 @@ unpacked tensor gives the backward the same results:
 so the bit is that comparison itself (NaN, -0.0 included) and the unpacked value 1.0 or 0.0;
   dropout (a multiplication by a mask of 0 and 1/(1-p)): grad * mask
 so the mask must be reproduced exactly: checked to hold only +0.0 and one positive value.
-Which packer a save gets comes from the op knowledge (``Read.bit``; a MASK read: ``scaled_mask``).
+Which packer a save gets comes from the op knowledge (``Read.bit``; a MASK read: ``scaled_mask``; a bool
+keep-mask, a BOOL read: its own values as bits, unpacked to bools).
 """
 
 from __future__ import annotations
@@ -72,6 +73,18 @@ def _passes_if_gt_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
     return pack_bits(values > 0), 1.0
 
 
+def _bool_bits(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
+    # a bool keep-mask (native_dropout's result1): its own values as bits, read back as bools; no
+    # look at the values (a bool holds one of two by its dtype)
+    if values.dtype != torch.bool:
+        return None
+    return pack_bits(values), 1.0
+
+
+def _bool_kept(values: torch.Tensor) -> None:
+    return None  # masks="bytes": a bool mask is one byte per element already
+
+
 def _mask_scale(values: torch.Tensor) -> Optional[float]:
     """The one positive value of a mask holding only it and +0.0, or None (read from the device)."""
     if values.numel() == 0 or values.device.type == "meta":
@@ -119,6 +132,7 @@ Packer = Callable[[torch.Tensor], Optional[tuple[torch.Tensor, float]]]
 PACKERS: dict[Bit, Packer] = {
     Bit.NOT_LE_ZERO: _passes_unless_le_zero,
     Bit.GT_ZERO: _passes_if_gt_zero,
+    Bit.BOOL: _bool_bits,
 }
 scaled_mask: Packer = _scaled_mask
 
@@ -130,6 +144,7 @@ BYTES: dict[Packer, Packer] = {
     _passes_unless_le_zero: _byte_unless_le_zero,
     _passes_if_gt_zero: _byte_if_gt_zero,
     _scaled_mask: _byte_scaled_mask,
+    _bool_bits: _bool_kept,
 }
 MASK_FORMATS = ("bits", "bytes")
 
@@ -159,6 +174,7 @@ FUSED: dict[Packer, Packer] = {
     _passes_unless_le_zero: _fused_passes_unless_le_zero,
     _passes_if_gt_zero: _fused_passes_if_gt_zero,
     _scaled_mask: _fused_scaled_mask,
+    _bool_bits: _bool_bits,  # (no fused kernel for bools: two elementwise ones each way)
 }
 KERNELS = ("torch", "triton")
 
@@ -316,6 +332,8 @@ def _unpack_with_torch(box: Any) -> torch.Tensor:
     packed = box.payload
     bits = torch.bitwise_and(torch.bitwise_right_shift(packed.view(-1, 1), _shifts(packed.device)), 1)
     bits = bits.view(torch.bool)
+    if box.dtype == torch.bool:
+        return bits  # a bool mask's values are the bits themselves
     if box.scale == -1.0:
         set_value, clear_value = 0.0, 1.0
     else:

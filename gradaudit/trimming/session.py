@@ -380,7 +380,7 @@ class Session:
         if not self.bitpack or box.outer_unpack is not None:
             return False
         tensor = box.payload
-        if not tensor.is_floating_point() or version_counter(tensor) != box.version:
+        if not (tensor.is_floating_point() or tensor.dtype == torch.bool) or version_counter(tensor) != box.version:
             return False  # modified in place since it was saved: leave it as autograd would
         key = storage_key(tensor)
         if key in self.protected:

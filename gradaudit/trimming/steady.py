@@ -98,7 +98,7 @@ def _bit_packer(packer: Callable) -> Callable[[torch.Tensor], Any]:
     flat = packer not in _BYTE_PACKERS
 
     def pack(t: torch.Tensor) -> Any:
-        if not t.is_floating_point() or t.numel() == 0 or not dense(t):
+        if not (t.is_floating_point() or t.dtype == torch.bool) or t.numel() == 0 or not dense(t):
             return _Kept(t)
         with torch.no_grad():
             found = packer(t.as_strided((t.numel(),), (1,)) if flat else t)
