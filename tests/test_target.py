@@ -574,6 +574,8 @@ def test_bert_in_bf16_holds_no_probabilities_on_cuda(dropout, kernel, node, tran
     masks = [t for t in cuda.tensors if t.node == "NativeDropoutBackward0"]
     assert [(t.dtype, t.view_nbytes) for t in masks] == [("bool", 2 * SEQ * 32)] * 5
     assert "GA402" not in {f.code for f in cuda.findings} and "GA801" not in {f.code for f in cuda.findings}
+    # each a byte per element for one bit (GA403): as bits 1536 / 8 = 192 bytes, 1344 freed per mask
+    assert sorted(f.bytes for f in cuda.findings if f.code == "GA403") == [1536 - 192] * 5
     assert any("took the kernels" in n and "H100" in n for n in cuda.notes)
 
 
