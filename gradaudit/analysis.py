@@ -13,10 +13,10 @@ import torch
 from . import rules as _rules  # noqa: F401  (registers the catalogue)
 from .knowledge import Declaration, declaration, hidden_by
 from .accounting import Accountant, counted, module_totals
-from .compiled import compiled_reason
+from .compiled import compiled_reason, static_verdict
 from .recorder import Recording
 from .records import (
-    HELD_KINDS, NOT_NEEDED, UNKNOWN, CheckpointRegion, Finding, GraphNode, Manager, Report, SavedTensor, Severity, Storage,
+    HELD_KINDS, NOT_NEEDED, SIGN_ONLY, UNKNOWN, CheckpointRegion, Finding, GraphNode, Manager, Report, SavedTensor, Severity, Storage,
     StorageKind, ModuleCall,
 )
 from .rules.registry import Flag, RuleContext, all_rules, selected
@@ -210,7 +210,12 @@ def _saved_tensors(recording: Recording, nodes: list[GraphNode], alive: KnownSto
         elif save.origin is not None:
             kind = saved.storage_kind
             itself = kind.value if kind in (StorageKind.PARAMETER, StorageKind.BUFFER, StorageKind.INPUT) else None
-            preset[saved.index] = (UNKNOWN, compiled_reason(save.origin, itself, save.copy_of))
+            judged = static_verdict(save.origin, isinstance(dtype, torch.dtype) and dtype.is_floating_point)
+            if judged is None:
+                preset[saved.index] = (UNKNOWN, compiled_reason(save.origin, itself, save.copy_of))
+            else:
+                verdict, why, bitpackable = judged
+                preset[saved.index] = (verdict, compiled_reason(save.origin, itself, save.copy_of, why), bitpackable)
         elif save.function is not None and (inner := hidden_by(save.function)):
             # hidden inside CopySlices by an in-place op on a view: the op knowledge of the nodes that
             # op may create says what their backward reads. trim cannot reach such saves (no node lists
@@ -288,9 +293,14 @@ def _static_verdicts(nodes: list[GraphNode], tensors: list[SavedTensor], preset:
             if outcome is not None:
                 t.verdict, t.reason, t.bitpackable = outcome.verdict, outcome.reason, outcome.bitpackable
                 t.explained_by = outcome.rule
-    for i, (verdict, reason) in preset.items():
-        if tensors[i].verdict == UNKNOWN:
-            tensors[i].verdict, tensors[i].reason = verdict, reason
+    for i, (verdict, reason, *packable) in preset.items():
+        t = tensors[i]
+        if t.verdict == UNKNOWN:
+            t.verdict, t.reason = verdict, reason
+            if packable:  # a compiled region's save judged from its backward graph
+                t.bitpackable = packable[0]
+                if verdict in (NOT_NEEDED, SIGN_ONLY):
+                    t.explained_by = "GA003"
 
 
 def _findings(ctx: RuleContext, accountant: Accountant, select: Sequence[str],

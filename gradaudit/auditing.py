@@ -313,6 +313,7 @@ def _compiled_notes(model: nn.Module, report: Report, on_meta: bool) -> list[str
             f"({COMPILED_NODE}): what such a region keeps for backward is the compiler's choice, "
             f"counted in the byte figures and attributed to the module and line its graphs name (each "
             f"save's reason names the ops that make and read it); verdicts and findings (GA003) come "
-            f"from the proof alone (verify=True, scan --verify). To see what eager autograd would keep "
+            f"from what its backward graph's ops read of each save, and from the proof (verify=True, "
+            f"scan --verify) for what the graph does not settle. To see what eager autograd would keep "
             f"and which fixes apply, audit with eager=True (gradaudit scan --eager); both side by side, per "
             f"module: compare_eager=True (scan --compare-eager)"]

@@ -10,8 +10,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import nn
 
+from .knowledge import Bit
+from .records import NEEDED, NOT_NEEDED, SIGN_ONLY
 from .sites import traced_source_line
-from .torchapi.compiler import COMPILED_NODE, SavedOrigin, compiled_original, original_path, saved_origins
+from .torchapi.compiler import (COMPILED_NODE, SavedOrigin, SavedUse, compiled_original, original_path,
+                                saved_origins)
 
 if TYPE_CHECKING:
     from .records import EagerComparison, Report
@@ -70,7 +73,8 @@ class ParameterLayouts:
         return same[0] if len(same) == 1 else None
 
 
-def compiled_reason(origin: SavedOrigin, itself: Optional[str], copy_of: Optional[str] = None) -> str:
+def compiled_reason(origin: SavedOrigin, itself: Optional[str], copy_of: Optional[str] = None,
+                    judged: Optional[str] = None) -> str:
     """Why a compiled region's save is there, in one sentence: what made it (``itself``: the kind
     of storage it is when it is a parameter, buffer or input the region was given, else None;
     ``copy_of``: the parameter it copies), and what reads it."""
@@ -84,8 +88,74 @@ def compiled_reason(origin: SavedOrigin, itself: Optional[str], copy_of: Optiona
         # the graph names an input of the region, but the storage is new: the compiled code's own
         # copy of it (inductor's channels-last copy of a convolution's weight, say)
         made = "a copy the compiled code made of a parameter, buffer or input the region was given"
+    if judged is not None:  # a verdict read off the backward graph (``static_verdict``): why
+        return f"kept by the compiled region: {made}; {judged}"
     read = f", read by {', '.join(origin.read_by)} in its backward graph" if origin.read_by else ""
     return f"kept by the compiled region: {made}{read}; the compiler chose to keep it, no op knowledge judges it yet"
+
+
+# What an op of a backward graph reads of each argument it takes (a compiled region's save): "values",
+# "shape" (its sizes, strides, dtype: never its values), or one bit per element (a Bit). The backward
+# ops a partitioner keeps a save for whose value it never reads (pytorch#133566), as the op knowledge
+# declares their eager nodes (knowledge/builtin.py: ConvolutionBackward0, NativeBatchNormBackward0 in
+# eval mode, MaxPool2DWithIndicesBackward0, ReluBackward0 / ThresholdBackward0); any other op reads
+# the values of every tensor it takes.
+_SHAPE_ONLY_OPS = frozenset({"aten.empty_like", "aten.zeros_like", "aten.ones_like", "aten.full_like",
+                             "aten.new_empty", "aten.new_zeros", "aten.new_ones", "aten.new_full",
+                             "aten.new_empty_strided", "aten.sym_size", "aten.sym_stride", "aten.sym_numel",
+                             "aten.sym_storage_offset"})
+
+
+def _mask(arguments: tuple, index: int) -> Optional[tuple]:
+    mask = arguments[index] if index < len(arguments) else None
+    return mask if isinstance(mask, tuple) and all(isinstance(m, bool) for m in mask) else None
+
+
+def _read(use: SavedUse) -> Any:
+    """"values", "shape" or a Bit: what ``use`` reads of the save."""
+    op, i, args = use.op, use.position, use.arguments
+    if op in _SHAPE_ONLY_OPS and i == 0:
+        return "shape"
+    if op == "aten.convolution_backward" and i in (1, 2):
+        # (grad_output, input, weight, ..., output_mask): the weight's gradient reads the input, the
+        # input's gradient the weight, the bias's neither
+        mask = _mask(args, 10)
+        return "values" if mask is None or mask[2 - i] else "shape"
+    if op == "aten.native_batch_norm_backward" and 1 <= i <= 6:
+        # (grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+        # output_mask); in eval mode grad_input = grad * weight * invstd(running_var), grad_weight =
+        # sum(grad * (input - running_mean) * invstd): the batch statistics are not read at all
+        mask = _mask(args, 9)
+        if mask is None or len(args) < 8 or args[7] is not False:
+            return "values"
+        wanted_by = {1: mask[1], 2: mask[0], 3: mask[1], 4: mask[0] or mask[1], 5: False, 6: False}
+        return "values" if wanted_by[i] else "shape"
+    if op in ("aten.max_pool2d_with_indices_backward", "aten.max_pool3d_with_indices_backward") and i == 1:
+        return "shape"  # the indices say where the maxima were; the input gives the gradient's shape
+    if op == "aten.threshold_backward" and i == 1 and len(args) > 2 and args[2] == 0:
+        return Bit.NOT_LE_ZERO  # x <= 0 ? 0 : grad
+    if op in ("aten.le", "aten.gt") and i == 0 and len(args) > 1 and type(args[1]) in (int, float) and args[1] == 0:
+        return Bit.NOT_LE_ZERO if op == "aten.le" else Bit.GT_ZERO
+    return "values"
+
+
+def static_verdict(origin: SavedOrigin, floating: bool) -> Optional[tuple[str, str, bool]]:
+    """(verdict, reason, bit-packable) of a compiled region's save from what its backward graph does
+    with it (``origin.uses``); None where the graph's uses are not all known (then "unknown")."""
+    if not origin.uses:
+        return None
+    reads = [(use, _read(use)) for use in origin.uses]
+    valued = [use.op for use, how in reads if how == "values"]
+    if valued:
+        return NEEDED, f"read by {', '.join(dict.fromkeys(valued))} in its backward graph", False
+    bits = {how for _, how in reads if isinstance(how, Bit)}
+    takers = ", ".join(dict.fromkeys(use.op for use, _ in reads))
+    if len(bits) > 1 or (bits and not floating):
+        return NEEDED, f"read by {takers} in its backward graph", False
+    if bits:
+        return SIGN_ONLY, f"its backward graph reads only its sign ({takers})", True
+    return NOT_NEEDED, (f"its backward graph reads only its shape ({takers} takes it, and no gradient it is asked "
+                        f"for reads its values)"), False
 
 
 def compiled_regions(report: "Report") -> int:

@@ -38,15 +38,20 @@ def test_a_compiled_model_is_named_as_such(compiled):
     assert [n.name for n in report.nodes if n.saved] == ["CompiledFunctionBackward"]
     note, = [n for n in report.notes if "torch.compile" in n]
     assert "eager=True" in note and "compiler's choice" in note
-    assert report.findings == []  # no per-op verdicts inside a compiled region
-    # the summary says why its saves have no verdict: not that no rule knows their op
-    from gradaudit.report.text import render
-
-    text = render(report, width=None)
-    assert "have no verdict (kept by compiled regions, judged by --verify alone)" in text
-    assert "no rule knows" not in text
-    proven = render(gradaudit.audit(compiled, x, verify=True), width=None)
-    assert "kept by compiled regions, whose proof leaves parameters, buffers and inputs alone" in proven
+    # verdicts read off the region's backward graph: the input and the frozen layer's weight are read
+    # by its matrix products (needed), the ReLU's 8x32 float32 result by threshold_backward only, as a
+    # sign: GA003 with 8*32*4 - 8*32/8 = 992 bytes to free as bits
+    saves = {t.storage_kind: t for t in report.tensors if t.node == "CompiledFunctionBackward"}
+    assert {kind: t.verdict for kind, t in saves.items()} == {"input": "needed", "parameter": "needed",
+                                                              "activation": "sign-only"}
+    assert "read by aten.mm in its backward graph" in saves["parameter"].reason
+    (finding,) = report.findings
+    assert (finding.code, finding.bytes) == ("GA003", 8 * 32 * 4 - 8 * 32 // 8)
+    assert "its backward graph says so" in finding.message
+    # the proof agrees, save for save, and the finding then says it is proven
+    verified = gradaudit.audit(compiled, x, verify=True)
+    assert [t.verdict for t in verified.tensors] == [t.verdict for t in report.tensors]
+    assert [f.message.endswith("(proven)") for f in verified.findings] == [True]
 
 
 def test_a_compiled_model_on_meta_runs_eagerly_and_says_so(compiled):
@@ -182,7 +187,9 @@ def test_a_compiled_resnets_saves_are_attributed_as_eager_ones_are(compiled_resn
     found = {int(t.attr[len("saved_tensors["):-1]): t.module for t in saves}
     # 20 convolutions' and batch norms' weights at least (the frozen ones too: their input's gradient reads them)
     assert len(expected) >= 20 and {i: found[i] for i in expected} == expected
-    assert all("read by aten." in t.reason for t in saves)
+    # each reason names the backward op that takes it, and what it reads of it
+    assert all("aten." in t.reason and "in its backward graph" in t.reason or "backward graph reads only" in t.reason
+               for t in saves)
     # the reason says what each is: a parameter itself, or what the forward graph made it with
     reasons = {int(t.attr[len("saved_tensors["):-1]): t.reason for t in saves}
     assert all("the parameter the region was given, itself" in reasons[i] for i in expected)
@@ -231,6 +238,25 @@ def test_a_compiled_resnets_unread_saves_are_proven_found_and_truly_unread(compi
     plain, poisoned = gradients(set()), gradients(unread)
     assert len(plain) == len(poisoned) > 0
     assert all(torch.equal(a, b) for a, b in zip(plain, poisoned))
+
+
+def test_a_compiled_resnets_verdicts_read_off_its_backward_graph_are_the_proofs(compiled_resnet):
+    """Without the proof, each save's verdict comes from what the region's backward graph does with it
+    (convolution_backward asking for no weight gradient takes the frozen layers' inputs for their
+    shape, eval batch norm's backward its input and batch statistics, threshold_backward the ReLU
+    results as signs): every verdict equals the proof's, and the bytes to free equal the proof's
+    and the eager model's (573,440 B, issue 44's figure for this fine-tune)."""
+    model, compiled, x = compiled_resnet
+    static = gradaudit.audit(compiled, x)
+    proven = gradaudit.audit(compiled, x, verify=True)
+    saves = [t for t in static.tensors if t.node == "CompiledFunctionBackward"]
+    assert saves and not [t for t in saves if t.verdict == "unknown"]
+    assert {t.verdict for t in saves} == {"needed", "not-needed", "sign-only"}
+    assert [(t.verdict, t.bitpackable) for t in static.tensors] == [(t.verdict, t.bitpackable) for t in proven.tensors]
+    eager = gradaudit.audit(model, x)
+    assert static.reclaimable_bytes == proven.reclaimable_bytes == eager.reclaimable_bytes == 573_440
+    assert {f.code for f in static.findings} == {"GA003"}
+    assert all("(its backward graph says so)" in f.message for f in static.findings)
 
 
 def test_a_compiled_hugging_face_model_is_audited_as_its_user_runs_it():

@@ -98,8 +98,9 @@ def _figures(report: Report, paint: "_Painter") -> list[str]:
 
 
 def _why_unknown(report: Report) -> str:
-    """Why the saves with no verdict have none: a compiled region's are judged by the proof alone,
-    which leaves parameters, buffers and inputs (alive anyway) unproven; the rest have no rule."""
+    """Why the saves with no verdict have none: a compiled region's that its backward graph does not
+    settle are judged by the proof, which leaves parameters, buffers and inputs (alive anyway)
+    unproven; the rest have no rule."""
     unknown = [t for t in report.tensors if t.held and t.verdict == UNKNOWN]
     compiled = sum(t.node == COMPILED_NODE for t in unknown)
     if not compiled:
@@ -109,7 +110,7 @@ def _why_unknown(report: Report) -> str:
     if report.verified:
         region = f"{count}kept by compiled regions, whose proof leaves parameters, buffers and inputs alone"
     else:
-        region = f"{count}kept by compiled regions, judged by --verify alone"
+        region = f"{count}kept by compiled regions, taken by backward ops no rule reads; --verify judges them"
     return region if not rest else f"{region}; {rest} whose op no rule knows"
 
 

@@ -156,10 +156,14 @@ def compiled_region_keeps_unread_save(ctx: RuleContext):
     """A torch.compile'd region keeps a tensor its backward never reads (or reads only as a sign).
 
     What it flags:
-        With verify=True: saves of a compiled region (one ``CompiledFunctionBackward`` node) that
-        the proof shows unread, or read only as one bit per element, by calling the region's
-        compiled backward with their values replaced; grouped by the module the compiled graph
-        attributes them to (the module whose op's gradient takes them).
+        Saves of a compiled region (one ``CompiledFunctionBackward`` node) that its backward graph
+        takes only for their shape (``convolution_backward`` asking for no weight gradient takes
+        the input, eval-mode ``native_batch_norm_backward`` with a frozen weight the input and the
+        batch statistics, max-pooling's backward its input) or only as a sign (``threshold_backward``
+        at 0, a comparison with 0), read off the graph as the op knowledge reads eager nodes; and,
+        with verify=True, saves the proof shows unread or read as one bit per element, by calling
+        the region's compiled backward with their values replaced. Grouped by the module the
+        compiled graph attributes them to (the module whose op's gradient takes them).
     Why it costs memory:
         AOTAutograd's partitioner keeps every tensor the backward graph takes as an argument, and
         a backward op takes all of its inputs even when only some of its gradients are wanted:
@@ -180,12 +184,15 @@ def compiled_region_keeps_unread_save(ctx: RuleContext):
         Not bit-identical to the compiled step: eager kernels for the frozen part, or recomputed
         ops, may round differently from the kernels the compiler fused.
     Known limits:
-        Only with verify=True (the compiled graph's saves have no op knowledge yet). The proof
-        covers one set of values and the region as compiled for these shapes.
+        Without verify=True, only the backward ops named above are judged; a save any other op
+        takes is "needed" (a decomposed op reads what it takes) or "unknown" where the graph is not
+        read. The proof covers one set of values and the region as compiled for these shapes.
     """
     by_module: dict[str, list] = {}
     for t in ctx.held():
-        if (t.node == COMPILED_NODE and t.proven and t.storage_kind in HELD_KINDS and t.index not in ctx.covered
+        # proven, or read off the region's backward graph (analysis: explained_by GA003)
+        if (t.node == COMPILED_NODE and (t.proven or t.explained_by == "GA003") and t.storage_kind in HELD_KINDS
+                and t.index not in ctx.covered
                 and (t.verdict == NOT_NEEDED or (t.verdict == SIGN_ONLY and t.bitpackable))):
             by_module.setdefault(t.module, []).append(t)
     for module, hits in by_module.items():
@@ -195,7 +202,8 @@ def compiled_region_keeps_unread_save(ctx: RuleContext):
                 ([f"{_count(signs)} its backward reads only the sign of"] if signs else [])
         yield Flag(ctx.nodes[hits[0].node_id], hits,
                    f"{module or 'model'} ({hits[0].module_class}): the compiled region keeps {' and '.join(parts)} "
-                   f"(proven)", module=module, module_class=hits[0].module_class, source=hits[0].source)
+                   f"({'proven' if all(t.proven for t in hits) else 'its backward graph says so'})",
+                   module=module, module_class=hits[0].module_class, source=hits[0].source)
 
 
 def _count(hits: list) -> str:

@@ -94,7 +94,8 @@ def dropout_mask_saved_as_bytes(node: GraphNode, hits: list[SavedTensor]) -> str
         A BERT keeps three such masks per layer (attention probabilities, attention output,
         feed-forward output), the first of batch x heads x length x length elements.
     Example:
-        model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.Linear(32, 10)).train()
+        with torch.device("meta"):   # audited as a GPU would run it
+            model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.Linear(32, 10)).train()
         report = gradaudit.audit(model, torch.randn(8, 16, device="meta"), target="cuda")
     Fix:
         ``gradaudit.trim(model)`` (bits, the default) keeps the mask packed 8 elements per byte and

@@ -56,13 +56,69 @@ class SavedOrigin:
     graphs name none; ``module_class`` that module's class name. ``trace``: the forward's stack
     trace of that op (Python's traceback text), if recorded. ``made_by``: the aten op of the forward
     graph that produced it (None for an input of the region: a parameter, a buffer or an input
-    tensor); ``read_by``: the aten ops of the backward graph that read it."""
+    tensor); ``read_by``: the aten ops of the backward graph that read it; ``uses``: each place
+    the backward graph takes it (through views of it), for a verdict read off the graph."""
 
     module: Optional[str]
     module_class: Optional[str]
     trace: Optional[str]
     made_by: Optional[str]
     read_by: tuple[str, ...]
+    uses: tuple["SavedUse", ...] = ()
+
+
+@dataclass(frozen=True)
+class SavedUse:
+    """One op of a compiled region's backward graph that takes a saved tensor (or a view of it):
+    ``op`` its name (``aten.convolution_backward``; ``output`` where the graph returns it),
+    ``position`` the argument it takes it as, ``arguments`` the op's positional arguments with
+    every graph value (a tensor) as None: what its other arguments say (an output mask, a threshold)."""
+
+    op: str
+    position: int
+    arguments: tuple
+
+
+# ops whose result is a view of their first argument (what a use of the view reads, it reads of the save)
+_VIEWS = frozenset({"aten.detach", "aten.view", "aten._unsafe_view", "aten.reshape", "aten.t", "aten.transpose",
+                    "aten.permute", "aten.expand", "aten.squeeze", "aten.unsqueeze", "aten.alias", "aten.slice",
+                    "aten.select", "aten.as_strided", "aten.view_as", "aten.expand_as"})
+
+
+def _literal(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return None
+    if isinstance(value, (list, tuple)):
+        return tuple(_literal(v) for v in value)
+    return value
+
+
+def _uses(placeholder: Any) -> Optional[tuple[SavedUse, ...]]:
+    """Every op that takes ``placeholder`` or a view of it; None where the graph takes it in a way
+    this does not follow (as a keyword, inside a list, outside a call)."""
+    found: list[SavedUse] = []
+    pending, seen = [placeholder], set()
+    while pending:
+        value = pending.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        for user in value.users:
+            if user.op == "output":
+                found.append(SavedUse("output", -1, ()))
+                continue
+            if user.op != "call_function":
+                return None
+            name = _op_name(user.target)
+            positions = [i for i, a in enumerate(user.args) if a is value]
+            if not positions:
+                return None  # a keyword argument, or inside a list of tensors
+            if name in _VIEWS and positions == [0]:
+                pending.append(user)
+                continue
+            for i in positions:
+                found.append(SavedUse(name, i, _literal(tuple(user.args))))
+    return tuple(found)
 
 
 def _op_name(target: Any) -> str:
@@ -109,8 +165,12 @@ def _origin(placeholder: Any) -> SavedOrigin:
         if trace is None and isinstance(meta.get("stack_trace"), str):
             trace = meta["stack_trace"]
     made = placeholder.meta.get("original_aten")
+    try:
+        uses = _uses(placeholder)
+    except Exception:  # noqa: BLE001 - a graph of another shape: no verdict from it
+        uses = None
     return SavedOrigin(module, module_class, trace, None if made is None else _op_name(made),
-                       tuple(dict.fromkeys(_op_name(user.target) for user in readers)))
+                       tuple(dict.fromkeys(_op_name(user.target) for user in readers)), uses or ())
 
 
 def _same_layout(value: Any, tensor: Any) -> bool:
