@@ -197,6 +197,31 @@ def test_a_bool_dropout_mask_becomes_bits(monkeypatch, p, masks, with_numpy):
         assert sorted(kernels) == ["bitwise_and", "bitwise_right_shift", "clone", "copy_", "mul"], steady
 
 
+def test_checking_a_mask_reads_nothing_back_value_by_value():
+    """A mask whose two values trim checks (the first forward; a module that is not a stock dropout in
+    every forward) is checked on the device, and both answers (its scale, and whether it holds only
+    +0.0 and that scale) come back to the host together: no .item() or bool() per answer (on a GPU each
+    was a synchronisation; now one copy)."""
+    from gradaudit.trimming.codec import scaled_mask
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    mask = torch.tensor([0.0, 2.0, 2.0, 0.0, 2.0]).repeat(20)
+    with Reads() as reads:
+        bits, scale = scaled_mask(mask)
+    assert scale == 2.0 and not {"_local_scalar_dense", "is_nonzero", "item", "equal"} & set(reads.names), reads.names
+    for not_a_mask in (torch.tensor([0.0, 2.0, 1.0]), torch.tensor([-0.0, 2.0]), torch.tensor([0.0, -2.0]),
+                       torch.tensor([0.0, float("nan")]), torch.zeros(4)):
+        assert scaled_mask(not_a_mask) is None, not_a_mask
+
+
 def test_a_mask_that_is_not_zero_or_one_value_is_kept():
     """A multiplication inside a module named Dropout whose factor is not a 0/c mask stays as is."""
 

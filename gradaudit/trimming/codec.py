@@ -90,10 +90,11 @@ def _mask_scale(values: torch.Tensor) -> Optional[float]:
     if values.numel() == 0 or values.device.type == "meta":
         return None  # no values to check: kept
     scale = values.max()
-    exact = bool(torch.logical_or(values == scale, values == 0).all()) and not bool(torch.signbit(values).any())
-    if not exact or not bool(scale > 0):
-        return None
-    return scale.item()
+    exact = torch.logical_or(values == scale, values == 0).all() & ~torch.signbit(values).any() & (scale > 0)
+    # both answers in one read back to the host (on a GPU one copy, one synchronisation; each bool()
+    # and .item() was one), exact: a float64 holds every float16, bfloat16 and float32 value
+    found, ok = torch.stack([scale.double(), exact.double()]).cpu().tolist()
+    return found if ok else None
 
 
 def _scaled_mask(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
