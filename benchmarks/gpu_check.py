@@ -29,8 +29,8 @@ Sections, each writing ``OUT_DIR/<section>.json`` as it goes and printing a tabl
   unpack them): its step time against plain, and its gradients against plain ones. Per variant, from
   torch.profiler over steady steps: kernels launched, GPU busy time and span, saves changed, and host
   syncs (``set_sync_debug_mode("warn")``); a gzipped trace for two cases. A BERT with dropout.
-- codec: ways to pack and unpack a ReLU result's bits on the GPU side by side (GPU and host time per
-  call), and what a saved tensor's register_hooks and a forward hook cost on the host.
+- codec: ways to pack and unpack a ReLU result's bits on the GPU side by side, and a bool dropout mask's
+  (GPU and host time per call), and what a saved tensor's register_hooks and a forward hook cost on the host.
 - compiled: compiled models (ResNet-18 under aot_eager and inductor, a GPT-2 under inductor) on the GPU:
   regions and held bytes counted off the step's graph and the allocator against the audit, every save's
   record, verify=True; the same model on meta for CUDA; and an eager verify=True on the GPU's kernels.
@@ -985,6 +985,30 @@ def codec_section(out: Path, budget: Budget) -> None:
             print(f"   {name:40s} {text}  exact: {row.get(name + ' exact', '-')}", flush=True)
         write(out, "codec", rows)
         del x, mask, packed
+    # a bool keep-mask (native_dropout's, GA403: every CUDA nn.Dropout in training) to bits and back, as
+    # trim does by default: what it costs per mask against the 7/8 of the mask it frees (a BERT-base
+    # attention-probability mask at 32 x 128 tokens, and a hidden-state one)
+    for shape in [(32, 12, 128, 128), (32, 128, 768)]:
+        if budget.left() < 0:
+            break
+        flat = (torch.rand(shape, device=DEVICE) >= 0.1).view(-1)
+        packed = codec._pack_bits_with_torch(flat)
+        box = Box()
+        box.payload, box.scale, box.dtype = packed, 1.0, torch.bool
+        row = {"shape": list(shape), "dtype": "bool", "elements": flat.numel(),
+               "bool mask: unpack bits exact": bool(torch.equal(
+                   codec._unpack_with_torch(box).reshape(-1)[:flat.numel()], flat))}
+        variants = {"bool mask: pack bits": lambda: codec._pack_bits_with_torch(flat),
+                    "bool mask: unpack bits": lambda: codec._unpack_with_torch(box)}
+        for name, fn in variants.items():
+            try:
+                row[name] = _time_op(fn)
+            except Exception as error:  # noqa: BLE001
+                row[name] = f"{type(error).__name__}: {str(error)[:200]}"
+        rows.append(row)
+        print(f"{tuple(shape)} bool:", {k: v for k, v in row.items() if k.startswith("bool")}, flush=True)
+        write(out, "codec", rows)
+        del flat, packed
     # what a saved tensor's register_hooks and a module forward hook cost on this host
     lin = torch.nn.Linear(64, 64, device=DEVICE).requires_grad_(False)
     inp = torch.randn(8, 64, device=DEVICE, requires_grad=True)
