@@ -204,17 +204,8 @@ def test_checking_a_mask_reads_nothing_back_value_by_value():
     was a synchronisation; now one copy)."""
     from gradaudit.trimming.codec import scaled_mask
 
-    class Reads(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
     mask = torch.tensor([0.0, 2.0, 2.0, 0.0, 2.0]).repeat(20)
-    with Reads() as reads:
+    with OpNames() as reads:
         bits, scale = scaled_mask(mask)
     assert scale == 2.0 and not {"_local_scalar_dense", "is_nonzero", "item", "equal"} & set(reads.names), reads.names
     for not_a_mask in (torch.tensor([0.0, 2.0, 1.0]), torch.tensor([-0.0, 2.0]), torch.tensor([0.0, -2.0]),
