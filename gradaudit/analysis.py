@@ -11,12 +11,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import rules as _rules  # noqa: F401  (registers the catalogue)
-from .knowledge import Declaration, declaration, hidden_by
+from .knowledge import Declaration, Outcome, declaration, hidden_by
 from .accounting import Accountant, counted, module_totals
 from .compiled import compiled_reason, static_verdict
 from .recorder import Recording
 from .records import (
-    HELD_KINDS, NOT_NEEDED, SIGN_ONLY, UNKNOWN, CheckpointRegion, Finding, GraphNode, Manager, Report, SavedTensor, Severity, Storage,
+    HELD_KINDS, NOT_NEEDED, UNKNOWN, CheckpointRegion, Finding, GraphNode, Manager, Report, SavedTensor, Severity, Storage,
     StorageKind, ModuleCall,
 )
 from .rules.registry import Flag, RuleContext, all_rules, selected
@@ -155,7 +155,7 @@ class _Saves:
     storages: list[Storage] = field(default_factory=list)
     storage_ids: dict[int, int] = field(default_factory=dict)  # storage key -> this report's storage id
     live_tensors: list[Optional[torch.Tensor]] = field(default_factory=list)  # for the proof, by index
-    preset: dict[int, tuple[str, str]] = field(default_factory=dict)  # verdicts known from what holds the save
+    preset: dict[int, Outcome] = field(default_factory=dict)  # verdicts known from what holds the save
 
 
 def _saved_tensors(recording: Recording, nodes: list[GraphNode], alive: KnownStorages) -> _Saves:
@@ -206,16 +206,16 @@ def _saved_tensors(recording: Recording, nodes: list[GraphNode], alive: KnownSto
             copy_of=save.copy_of,
         )
         if save.verdict is not None:
-            preset[saved.index] = (save.verdict, save.reason)
+            preset[saved.index] = Outcome(save.verdict, save.reason)
         elif save.origin is not None:
             kind = saved.storage_kind
             itself = kind.value if kind in (StorageKind.PARAMETER, StorageKind.BUFFER, StorageKind.INPUT) else None
             judged = static_verdict(save.origin, isinstance(dtype, torch.dtype) and dtype.is_floating_point)
             if judged is None:
-                preset[saved.index] = (UNKNOWN, compiled_reason(save.origin, itself, save.copy_of))
+                preset[saved.index] = Outcome(UNKNOWN, compiled_reason(save.origin, itself, save.copy_of))
             else:
-                verdict, why, bitpackable = judged
-                preset[saved.index] = (verdict, compiled_reason(save.origin, itself, save.copy_of, why), bitpackable)
+                why = compiled_reason(save.origin, itself, save.copy_of, judged.reason)
+                preset[saved.index] = dataclasses.replace(judged, reason=why)
         elif save.function is not None and (inner := hidden_by(save.function)):
             # hidden inside CopySlices by an in-place op on a view: the op knowledge of the nodes that
             # op may create says what their backward reads. trim cannot reach such saves (no node lists
@@ -270,7 +270,7 @@ def _call_storages(tensors: list[torch.Tensor], saves: _Saves, others: dict[int,
     return tuple(found.values()), uncounted
 
 
-def _static_verdicts(nodes: list[GraphNode], tensors: list[SavedTensor], preset: dict[int, tuple[str, str]]) -> None:
+def _static_verdicts(nodes: list[GraphNode], tensors: list[SavedTensor], preset: dict[int, Outcome]) -> None:
     """Each save's verdict from the op knowledge of its node; a save it has none for takes the
     verdict known from what holds it (``preset``)."""
     # an outcome depends on its arguments only, and most saves repeat another's (every ReLU's
@@ -293,14 +293,13 @@ def _static_verdicts(nodes: list[GraphNode], tensors: list[SavedTensor], preset:
             if outcome is not None:
                 t.verdict, t.reason, t.bitpackable = outcome.verdict, outcome.reason, outcome.bitpackable
                 t.explained_by = outcome.rule
-    for i, (verdict, reason, *packable) in preset.items():
+    for i, outcome in preset.items():
         t = tensors[i]
         if t.verdict == UNKNOWN:
-            t.verdict, t.reason = verdict, reason
-            if packable:  # a compiled region's save judged from its backward graph
-                t.bitpackable = packable[0]
-                if verdict in (NOT_NEEDED, SIGN_ONLY):
-                    t.explained_by = "GA003"
+            t.verdict, t.reason = outcome.verdict, outcome.reason
+            t.bitpackable = outcome.bitpackable
+            if outcome.rule is not None:
+                t.explained_by = outcome.rule
 
 
 def _findings(ctx: RuleContext, accountant: Accountant, select: Sequence[str],
@@ -331,7 +330,7 @@ def _notes(tensors: list[SavedTensor], disagreements: Sequence[Any], kept_bytes:
 
 
 def _hidden_verdict(saved: SavedTensor, function: str,
-                    inner: Sequence[tuple[Declaration, Sequence[str]]]) -> dict[int, tuple[str, str]]:
+                    inner: Sequence[tuple[Declaration, Sequence[str]]]) -> dict[int, Outcome]:
     """The verdict on a save that an in-place ``function`` on a view hid inside CopySlices, from
     the declarations of the nodes it may hide there. Which node it is (``x[mask] = v`` makes
     IndexPutBackward0 or, on torch 2.15, MaskedFillBackward0) and which of its attributes (``mul_``
@@ -346,8 +345,8 @@ def _hidden_verdict(saved: SavedTensor, function: str,
         return {}
     named = " or ".join(f"{node.name}.{attr}" for node, attrs in inner for attr in attrs)
     reasons = "; ".join(dict.fromkeys(o.reason for o in outcomes))
-    return {saved.index: (outcomes[0].verdict, f"in-place {function} on a view, hidden inside CopySlices as "
-                                               f"{named}: {reasons} (trim cannot reach it)")}
+    return {saved.index: Outcome(outcomes[0].verdict, f"in-place {function} on a view, hidden inside CopySlices as "
+                                                      f"{named}: {reasons} (trim cannot reach it)")}
 
 
 def _unreported(accountant: Accountant, scope: set[int], covered: set[int], select: Sequence[str],

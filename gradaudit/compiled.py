@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import nn
 
-from .knowledge import Bit
+from .knowledge import Bit, Outcome
 from .records import NEEDED, NOT_NEEDED, SIGN_ONLY
 from .sites import traced_source_line
 from .torchapi.compiler import (COMPILED_NODE, SavedOrigin, SavedUse, compiled_original, original_path,
@@ -139,23 +139,25 @@ def _read(use: SavedUse) -> Any:
     return "values"
 
 
-def static_verdict(origin: SavedOrigin, floating: bool) -> Optional[tuple[str, str, bool]]:
-    """(verdict, reason, bit-packable) of a compiled region's save from what its backward graph does
-    with it (``origin.uses``); None where the graph's uses are not all known (then "unknown")."""
+def static_verdict(origin: SavedOrigin, floating: bool) -> Optional[Outcome]:
+    """The verdict on a compiled region's save from what its backward graph does with it
+    (``origin.uses``), explained by GA003 where unread or read as a sign; None where the graph's uses
+    are not all known (then "unknown")."""
     if not origin.uses:
         return None
     reads = [(use, _read(use)) for use in origin.uses]
     valued = [use.op for use, how in reads if how == "values"]
     if valued:
-        return NEEDED, f"read by {', '.join(dict.fromkeys(valued))} in its backward graph", False
+        return Outcome(NEEDED, f"read by {', '.join(dict.fromkeys(valued))} in its backward graph")
     bits = {how for _, how in reads if isinstance(how, Bit)}
     takers = ", ".join(dict.fromkeys(use.op for use, _ in reads))
     if len(bits) > 1 or (bits and not floating):
-        return NEEDED, f"read by {takers} in its backward graph", False
+        return Outcome(NEEDED, f"read by {takers} in its backward graph")
     if bits:
-        return SIGN_ONLY, f"its backward graph reads only its sign ({takers})", True
-    return NOT_NEEDED, (f"its backward graph reads only its shape ({takers} takes it, and no gradient it is asked "
-                        f"for reads its values)"), False
+        return Outcome(SIGN_ONLY, f"its backward graph reads only its sign ({takers})", bitpackable=True,
+                       bit=bits.pop(), rule="GA003")
+    return Outcome(NOT_NEEDED, f"its backward graph reads only its shape ({takers} takes it, and no gradient it is "
+                               f"asked for reads its values)", rule="GA003")
 
 
 def compiled_regions(report: "Report") -> int:
