@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from . import kernel_cache
 from .torchapi.kernels import fused_sdp_choice, sdp_settings
 
+
 def _cpu_twin(t: Any) -> Any:
     """An uninitialised CPU tensor with t's shape, strides, dtype and requires_grad (no values read)."""
     if not isinstance(t, torch.Tensor):
@@ -51,8 +52,7 @@ def sdpa_backend(bound: dict[str, Any], dropout_p: Optional[float] = None) -> in
     if isinstance(query, torch.Tensor) and query.device.type == "meta":
         tensors = [_cpu_twin(t) for t in tensors]
     p = bound["dropout_p"] if dropout_p is None else dropout_p
-    return fused_sdp_choice(*tensors, p, bound["is_causal"], scale=bound["scale"],
-                                     enable_gqa=bound["enable_gqa"])
+    return fused_sdp_choice(*tensors, p, bound["is_causal"], scale=bound["scale"], enable_gqa=bound["enable_gqa"])
 
 
 class WithoutAttentionDropout(TorchFunctionMode):
@@ -112,8 +112,6 @@ def cpu_additive_mask(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optio
     masked = torch.scalar_tensor(float("-inf"), dtype=dtype, device=mask.device)
     kept = torch.scalar_tensor(0.0, dtype=dtype, device=mask.device)
     return torch.where(mask, kept, masked)
-
-
 
 
 _CHOICES: dict[Any, int] = {}  # cpu_choice's memory: key -> backend number

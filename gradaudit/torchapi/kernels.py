@@ -107,7 +107,7 @@ def sdp_settings() -> tuple:
     """torch's global attention settings as one hashable value: each backend's enabled flag, the
     priority order, and whether the math kernel may reduce in low precision (what a memory of the
     dispatcher's choices keys on besides the call)."""
-    flags = tuple(bool(getattr(torch._C, f"_get_{flag}_sdp_enabled", lambda: False)()) for flag in _SDP_FLAGS.values())
+    flags = tuple(sdp_enabled().values())
     order = getattr(torch._C, "_get_sdp_priority_order", None)
     low = getattr(torch._C, "_get_math_sdp_allow_fp16_bf16_reduction", None)
     return (flags, tuple(int(c) for c in order()) if order is not None else None, bool(low()) if low is not None else None)
