@@ -235,31 +235,41 @@ def keys_of(tensors: Iterable[torch.Tensor]) -> set[int]:
 
 
 def forward_backward(model: torch.nn.Module, args: tuple, kwargs: dict,
-                     loss_fn: Optional[Callable[[Any], torch.Tensor]] = None) -> tuple[int, int]:
+                     loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+                     watch: Optional[Callable[[str], Any]] = None) -> tuple[int, int]:
     """(bytes held after the forward, peak bytes through forward and backward), beside what is alive
     anyway (parameters, buffers, inputs); the outputs are not counted as held. CPU and meta: the
     tracker; CUDA: the caching allocator's counters.
 
     With ``loss_fn``, the step is a training loop's: the loss taken from the output (after the held
     figure), the output dropped, the loss backpropagated; without, every output tensor that requires
-    grad is backpropagated with a gradient of ones."""
+    grad is backpropagated with a gradient of ones. ``watch(phase)``: a context manager in force
+    around the forward ("forward") and around the loss and backward ("backward"), inside the tracker
+    (a mode that allocates nothing: the planner counts the step's FLOPs so)."""
+    watch = watch or _unwatched
     device = next((t.device for t in [*model.parameters(), *iter_tensors((args, kwargs))]), torch.device("cpu"))
     if device.type == "cuda":
-        return _on_the_allocator(model, args, kwargs, loss_fn, device)
+        return _on_the_allocator(model, args, kwargs, loss_fn, device, watch)
     lifetimes = Lifetimes(keys_of([*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs))]))
     with collecting_only_new(), lifetimes, buckets_seen() as buckets:
-        output, outputs = _forward(model, args, kwargs, loss_fn)
+        with watch("forward"):
+            output, outputs = _forward(model, args, kwargs, loss_fn)
         # not held: the outputs' storages and those registered in the forward (FSDP2's kept gathered parameters)
         apart = keys_of([*outputs, *model.parameters(), *model.buffers()])
         held = {key: life.nbytes for key, life in lifetimes.live.items() if key not in apart}
         del outputs
-        _backpropagate(output, loss_fn)
+        with watch("backward"):
+            _backpropagate(output, loss_fn)
     lifetimes.close()
     # DDP's gradient buckets (in a fake process group, those its hook was handed) are alive anyway, as
     # the parameters are: the tracker sees them when a gradient is copied in (or a rebuild allocates them)
     alive = keys_of(buckets)
     lives = [life for life in lifetimes.lives if life.died is not None or life.key not in alive]
     return sum(n for key, n in held.items() if key not in alive), peak_of(lives, lifetimes.samples)
+
+
+def _unwatched(phase: str) -> Any:
+    return contextlib.nullcontext()
 
 
 def _forward(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Optional[Callable]) -> tuple[list, list]:
@@ -293,20 +303,22 @@ def _backpropagate(holder: list, loss_fn: Optional[Callable]) -> None:
 
 
 def _on_the_allocator(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Optional[Callable],
-                      device: torch.device) -> tuple[int, int]:
+                      device: torch.device, watch: Callable[[str], Any]) -> tuple[int, int]:
     """``forward_backward`` on a CUDA device, by the caching allocator's counters."""
     before = keys_of([*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs))])
     torch.cuda.synchronize(device)
     gc.collect()
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    output, outputs = _forward(model, args, kwargs, loss_fn)
+    with watch("forward"):
+        output, outputs = _forward(model, args, kwargs, loss_fn)
     parts = {storage_key(part): part for t in [*outputs, *model.parameters(), *model.buffers()]
              for part in strided_parts(t)}
     held = torch.cuda.memory_allocated(device) - base - sum(
         part.untyped_storage().nbytes() for key, part in parts.items() if key not in before)
     del outputs, parts
-    _backpropagate(output, loss_fn)
+    with watch("backward"):
+        _backpropagate(output, loss_fn)
     torch.cuda.synchronize(device)
     return held, torch.cuda.max_memory_allocated(device) - base
 

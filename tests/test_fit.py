@@ -1112,3 +1112,36 @@ def test_a_bound_that_a_measured_step_undercuts_is_dropped():
     assert bound.needed(0) == 2100 and not bound.broken  # 100 + 2000 passes 1000: not run
     assert bound.needed(1) == 1010 and not bound.broken  # 100 + 900 does not: run, 1010 >= its bound 1000
     assert bound.needed(2) == 400 and bound.broken  # bound 600, measured 400: not a bound for this model
+
+
+def test_the_remedy_search_skips_trim_where_its_steady_steps_change_no_save(tiny_hf_model, monkeypatch):
+    """A Llama without dropout, every weight trained, given labels: trim would drop only the loss's
+    NllLossBackward0 ``self``, the log-probabilities LogSoftmaxBackward0 keeps whole, a drop its steady
+    plan leaves alone (it frees nothing); SiLU and RMSNorm keep values, attention has no mask. So a
+    step with trim makes the tensors the step without it makes, and the remedy search does not plan
+    and run trim's steps: the fit equals the one that searches them too, field for field (their
+    figures equal the plain steps', byte for byte). Where trim changes a save (a ReLU's result, bits)
+    it is searched."""
+    from gradaudit.planning import planner as planner_module
+
+    model = tiny_hf_model("llama", num_hidden_layers=2, hidden_size=128, intermediate_size=512,
+                          use_cache=False).to("meta").train()
+    ids = torch.zeros(2, 512, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids}
+    memory = gradaudit.fit(model, batch, memory="1GiB", target="cuda").peak_bytes * 85 // 100
+
+    def fitted() -> tuple[dict, list[str]]:
+        said: list[str] = []
+        fit = gradaudit.fit(model, batch, memory=memory, target="cuda", progress=said.append)
+        return fit.to_dict(), said
+
+    skipped, skipped_said = fitted()
+    monkeypatch.setattr(planner_module, "trim_changes", lambda report: True)
+    searched, searched_said = fitted()
+    assert skipped["remedy"] is not None and skipped["remedy"]["checkpointed"]
+    assert skipped == searched
+    trimmed = [s for s in searched_said if s.endswith("with trim")]
+    assert trimmed and not [s for s in skipped_said if s.endswith("with trim")]
+    monkeypatch.undo()
+    relu = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    assert gradaudit.plan(relu, torch.randn(4, 8), "1GiB", blocks=["0"], measure_peak=False).search.trim_changes

@@ -1600,3 +1600,55 @@ def test_the_steps_flops_are_the_training_loops_the_loss_backpropagated_not_ever
         model(x)[0].sum().backward()
     model.zero_grad(set_to_none=True)
     assert counter.get_total_flops() <= on_small.step_flops < counter.get_total_flops() + wide_backward
+
+
+def test_the_flops_are_counted_in_the_unplanned_peak_step_as_in_a_step_of_their_own(tiny_hf_model, monkeypatch):
+    """With its peaks measured (and no trim), a plan counts the FLOPs in the step that measures the
+    unplanned peak: one forward and backward fewer, and the plan the same, field for field (every
+    block's FLOPs, the step's, the unplanned peak), as where the FLOPs have a step of their own."""
+    from gradaudit.planning import planner as planner_module
+
+    model = tiny_hf_model("llama", num_hidden_layers=3, use_cache=False).train()
+    ids = torch.randint(0, 100, (2, 64), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+
+    def planned() -> tuple[dict, list[str]]:
+        said: list[str] = []
+        return plan(model, batch, "1GiB", progress=said.append).to_dict(), said
+
+    merged, merged_said = planned()
+    chain = planner_module._chain
+    monkeypatch.setattr(planner_module, "_chain", lambda *arguments: chain(*arguments[:8]))  # counted_in left out
+    apart, apart_said = planned()
+    assert merged == apart and merged["unplanned_peak_bytes"] > 0 and merged["step_flops"] > 0
+    assert "counting FLOPs" in apart_said and "counting FLOPs" not in merged_said
+    steps = [len([s for s in said if s.startswith("measuring the peak")]) for said in (merged_said, apart_said)]
+    assert steps[0] == steps[1] - 1
+    assert "counting FLOPs in a step with nothing checkpointed, its peak measured" in merged_said
+
+
+@pytest.mark.parametrize("error", [0, 3, -3, 40, -40])
+def test_a_guided_peak_search_finds_the_bisections_point(error):
+    """``by_peak`` with a guess (fit's remedy predicts a point's peak from its bound and the nearest
+    measured step's excess over its own): the same point as the bisection for every budget, where the
+    peaks fall with the points; with a guess ``error`` points off either way it may take more probes, but
+    never more than twice the bisection's; exact guesses take at most 4 (the two ends, the predicted
+    first fit and the point before it)."""
+    from gradaudit.planning.frontier import by_peak
+
+    peaks = [1000 - 7 * i - (i * i) % 5 for i in range(120)]  # falls with the index, unevenly
+    points = list(range(len(peaks)))
+    for budget in range(peaks[-1] - 5, peaks[0] + 5, 3):
+        probed: list[list[int]] = [[], []]
+
+        def peak_of(i: int, probes: list[int]) -> int:
+            probes.append(i)
+            return peaks[i]
+
+        plain = by_peak(points, budget, lambda i: peak_of(i, probed[0]), 0)
+        guess = lambda i: peaks[min(max(i + error, 0), len(peaks) - 1)]  # noqa: E731  (another point's peak)
+        guided = by_peak(points, budget, lambda i: peak_of(i, probed[1]), 0, guess)
+        assert guided == plain, budget
+        assert len(set(probed[1])) <= 2 * len(set(probed[0])), (budget, probed)
+        if error == 0:
+            assert len(set(probed[1])) <= 4, (budget, probed[1])

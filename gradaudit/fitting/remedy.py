@@ -3,8 +3,9 @@ smaller micro-batch with gradient accumulation keeping the effective batch, ``gr
 not, and a point of the checkpoint planner's frontier, chosen by the whole step's measured peak
 (parameters, optimizer state and the optimizer's step included, which the planner's own
 ``bound="peak"`` leaves out). For each micro-batch size (the batch split in 1, 2, ... equal parts)
-and trim option the frontier is bisected by that peak (``planning.frontier.by_peak``); the search
-stops at the first split whose step fits without checkpointing. What fits is ranked by its cost:
+and trim option the frontier is bisected by that peak (``planning.frontier.by_peak``; trim only where
+its steady steps would change a save, ``planning.chain.trim_changes``: elsewhere they make the tensors
+the steps without it make, and are not run again); the search stops at the first split whose step fits without checkpointing. What fits is ranked by its cost:
 the FLOPs recomputed first, then the number of micro-batches (the same FLOPs in smaller passes). Every
 figure is a step run with the change in force.
 """
@@ -224,7 +225,10 @@ def search(model: nn.Module, inputs: Any, memory: int, measure: Measure, *, trai
     found: list[tuple[float, int, Remedy]] = []
     notes: list[str] = []
     every_block: Optional[Alternative] = None
+    trim_changes = True
     for trim in (False, True):
+        if trim and not trim_changes:
+            break  # trim's steady steps would change no save: they are the steps just measured without it
         say(f"planning checkpoints{' with trim' if trim else ''}")
         try:
             planned = make_plan(model, inputs, NO_PLAN, trainable=trainable, frozen=frozen, target=target,
@@ -232,6 +236,7 @@ def search(model: nn.Module, inputs: Any, memory: int, measure: Measure, *, trai
         except GradauditError as error:
             notes.append(f"no checkpoint plan{' with trim' if trim else ''}: {error}")
             continue
+        trim_changes = planned.search.trim_changes
         measured: dict[int, Any] = {}
 
         def figures_at(index: int, planned: Any = planned, measured: dict = measured, trim: bool = trim) -> Any:
@@ -251,7 +256,7 @@ def search(model: nn.Module, inputs: Any, memory: int, measure: Measure, *, trai
 
         points = list(range(planned.frontier_size()))
         bound = _Bound(planned, steady, memory, figures_at, needed)
-        index = by_peak(points, memory, bound.needed, 0)
+        index = by_peak(points, memory, bound.needed, 0, bound.guess)
         if bound.broken:  # a measured step below its bound: the bound is not one here; bisect by steps alone
             index = by_peak(points, memory, lambda i: needed(figures_at(i)[1]), 0)
         if index is not None:
@@ -283,16 +288,36 @@ class _Bound:
         self.planned, self.steady, self.memory = planned, steady, memory
         self.figures_at, self.needed_of = figures_at, needed
         self.broken = False
+        self.above: dict[int, int] = {}  # by point measured: by how much what its step needs passes its bound
+        self.held: dict[int, int] = {}  # by point: the plan's held bytes there
 
     def needed(self, index: int) -> int:
         if self.steady is None or self.broken:
             return self.needed_of(self.figures_at(index)[1])
-        lower = self.steady + self.planned.on_frontier(index, self.memory).held_bytes - BOUND_SLACK
+        lower = self._lower(index)
         if lower > self.memory:
             return lower
         step = self.figures_at(index)[1]
         self.broken = step.peak_bytes < lower
+        self.above[index] = self.needed_of(step) - lower
         return self.needed_of(step)
+
+    def guess(self, index: int) -> Optional[int]:
+        """What a point's step needs, predicted (for where the bisection probes, never as a figure):
+        its bound plus what the measured step nearest to it in held bytes needed above its own bound;
+        None before any step is measured, or where the bound does not hold."""
+        if self.steady is None or self.broken or not self.above:
+            return None
+        nearest = min(self.above, key=lambda i: abs(self._held(i) - self._held(index)))
+        return self._lower(index) + self.above[nearest]
+
+    def _lower(self, index: int) -> int:
+        return self.steady + self._held(index) - BOUND_SLACK
+
+    def _held(self, index: int) -> int:
+        if index not in self.held:
+            self.held[index] = self.planned.on_frontier(index, self.memory).held_bytes
+        return self.held[index]
 
 
 def _every_block(model: nn.Module, planned: Any, measure: Measure, memory: int, needed: Needed,

@@ -122,16 +122,17 @@ class Step:
         return dataclasses.replace(self, inputs=inputs, attribute=False,
                                    accumulation=self.accumulation if accumulation is None else accumulation)
 
-    def forward_backward(self, applied: Callable[[], Any] = contextlib.nullcontext) -> tuple[int, int]:
+    def forward_backward(self, applied: Callable[[], Any] = contextlib.nullcontext,
+                         watch: Optional[Callable[[str], Any]] = None) -> tuple[int, int]:
         """The step without its optimizer, as the planner measures it: (held after the forward less the
         outputs, peak through forward and backward) beside what is alive anyway, with ``applied()`` in
         force (a plan's or a baseline's checkpointing), on the model's device (``tracking.forward_backward``:
-        the tracker on CPU and meta, the caching allocator's counters on CUDA). One micro-batch; the model
-        is left as found."""
+        the tracker on CPU and meta, the caching allocator's counters on CUDA; ``watch`` as it takes
+        it). One micro-batch; the model is left as found."""
         args, kwargs = split_inputs(self.inputs)
         with as_audited(self.model, self.inputs, self.trainable, self.frozen, self.target), applied():
             _steady_trim(self, args, kwargs)
-            return forward_backward(self.model, args, kwargs, self.loss_fn or default_loss)
+            return forward_backward(self.model, args, kwargs, self.loss_fn or default_loss, watch)
 
     def run(self, applied: Callable[[], Any] = contextlib.nullcontext) -> StepRun:
         """Run the whole step (``applied()`` in force around the forwards and backwards: a plan, trim) and

@@ -51,6 +51,20 @@ def saves_as_trimmed(report: Any, bitpack: Optional[bool]) -> dict[int, Any]:
     return decided
 
 
+def trim_changes(report: Any) -> bool:
+    """Whether trim (bit-packing: it drops what it drops without, and packs too) would change a save of
+    the audited forward in its steady steps, the ones a training loop runs and plan and fit measure:
+    drop or pack one, other than a drop its steady plan leaves alone because it frees nothing (an
+    empty save, or one whose storage a save trim keeps whole also holds: ``trimming.steady._slot``).
+    Where it would not, a step with trim makes the tensors the same step without it makes."""
+    decided = saves_as_trimmed(report, True)
+    saves = counted(report.tensors)
+    # the storages trim's own boxes keep whole (a save that bypassed its hooks is none of them)
+    whole = {t.storage_id for t in saves if decided[t.index] == WHOLE and t.source_index >= 0}
+    return any(decided[t.index] != WHOLE and not (decided[t.index] is None and (t.numel == 0 or t.storage_id in whole))
+               for t in saves)
+
+
 def held_by_report(report: Any, bitpack: Optional[bool]) -> int:
     """What the audited forward holds (with trim where ``bitpack`` is not None), by the audit's own
     accounting: saved_bytes less what trim's drops and bit-packing free (``Accountant.freed``)."""

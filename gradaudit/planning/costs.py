@@ -129,27 +129,35 @@ def _query_heads_for_grouped(formula: Callable[..., int]) -> Callable[..., int]:
 
 
 def count_flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
-                paths: Sequence[str], loss: Optional[Callable[[Any], torch.Tensor]] = None
-                ) -> tuple[dict[str, tuple[int, int]], int]:
+                paths: Sequence[str], loss: Optional[Callable[[Any], torch.Tensor]] = None,
+                step: Optional[Callable[[Callable[[str], Any]], Any]] = None) -> tuple[dict[str, tuple[int, int]], int]:
     """(forward FLOPs, of which in ops a selective checkpoint keeps) of each module in ``paths`` (all its calls) and the
     FLOPs of one whole step as a training loop runs it (the forward, ``loss`` of its output, or the
     default loss, and that loss's backward), as torch.utils.flop_counter counts them plus one per
-    element for the ops it has no formula for; the model is left as found."""
+    element for the ops it has no formula for; the model is left as found.
+
+    ``step(watch)``: where given, runs that step itself (the planner's unplanned peak probe, which
+    measures its peak in the same run), with ``watch(phase)`` in force around its forward ("forward")
+    and its loss and backward ("backward"); the loss's FLOPs count in the step's either way."""
     from ..tensors import default_loss, split_inputs
 
-    args, kwargs = split_inputs(inputs)
-    with as_audited(model, inputs, trainable, frozen, target):
-        with counting() as forward:
-            value = (loss or default_loss)(model(*args, **kwargs))
-        with counting() as backward:
-            if value.requires_grad:
-                value.backward()
-        del value
+    forward, backward = counting(), counting()
+    if step is not None:
+        step(lambda phase: forward if phase == "forward" else backward)
+    else:
+        args, kwargs = split_inputs(inputs)
+        with as_audited(model, inputs, trainable, frozen, target):
+            with forward:
+                value = (loss or default_loss)(model(*args, **kwargs))
+            with backward:
+                if value.requires_grad:
+                    value.backward()
+            del value
     counts = forward.get_flop_counts()
     root = type(model).__name__
     per_module = {}
     for path in paths:
         ops = counts.get(f"{root}.{path}", {})
         per_module[path] = (sum(ops.values()), sum(n for op, n in ops.items() if kept_by_selective(op)))
-    step = forward.get_total_flops() + backward.get_total_flops()
-    return per_module, step
+    step_flops = forward.get_total_flops() + backward.get_total_flops()
+    return per_module, step_flops

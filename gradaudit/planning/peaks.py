@@ -37,11 +37,28 @@ class PeakProbes:
         self._progress = progress
         self._loss = loss  # what the step backpropagates (None: Step's default)
         self._measured: dict[Any, tuple[int, int]] = {}  # (held, peak) of each step run, by what was applied
-        self._expected: Optional[int] = None  # the steps measured when those announced are done (progress)
+        self._expected: Optional[int] = None  # how many steps were announced (progress counts them)
+        self._counted_from = 0  # the steps measured before they were
 
     def expect(self, more: int) -> None:
         """Announce that up to ``more`` steps are about to be measured: progress counts them."""
-        self._expected = len(self._measured) + more
+        self._expected, self._counted_from = more, len(self._measured)
+
+    def set_blocks(self, block_paths: Sequence[str]) -> None:
+        """The chain's blocks, in order, once known (a frontier point names blocks by their index)."""
+        self._block_paths = tuple(block_paths)
+
+    def unplanned(self, watch: Callable[[str], Any]) -> int:
+        """``peak(None)``, measured now with ``watch`` in force in its step (``tracking.forward_backward``:
+        the planner counts the FLOPs of the same step), where it was not measured yet."""
+        return self._measure(((), ()), functools.partial(self._checkpointing, ()), "", watch)
+
+    def measured(self, point: Optional[Point]) -> bool:
+        """Whether the step of ``point`` (None: the unplanned one) was measured already."""
+        if point is None:
+            return ((), ()) in self._measured
+        paths = tuple(self._block_paths[i] for i in sorted(point.chosen))
+        return (paths, tuple(self._block_paths[i] for i in sorted(point.selective))) in self._measured
 
     def peak(self, point: Optional[Point]) -> int:
         """The measured peak of a frontier point's step (None: of the unplanned step)."""
@@ -61,16 +78,19 @@ class PeakProbes:
     def _checkpointing(self, paths: tuple[str, ...], selective: tuple[str, ...] = ()) -> PlanHandle:
         return PlanHandle(self._model(), paths, {path: SELECTIVE_POLICY for path in selective}, trim=self._bitpack)
 
-    def _measure(self, key: Any, applied: Callable[[], Any], what: str) -> int:
+    def _measure(self, key: Any, applied: Callable[[], Any], what: str,
+                 watch: Optional[Callable[[str], Any]] = None) -> int:
         if key not in self._measured:
             model = self._model()
             if model is None:
                 raise GradauditError("the model this plan was made for is gone: plan again to measure peaks")
-            count = (f", {len(self._measured) + 1} of at most {self._expected}"
-                     if self._expected is not None and len(self._measured) < self._expected else "")
-            self._progress(f"measuring the peak of a step{count} ({what})")
+            done = len(self._measured) - self._counted_from
+            count = (f", {done + 1} of at most {self._expected}"
+                     if self._expected is not None and done < self._expected else "")
+            self._progress(f"measuring the peak of a step{count} ({what})" if watch is None else
+                           "counting FLOPs in a step with nothing checkpointed, its peak measured")
             with own_checkpointing_off(self._own_checkpointing):
                 step = Step(model, self._inputs, self._target, trainable=self._trainable, frozen=self._frozen,
                                 loss_fn=self._loss)
-                self._measured[key] = step.forward_backward(applied)
+                self._measured[key] = step.forward_backward(applied, watch)
         return self._measured[key][1]

@@ -25,7 +25,7 @@ from ..values import is_assumption_note
 from . import segments, timing
 from .baselines import Baseline, segments_baseline, stack_runner
 from .candidates import called_repeatedly, candidates, inside, repeated_blocks
-from .chain import add_selective, audited_with, build_chain, held_by_report
+from .chain import add_selective, audited_with, build_chain, held_by_report, trim_changes
 from .costs import Costs, count_flops
 from .frontier import Frontier
 from .peaks import PeakProbes
@@ -88,8 +88,8 @@ def plan(
     bound: what ``budget`` bounds: "held" (bytes held after the forward, exact by the audit) or
         "peak" (the peak of one training step, measured: the cheapest frontier point whose peak
         fits, found by bisection with a step run per probe, about log2 of the frontier's size).
-    measure_peak: run the chosen plan's step, the unplanned step and the baselines' once each on the
-        model's device to measure their peaks (``Plan.peak_bytes``; on meta nothing is computed).
+    measure_peak: run the chosen plan's step, the unplanned step (which counts the FLOPs too, without
+        trim) and the baselines' once each on the model's device to measure their peaks (``Plan.peak_bytes``).
     cost: what a checkpointed block costs, which the plan minimises: "flops" (its forward FLOPs, as
         torch.utils.flop_counter counts them; any device) or "time" (its forward time measured on the
         model's device, all its calls: the median of timing.REPEATS runs after a warm-up, like one
@@ -104,9 +104,8 @@ def plan(
         as a training loop does (default: the output's ``loss`` when it has one, as Hugging Face
         models given labels do, else the sum of its first tensor; as ``fit`` takes it).
 
-    Raises BudgetError when no plan of the blocks fits (its ``smallest`` says how low they go).
-    The model is left as found; ``Plan.apply(model)`` checkpoints the chosen modules.
-    """
+    Raises BudgetError when no plan of the blocks fits (its ``smallest`` says how low they go). The
+    model is left as found; ``Plan.apply(model)`` checkpoints the chosen modules."""
     with cache_off(model) as cache_was_on:  # (planned as Hugging Face's checkpointing trains: see CACHE_NOTE)
         inputs = meta_inputs(model, inputs)  # CPU token ids and masks beside a meta model keep their values
         budget_bytes, bound, cost = _checked_arguments(model, inputs, budget, bound, measure_peak, cost)
@@ -116,14 +115,15 @@ def plan(
         paths, found = _candidates(run, blocks, say)
         audited = _audit(run, paths, bitpack, say)
         report, now = audited.report, audited.now
-        chained = _chain(run, report, paths, now, cost, bitpack, say, loss)
+        probes = PeakProbes(model, inputs, trainable, frozen, report.target, (), bitpack, now, say, loss)
+        counted_in = probes.unplanned if measure_peak and bitpack is None else None  # (with trim: trim's ops)
+        chained = _chain(run, report, paths, now, cost, bitpack, say, loss, counted_in)
         chain, costs = chained.chain, chained.costs
+        probes.set_blocks([b.path for b in chain.blocks])
         points, optimal, notes = _solved(run, audited, chained, paths, selective, cost, bitpack, say,
                                          cache_was_on=cache_was_on, trim_installed=installed is not None and trim is None)
         fixed, applying, segment_notes = _segments(run, report, paths, now, chain, costs, bitpack, say)
         frontier = Frontier(chain, points, costs, fixed)
-        probes = PeakProbes(model, inputs, trainable, frozen, report.target, [b.path for b in chain.blocks], bitpack,
-                            now, say, loss)
         chosen = frontier.cheapest(budget_bytes, 0, probes.peak if bound == Bound.PEAK else None)
         point = chosen if chosen is not None else points[-1]
         result = Plan(model=type(model).__name__, device=report.device, target=report.target,
@@ -131,7 +131,7 @@ def plan(
                       frontier=frontier.entries(), optimal=optimal, notes=found + notes + segment_notes, replaces=tuple(now),
                       current_held_bytes=audited.current_held, cost=cost, step_seconds=chained.step_seconds,
                       trimmed=bitpack is not None, bitpack=bitpack, bound=bound,
-                      search=PlanSearch(frontier, point, probes), **frontier.at(point, budget_bytes))
+                      search=PlanSearch(frontier, point, probes, trim_changes(report)), **frontier.at(point, budget_bytes))
         if measure_peak:
             _measure_peaks(result, probes, applying)
         if chosen is None:
@@ -157,9 +157,10 @@ class _Chained:
 
 
 def _chain(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], cost: Cost, bitpack: Optional[bool],
-           say: Callable[[str], None], loss: Any) -> _Chained:
-    """The blocks that ran, as a chain of what each holds, with their costs; checked against the audit."""
-    flops, step_flops, nanoseconds, step_seconds = _block_costs(run, report, paths, now, cost, say, loss)
+           say: Callable[[str], None], loss: Any, counted_in: Optional[Callable[..., Any]] = None) -> _Chained:
+    """The blocks that ran, as a chain of what each holds, with their costs; checked against the audit.
+    ``counted_in``: the step the FLOPs are counted in (``count_flops``'s ``step``), where not their own."""
+    flops, step_flops, nanoseconds, step_seconds = _block_costs(run, report, paths, now, cost, say, loss, counted_in)
     ran, graphless, calls = _blocks_that_ran(report, paths)
     chain = build_chain(report, ran, calls, {path: (nanoseconds.get(path, 0), 0) if nanoseconds is not None
                                              else flops.get(path, (0, 0)) for path in ran}, bitpack)
@@ -279,15 +280,19 @@ def _refuse_opaque(report: Any) -> None:
 
 
 def _block_costs(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], cost: Cost,
-                 say: Callable[[str], None], loss: Optional[Callable[[Any], torch.Tensor]] = None
+                 say: Callable[[str], None], loss: Optional[Callable[[Any], torch.Tensor]] = None,
+                 counted_in: Optional[Callable[..., Any]] = None
                  ) -> tuple[dict[str, tuple[int, int]], int, Optional[dict[str, int]], Optional[float]]:
     """(each block's FLOPs and those a selective checkpoint keeps, one step's FLOPs, with cost="time"
     each block's forward nanoseconds and one step's seconds, else None and None), on the audit's
-    target device; the step is the training loop's: ``loss`` (or the default loss) backpropagated."""
+    target device; the step is the training loop's: ``loss`` (or the default loss) backpropagated
+    (``counted_in``: run by the unplanned peak probe, which turns the model's own checkpointing off)."""
     target = report.target
-    say("counting FLOPs")
-    with own_checkpointing_off(now):
-        flops, step_flops = count_flops(run.model, run.inputs, run.trainable, run.frozen, target, paths, loss)
+    if counted_in is None:
+        say("counting FLOPs")
+    with own_checkpointing_off(now if counted_in is None else ()):
+        flops, step_flops = count_flops(run.model, run.inputs, run.trainable, run.frozen, target, paths, loss,
+                                        counted_in)
     if cost != Cost.TIME:
         return flops, step_flops, None, None
     say(f"timing the forward of {len(paths)} blocks and a step on {report.device} "
@@ -382,7 +387,7 @@ def _segments(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], 
 
 def _measure_peaks(result: Plan, probes: PeakProbes, applying: dict[str, Callable[[], Any]]) -> None:
     """The measured peaks of the plan's step, the unplanned step's and each baseline's."""
-    probes.expect(2 + len(result.baselines))
+    probes.expect(1 + len(result.baselines) + (not probes.measured(None)))
     result.peak_bytes = probes.peak(result.search.point)
     result.unplanned_peak_bytes = probes.peak(None)  # (the frontier's first point may recompute for free)
     result.baselines = tuple(dataclasses.replace(b, peak_bytes=probes.baseline_peak(b, applying.get(b.name)))

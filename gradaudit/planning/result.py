@@ -49,6 +49,9 @@ class PlanSearch:
     frontier: "Frontier"
     point: Point
     probes: "PeakProbes"
+    # whether gradaudit.trim's steady steps would change a save of the audited forward (chain.trim_changes):
+    # where not, a step with trim holds what the same step without it holds (fit's remedy search skips it)
+    trim_changes: bool = True
 
 
 @dataclass
