@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
+from .. import torchapi
 from ..accounting import Accountant, counted, packed_bits_nbytes
 from ..auditing import audit
 from ..recorder import CHECKPOINT_INPUTS
@@ -56,7 +57,10 @@ def trim_changes(report: Any) -> bool:
     the audited forward in its steady steps, the ones a training loop runs and plan and fit measure:
     drop or pack one, other than a drop its steady plan leaves alone because it frees nothing (an
     empty save, or one whose storage a save trim keeps whole also holds: ``trimming.steady._slot``).
-    Where it would not, a step with trim makes the tensors the same step without it makes."""
+    Where it would not, a step with trim makes the tensors the same step without it makes. (A torch
+    without per-save hooks has no steady plan: every forward decides, and drops, there.)"""
+    if not torchapi.has("saved tensor hooks per save"):
+        return True
     decided = saves_as_trimmed(report, True)
     saves = counted(report.tensors)
     # the storages trim's own boxes keep whole (a save that bypassed its hooks is none of them)
