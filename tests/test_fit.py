@@ -410,6 +410,25 @@ def test_largest_tells_progress_each_size_it_measures():
     assert f"measuring a step at {n + 1:,} " in " ".join(told)  # n + 1 was measured: it does not fit
 
 
+def test_largest_is_0_without_a_step_where_what_no_size_changes_passes_the_memory():
+    """Linear(1024, 1024) + ReLU + Linear(1024, 2), SGD: parameters 1024*1024 + 1024 + 2*1024 + 2 floats
+    = 1,051,650 * 4 = 4,206,600 B, their gradients as much: 8,413,200 B alive at the optimizer step
+    whatever the batch, more than 8 MiB (8,388,608 B). The answer is 0 with no step measured, and the
+    same 0 the search by steps finds (every size from 2 down to 1 measured); where an input requires
+    grad its gradient scales with the batch, and the search runs."""
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 2)).to("meta")
+    x = torch.empty(4, 1024, device="meta")
+    fitted = gradaudit.fit(model, x, memory="8MiB", target="cpu", optimizer="sgd", remedy=False)
+    told: list[str] = []
+    assert not fitted.fits and fitted.largest("batch", progress=told.append) == 0 and not told
+    fitted.live.size_search.floor = None  # as where it is not known: the steps are run
+    assert fitted.largest("batch", progress=told.append) == 0
+    assert f"measuring a step at {1:,} " in " ".join(told)
+    adversarial = gradaudit.fit(model, x.clone().requires_grad_(), memory="8MiB", target="cpu", optimizer="sgd",
+                                remedy=False)
+    assert adversarial.live.size_search.floor is None
+
+
 def test_a_size_this_machine_cannot_run_is_said_in_one_line():
     from gradaudit.fitting.largest import InputSizes
 

@@ -94,10 +94,9 @@ def fit(
     say("running a training step (forward, backward, optimizer step)")
     measured = figures(run := step.run(), target)
     result = _as_fit(step, run, measured, memory_bytes, headroom_of)
-    if schedule is None:
-        result.live.size_search = InputSizes(lambda scaled: _peak_and_headroom(step.on(scaled), headroom_of), inputs)
-    else:
-        result.live.size_search = StageSizes(step, lambda other: figures(other.run(), other.target), headroom_of)
+    result.live.size_search = (InputSizes(lambda scaled: _peak_and_headroom(step.on(scaled), headroom_of), inputs,
+                                          measured.floor_bytes) if schedule is None else
+                               StageSizes(step, lambda other: figures(other.run(), other.target), headroom_of))
     if result.fits:
         return result
     result.levers = _levers(step, run, measured)

@@ -60,8 +60,13 @@ class InputSizes:
 
     dimensions = ("batch", "seq")
 
-    def __init__(self, peak_of_inputs: Callable[[Any], tuple[int, int]], inputs: Any) -> None:
+    def __init__(self, peak_of_inputs: Callable[[Any], tuple[int, int]], inputs: Any,
+                 floor: Optional[int] = None) -> None:
         self.peak_of_inputs, self.inputs = peak_of_inputs, inputs
+        # what the step of every size holds at its peak at least, where known (None): the parameters,
+        # buffers, optimizer state and gradients, none of which scales with the inputs when no input
+        # requires grad (Figures.floor_bytes)
+        self.floor = floor if not any(t.requires_grad for t in iter_tensors(inputs)) else None
 
     def size(self, dimension: str) -> int:
         return size_of(self.inputs, DIMENSIONS[dimension])
@@ -91,7 +96,8 @@ class Unbounded(GradauditError):
 
 def largest(fit: Any, dimension: str, progress: Optional[Callable[[str], None]] = None) -> int:
     """The largest size along ``dimension`` whose step peaks within ``fit.memory`` (0 when even 1 does not);
-    every answer is measured: n fits and n+1 does not. A module's step scales "batch" and "seq", a pipeline
+    every answer is measured: n fits and n+1 does not (0 where what no size changes passes the memory
+    alone, ``InputSizes.floor``, with no step run). A module's step scales "batch" and "seq", a pipeline
     stage's "batch" (its micro-batch), "seq" and "micro_batches" (fitting/pipeline.py)."""
     return search(fit, dimension, progress)[0]
 
@@ -109,6 +115,8 @@ def search(fit: Any, dimension: str, progress: Optional[Callable[[str], None]] =
     size = sizes.size(dimension)
     steps = Steps(fit, sizes, dimension, size, progress)
     if not steps.fits(size):
+        if getattr(sizes, "floor", None) is not None and sizes.floor > fit.memory:
+            return 0, None, size  # what no size changes passes the memory alone: no step is run
         low, high = 0, size  # 0: "nothing fits" until 1 is measured
     else:
         low, high = _bracket(steps, size)
