@@ -1157,10 +1157,10 @@ def test_the_remedy_search_skips_trim_where_its_steady_steps_change_no_save(tiny
     skipped, skipped_said = fitted()
     monkeypatch.setattr(planner_module, "trim_changes", lambda report: True)
     searched, searched_said = fitted()
-    assert skipped["remedy"] is not None and skipped["remedy"]["checkpointed"]
-    assert skipped == searched
+    assert not skipped["fits"] and skipped == searched  # (the remedy, or none, differs between releases)
     trimmed = [s for s in searched_said if s.endswith("with trim")]
     assert trimmed and not [s for s in skipped_said if s.endswith("with trim")]
+    assert any(s.startswith("measuring a step:") for s in skipped_said)  # the plain frontier was searched
     monkeypatch.undo()
     relu = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     assert gradaudit.plan(relu, torch.randn(4, 8), "1GiB", blocks=["0"], measure_peak=False).search.trim_changes
