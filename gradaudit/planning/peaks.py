@@ -53,12 +53,9 @@ class PeakProbes:
         the planner counts the FLOPs of the same step), where it was not measured yet."""
         return self._measure(((), ()), functools.partial(self._checkpointing, ()), "", watch)
 
-    def measured(self, point: Optional[Point]) -> bool:
-        """Whether the step of ``point`` (None: the unplanned one) was measured already."""
-        if point is None:
-            return ((), ()) in self._measured
-        paths = tuple(self._block_paths[i] for i in sorted(point.chosen))
-        return (paths, tuple(self._block_paths[i] for i in sorted(point.selective))) in self._measured
+    def unplanned_measured(self) -> bool:
+        """Whether the unplanned step was measured already (``unplanned``)."""
+        return ((), ()) in self._measured
 
     def peak(self, point: Optional[Point]) -> int:
         """The measured peak of a frontier point's step (None: of the unplanned step)."""

@@ -387,7 +387,7 @@ def _segments(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], 
 
 def _measure_peaks(result: Plan, probes: PeakProbes, applying: dict[str, Callable[[], Any]]) -> None:
     """The measured peaks of the plan's step, the unplanned step's and each baseline's."""
-    probes.expect(1 + len(result.baselines) + (not probes.measured(None)))
+    probes.expect(1 + len(result.baselines) + (not probes.unplanned_measured()))
     result.peak_bytes = probes.peak(result.search.point)
     result.unplanned_peak_bytes = probes.peak(None)  # (the frontier's first point may recompute for free)
     result.baselines = tuple(dataclasses.replace(b, peak_bytes=probes.baseline_peak(b, applying.get(b.name)))
