@@ -5,9 +5,10 @@ not, and a point of the checkpoint planner's frontier, chosen by the whole step'
 ``bound="peak"`` leaves out). For each micro-batch size (the batch split in 1, 2, ... equal parts)
 and trim option the frontier is bisected by that peak (``planning.frontier.by_peak``; trim only where
 its steady steps would change a save, ``planning.chain.trim_changes``: elsewhere they make the tensors
-the steps without it make, and are not run again); the search stops at the first split whose step fits without checkpointing. What fits is ranked by its cost:
-the FLOPs recomputed first, then the number of micro-batches (the same FLOPs in smaller passes). Every
-figure is a step run with the change in force.
+the steps without it make, and are not run again); the search stops at the first split whose step
+fits without checkpointing. What fits is ranked by its cost: the FLOPs recomputed first, then the
+number of micro-batches (the same FLOPs in smaller passes). Every figure is a step run with the change
+in force.
 """
 
 from __future__ import annotations
