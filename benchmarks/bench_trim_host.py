@@ -18,7 +18,10 @@ Python work a GPU step waits on when the host is the bottleneck. Per case, at GP
   launch a kernel and pass over memory on a GPU;
 - host syncs per step (``_local_scalar_dense``, ``is_nonzero``, ``equal``, ``nonzero``, ``item``);
 - on the CPU, at small shapes: held and peak bytes (``gradaudit.trimming.compare``: the trimmed
-  figures are the steady forward's) against trim deciding fully, and gradients bit-identical.
+  figures are the steady forward's) against trim deciding fully, gradients bit-identical, and the
+  time inside trim per steady step again (there an op costs a dispatch and a small kernel, nearer a
+  GPU launch's host cost than meta's 30-40 us of Python meta kernel; the CPU's own codec paths run:
+  bits unpacked by a table lookup, bytes by a conversion).
 
     python benchmarks/bench_trim_host.py                  # every case, about 5 minutes on 2 cores
     python benchmarks/bench_trim_host.py --cases resnet50-input-only llama-probe --rounds 5
@@ -32,7 +35,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import statistics
 import sys
 import time
 from typing import Any, Callable
@@ -221,7 +223,6 @@ def trim_own_time(model: nn.Module, args: tuple, kwargs: dict, loss: Callable, m
     backward, and the root's begin and end, each timed around its call, the fastest of ``rounds``
     steps. What this leaves out is what nn.Module's hook path adds to each hooked call (see
     ``_hook_call_cost``) and autograd's own work for a save with hooks (its detaches)."""
-    from gradaudit.trimming import steady
 
     spent = [0.0]
     calls = [0]
@@ -331,7 +332,7 @@ def main() -> None:
     names = list(cases("meta", False))
     parser.add_argument("--cases", nargs="*", default=names, choices=names)
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds of timed steps (fastest)")
-    parser.add_argument("--no-bytes", action="store_true", help="skip the CPU held/peak columns")
+    parser.add_argument("--no-bytes", action="store_true", help="skip the CPU columns (held, peak, inside trim)")
     options = parser.parse_args()
     torch.set_num_threads(1)
     import transformers
@@ -342,8 +343,9 @@ def main() -> None:
     print("| case | plain ms | full +ms | steady +ms | bytes +ms | plain again +ms (noise) | inside trim, steady ms "
           "(bytes) | hooked calls | ops plain | +ops full | +ops steady | +ops bytes | saves changed "
           "| +ops per changed save (bytes) | +kernels per changed save (bytes) | syncs full / steady "
-          "| held steady vs full | peak steady vs full | gradients |")
-    print("|" + "---|" * 20)
+          "| held steady vs full | peak steady vs full | gradients | inside trim on the CPU, small shapes, ms "
+          "(bytes) |")
+    print("|" + "---|" * 21)
     meta_cases, cpu_cases = cases("meta", False), cases("cpu", True)
     for name in options.cases:
         model, args, kwargs, loss = meta_cases[name]()
@@ -362,8 +364,10 @@ def main() -> None:
         kernels = [ops[how][2] - ops["plain"][2] for how in ("steady", "bytes")]
         kernels_per_save = f"{kernels[0] / changed:.2f} ({kernels[1] / changed:.2f})" if changed else \
             f"{kernels[0]:+d} ({kernels[1]:+d})"
-        held = peak = grads = "-"
+        held = peak = grads = on_cpu = "-"
         if not options.no_bytes:
+            cpu_inside = [trim_own_time(*cpu_cases[name](), masks, options.rounds)[0] for masks in ("bits", "bytes")]
+            on_cpu = f"{cpu_inside[0] * 1e3:.2f} ({cpu_inside[1] * 1e3:.2f})"
             steady_figures, full_figures, same = bytes_and_gradients(cpu_cases[name])
             held = (f"{steady_figures['held_after']:,} vs {full_figures['held_after']:,} "
                     f"({_change(steady_figures['held_after'], full_figures['held_after'])})")
@@ -375,7 +379,7 @@ def main() -> None:
               f"| {ms['bytes'] - ms['plain']:+.2f} | {ms['plain2'] - ms['plain']:+.2f} "
               f"| {inside * 1e3:.2f} ({inside_bytes * 1e3:.2f}) | {hooked} | {plain_ops} "
               f"| {ops['full'][0] - plain_ops:+d} | {added:+d} | {added_bytes:+d} | {changed} | {per_save} | {kernels_per_save} | {ops['full'][1] - ops['plain'][1]} / {ops['steady'][1] - ops['plain'][1]} "
-              f"| {held} | {peak} | {grads} |", flush=True)
+              f"| {held} | {peak} | {grads} | {on_cpu} |", flush=True)
 
 
 def _change(new: int, old: int) -> str:

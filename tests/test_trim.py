@@ -929,19 +929,53 @@ def test_bits_in_torch_operations_take_three_elementwise_kernels_each_way(monkey
 def test_a_byte_mask_costs_one_operation_each_way_in_the_saves_own_layout(layout):
     """masks="bytes" compares the save itself (its bools come in its layout) and selects from them in
     backward (the values come in that layout too): one dispatch each way and no view, on a GPU two
-    launches and a few microseconds of host time per save; gradients bit-identical."""
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)).requires_grad_(False)
-    model.to(memory_format=layout)
-    x = torch.randn(2, 3, 8, 8).to(memory_format=layout).requires_grad_()
-    steady = steady_ops_added(model, x, masks="bytes")
+    launches and a few microseconds of host time per save (meta runs the GPU's path: le, where). On
+    the CPU the bools are negated and converted instead of selected from (codec.unpack_bytes: the
+    CPU's select is the slow one there); gradients bit-identical."""
+    def build(device):
+        with torch.device(device):
+            model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)).requires_grad_(False)
+            x = torch.randn(2, 3, 8, 8).to(memory_format=layout).requires_grad_()
+        return model.to(memory_format=layout), x
+
     # beside autograd's detaches and the first conv's input dropped (its stand-in, empty_strided)
-    assert [name for name in steady if name not in ("detach", "lift_fresh", "full", "empty_strided")] == \
-        ["le", "where"], steady
+    beside = ("detach", "lift_fresh", "full", "empty_strided")
+    assert [name for name in steady_ops_added(*build("meta"), masks="bytes") if name not in beside] == \
+        ["le", "where"]
+    model, x = build("cpu")
+    steady = steady_ops_added(model, x, masks="bytes")
+    assert [name for name in steady if name not in beside] == ["_to_copy", "le", "logical_not"], steady
     plain = gradients(model, (x,))
     with trim(model, masks="bytes"):
         gradients(model, (x,))
         trimmed = gradients(model, (x,))
     assert_identical(plain, trimmed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_bytes_unpack_on_the_cpu_to_the_values_the_select_gives(dtype):
+    """The CPU's conversion of a byte mask gives the values, strides and dtype the select gives on a
+    GPU (run here on meta for the layout, and as torch.where on the CPU for the values), for a mask
+    whose set byte stands for 0.0 (a ReLU's x <= 0) and for a scaled one (dropout's keep-mask, p=0.1
+    and p=0.5), contiguous and channels-last; the values keep the mask's layout (no view)."""
+    from types import SimpleNamespace
+    from gradaudit.trimming import codec
+
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(2, 3, 4, 5, generator=generator).to(dtype)
+    for layout in (torch.contiguous_format, torch.channels_last):
+        x = values.to(memory_format=layout)
+        for scale, mask in ((-1.0, x <= 0), (1.0, x > 0), (1 / 0.9, x != 0), (2.0, x > 0.5)):
+            scale = torch.tensor(scale, dtype=dtype).item()  # the mask's own value, as read off it
+            box = SimpleNamespace(payload=mask, scale=scale, shape=x.shape, stride=x.stride(), dtype=dtype)
+            unpacked = codec.unpack_bytes(box)
+            set_value, other = (0.0, 1.0) if scale == -1.0 else (scale, 0.0)
+            expected = torch.where(mask, torch.tensor(set_value, dtype=dtype), torch.tensor(other, dtype=dtype))
+            assert unpacked.dtype == dtype and unpacked.stride() == x.stride()
+            assert torch.equal(unpacked, expected) and unpacked._base is None
+            assert not torch.signbit(unpacked).any()  # +0.0 where the mask says 0, as the save held
+            on_meta = codec.unpack_bytes(SimpleNamespace(**{**vars(box), "payload": mask.to("meta")}))
+            assert on_meta.stride() == unpacked.stride() and on_meta.dtype == dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -1024,8 +1058,8 @@ def test_fused_triton_kernels_give_the_torch_paths_bytes_and_identical_gradients
 
 def test_masks_as_bytes_hold_one_byte_per_element_and_cost_one_operation_each_way():
     """masks="bytes": a frozen conv after a ReLU in eval, input gradient: the ReLU's result (2*4*8*8 =
-    512 float32 elements, 2048 bytes) is held as 512 bools; packing is one comparison, unpacking one
-    select (and views)."""
+    512 float32 elements, 2048 bytes) is held as 512 bools; packing is one comparison, unpacking on
+    the CPU a negation and a conversion (a GPU's one select: the test above, on meta)."""
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)).requires_grad_(False)
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
     figures = {masks: compare(model, x, masks=masks) for masks in ("bits", "bytes")}
@@ -1036,8 +1070,8 @@ def test_masks_as_bytes_hold_one_byte_per_element_and_cost_one_operation_each_wa
 
     steady = steady_ops_added(model, x, masks="bytes")
     kernels = [name for name in steady if name not in ("as_strided", "detach", "view")]
-    # the comparison, the select; the second conv's input dropped: one unfilled tensor
-    assert kernels == ["empty_strided", "le", "where"], steady
+    # the comparison, the negation and conversion; the second conv's input dropped: one unfilled tensor
+    assert kernels == ["_to_copy", "empty_strided", "le", "logical_not"], steady
 
 
 def test_masks_takes_bits_or_bytes_and_plans_count_bits():

@@ -288,10 +288,21 @@ _CONSTANTS: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def unpack_bytes(box: Any) -> torch.Tensor:
-    """The values of a byte-packed save: one select from its bool mask (in memory order, or in the
-    save's own layout: then the select's result has it too, and needs no view)."""
+    """The values of a byte-packed save from its bool mask (in memory order, or in the save's own
+    layout: then the values come in it too, and need no view): one select on a GPU and meta; on the
+    CPU a conversion of the bools (and a negation or a multiplication before or after it), since the
+    CPU's select between two 0-dim tensors runs ~9x slower than a conversion (2 x 256 x 16 x 16:
+    383 us against 47; 32 x 64 x 56 x 56: 20.5 ms against 2.3, one thread). The values are the same:
+    0.0 and 1.0, or +0.0 and ``scale`` (1.0 * scale and 0.0 * scale are exact, ``scale`` > 0)."""
     mask = box.payload
-    if box.scale == -1.0:
+    if mask.device.type == "cpu" and type(mask) is torch.Tensor:
+        if box.scale == -1.0:
+            values = torch.logical_not(mask).to(box.dtype)
+        else:
+            values = mask.to(box.dtype)
+            if box.scale != 1.0:
+                values.mul_(box.scale)
+    elif box.scale == -1.0:
         values = torch.where(mask, _constant(0.0, box.dtype, mask.device), _constant(1.0, box.dtype, mask.device))
     else:
         values = torch.where(mask, _constant(box.scale, box.dtype, mask.device), _constant(0.0, box.dtype, mask.device))
