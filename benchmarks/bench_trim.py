@@ -6,7 +6,8 @@ For each model and scenario, measured side by side in one run:
   torch.cuda.max_memory_allocated). Parameters, buffers and the input are not counted;
 - freed bytes (held plain - held trimmed) as a share of the audit's reclaimable_with_bitpacking_bytes
   (goal >= 95%);
-- forward+backward time, trimmed / plain, with and without bit-packing: median over interleaved
+- forward+backward time, trimmed / plain, with bit-packing, with masks kept as bools
+  (``masks="bytes"``) and without either (drops only): median over interleaved
   repeats of the ratio of each variant's fastest step in a block of 3 (goal <= 1.05); and a second
   plain block / the first, which shows how far this machine's noise alone moves the ratio;
 - the memsave study's published peak-memory reductions for the same scenario, on the models that
@@ -62,19 +63,21 @@ def step(model: nn.Module, x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def time_ratios(model: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float, float, float, float]:
-    """(plain seconds, ratio trimmed/plain, ratio trimmed without bit-packing/plain, ratio of a
-    second plain block to the first: what this machine's noise alone gives).
+def time_ratios(model: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float, float, float, float, float]:
+    """(plain seconds, ratio trimmed/plain, ratio trimmed with masks="bytes"/plain, ratio trimmed
+    without bit-packing/plain, ratio of a second plain block to the first: what this machine's noise
+    alone gives).
 
     Each repeat times a block of 3 steps per variant, back to back, and keeps each block's fastest
     step (the one least disturbed by other processes and by this VM's page-fault cost, which varies
     several-fold from minute to minute); each ratio is the median of the per-repeat ratios."""
-    variants = [None, True, False, None]  # plain, trim(bitpack=True), trim(bitpack=False), plain
+    variants = [None, "bits", "bytes", "drops", None]  # plain, trim(), masks="bytes", bitpack=False, plain
 
-    def block(bitpack: object) -> float:
-        if bitpack is None:
+    def block(how: object) -> float:
+        if how is None:
             return min(step(model, x) for _ in range(3))
-        with trim(model, bitpack=bool(bitpack)):
+        options = {"bitpack": False} if how == "drops" else {"masks": how}
+        with trim(model, **options):
             return min(step(model, x) for _ in range(3))
 
     for bitpack in variants:  # warm-up (allocator, kernels)
@@ -82,8 +85,7 @@ def time_ratios(model: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float,
     gc.collect()  # a pending full collection would land on whichever run allocates Python objects
     rows = [[block(bitpack) for bitpack in variants] for _ in range(repeats)]
     plain = statistics.median(r[0] for r in rows)
-    return (plain, statistics.median(r[1] / r[0] for r in rows),
-            statistics.median(r[2] / r[0] for r in rows), statistics.median(r[3] / r[0] for r in rows))
+    return (plain, *(statistics.median(r[i] / r[0] for r in rows) for i in range(1, 5)))
 
 
 def mib(n: int) -> str:
@@ -112,7 +114,8 @@ def main() -> None:
     print("held/peak in MiB (activations, gradients and temporaries; parameters, buffers and the input "
           "not counted). freed% = freed / audit reclaimable_with_bitpacking_bytes.")
     header = ("| model | scenario | held plain | held trimmed | peak plain | peak trimmed | peak change "
-              "| freed % of reclaimable | time trimmed/plain | time, bitpack=False | time, plain again "
+              "| freed % of reclaimable | time trimmed/plain | time, masks=\"bytes\" | time, bitpack=False "
+              "| time, plain again "
               "(noise) | memsave published (other model) |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
@@ -128,7 +131,7 @@ def main() -> None:
             reclaimable = report.reclaimable_with_bitpacking_bytes
             freed = measured["held_before"] - measured["held_after"]
             freed_share = 100.0 * freed / reclaimable if reclaimable else float("nan")
-            plain_s, ratio, drop_only, noise = time_ratios(model, x, args.repeats)
+            plain_s, ratio, as_bytes, drop_only, noise = time_ratios(model, x, args.repeats)
             family = "efficientnet" if "efficientnet" in MODELS[label] else "resnet"
             published = MEMSAVE.get(scenario, {}).get(family, "-")
             peak_change = 100.0 * (measured["peak_after"] - measured["peak_before"]) / measured["peak_before"]
@@ -139,7 +142,8 @@ def main() -> None:
             print(f"| {label} | {scenario} | {mib(measured['held_before'])} | {mib(measured['held_after'])} "
                   f"| {mib(measured['peak_before'])} | {mib(measured['peak_after'])} | {peak_change:+.0f}% "
                   f"| {f'{freed_share:.1f}% ({mib(freed)} of {mib(reclaimable)})' if reclaimable else 'nothing to reclaim'} "
-                  f"| {ratio:.3f} ({plain_s * 1e3:.0f} ms plain) | {drop_only:.3f} | {noise:.3f} | {published} |", flush=True)
+                  f"| {ratio:.3f} ({plain_s * 1e3:.0f} ms plain) | {as_bytes:.3f} | {drop_only:.3f} | {noise:.3f} "
+                  f"| {published} |", flush=True)
     print(f"\nworst freed share: {worst_freed:.1f}% (goal >= 95%); "
           f"worst time ratio: {worst_time:.3f}, without bit-packing {worst_drop_only:.3f} (goal <= 1.05)")
 
