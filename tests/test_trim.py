@@ -930,8 +930,8 @@ def test_a_byte_mask_costs_one_operation_each_way_in_the_saves_own_layout(layout
     """masks="bytes" compares the save itself (its bools come in its layout) and selects from them in
     backward (the values come in that layout too): one dispatch each way and no view, on a GPU two
     launches and a few microseconds of host time per save (meta runs the GPU's path: le, where). On
-    the CPU the bools are negated and converted instead of selected from (codec.unpack_bytes: the
-    CPU's select is the slow one there); gradients bit-identical."""
+    the CPU the comparison's bools are negated in place and converted instead of selected from
+    (codec.unpack_bytes: the CPU's select is the slow one there); gradients bit-identical."""
     def build(device):
         with torch.device(device):
             model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)).requires_grad_(False)
@@ -944,7 +944,8 @@ def test_a_byte_mask_costs_one_operation_each_way_in_the_saves_own_layout(layout
         ["le", "where"]
     model, x = build("cpu")
     steady = steady_ops_added(model, x, masks="bytes")
-    assert [name for name in steady if name not in beside] == ["_to_copy", "le", "logical_not"], steady
+    # its complement made in place, and converted
+    assert [name for name in steady if name not in beside] == ["_to_copy", "le", "logical_not_"], steady
     plain = gradients(model, (x,))
     with trim(model, masks="bytes"):
         gradients(model, (x,))
@@ -957,7 +958,8 @@ def test_bytes_unpack_on_the_cpu_to_the_values_the_select_gives(dtype):
     """The CPU's conversion of a byte mask gives the values, strides and dtype the select gives on a
     GPU (run here on meta for the layout, and as torch.where on the CPU for the values), for a mask
     whose set byte stands for 0.0 (a ReLU's x <= 0) and for a scaled one (dropout's keep-mask, p=0.1
-    and p=0.5), contiguous and channels-last; the values keep the mask's layout (no view)."""
+    and p=0.5), contiguous and channels-last; the values keep the mask's layout (no view) and are the
+    only tensor unpacking makes (the rest in place: a backward's peak as with the select)."""
     from types import SimpleNamespace
     from gradaudit.trimming import codec
 
@@ -968,7 +970,9 @@ def test_bytes_unpack_on_the_cpu_to_the_values_the_select_gives(dtype):
         for scale, mask in ((-1.0, x <= 0), (1.0, x > 0), (1 / 0.9, x != 0), (2.0, x > 0.5)):
             scale = torch.tensor(scale, dtype=dtype).item()  # the mask's own value, as read off it
             box = SimpleNamespace(payload=mask, scale=scale, shape=x.shape, stride=x.stride(), dtype=dtype)
-            unpacked = codec.unpack_bytes(box)
+            with OpNames() as ops:
+                unpacked = codec.unpack_bytes(box)
+            assert [name for name in ops.names if not name.endswith("_")] == ["_to_copy"], ops.names
             set_value, other = (0.0, 1.0) if scale == -1.0 else (scale, 0.0)
             expected = torch.where(mask, torch.tensor(set_value, dtype=dtype), torch.tensor(other, dtype=dtype))
             assert unpacked.dtype == dtype and unpacked.stride() == x.stride()
@@ -1070,8 +1074,9 @@ def test_masks_as_bytes_hold_one_byte_per_element_and_cost_one_operation_each_wa
 
     steady = steady_ops_added(model, x, masks="bytes")
     kernels = [name for name in steady if name not in ("as_strided", "detach", "view")]
-    # the comparison, the negation and conversion; the second conv's input dropped: one unfilled tensor
-    assert kernels == ["_to_copy", "empty_strided", "le", "logical_not"], steady
+    # the comparison and its negation in place, the conversion; the second conv's input dropped: one
+    # unfilled tensor
+    assert kernels == ["_to_copy", "empty_strided", "le", "logical_not_"], steady
 
 
 def test_masks_takes_bits_or_bytes_and_plans_count_bits():

@@ -116,7 +116,10 @@ def dropout_mask(values: torch.Tensor, scale: float, fused_kernels: bool = False
 
 def _byte_unless_le_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
     # the byte is x <= 0 (NaN: False, so it passes, as in threshold_backward); unpacked to 0.0 where
-    # set and 1.0 elsewhere
+    # set and 1.0 elsewhere. On the CPU its complement, negated in place (no second mask), so that
+    # unpacking is one conversion (unpack_bytes)
+    if values.device.type == "cpu" and type(values) is torch.Tensor:
+        return (values <= 0).logical_not_(), 1.0
     return values <= 0, -1.0
 
 
@@ -290,18 +293,18 @@ _CONSTANTS: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
 def unpack_bytes(box: Any) -> torch.Tensor:
     """The values of a byte-packed save from its bool mask (in memory order, or in the save's own
     layout: then the values come in it too, and need no view): one select on a GPU and meta; on the
-    CPU a conversion of the bools (and a negation or a multiplication before or after it), since the
-    CPU's select between two 0-dim tensors runs ~9x slower than a conversion (2 x 256 x 16 x 16:
-    383 us against 47; 32 x 64 x 56 x 56: 20.5 ms against 2.3, one thread). The values are the same:
-    0.0 and 1.0, or +0.0 and ``scale`` (1.0 * scale and 0.0 * scale are exact, ``scale`` > 0)."""
+    CPU a conversion of the bools (for a ReLU's mask, packed there as its complement, nothing else; a
+    scaled mask multiplied in place), since the CPU's select between two 0-dim tensors runs ~9x
+    slower than a conversion (2 x 256 x 16 x 16: 383 us against 47; 32 x 64 x 56 x 56: 20.5 ms against
+    2.3, one thread). Either way the values are the only tensor it makes, and the same: 0.0 and 1.0,
+    or +0.0 and ``scale`` (1.0 * scale and 0.0 * scale are exact, ``scale`` > 0; 1 - 1.0 is +0.0)."""
     mask = box.payload
     if mask.device.type == "cpu" and type(mask) is torch.Tensor:
+        values = mask.to(box.dtype)
         if box.scale == -1.0:
-            values = torch.logical_not(mask).to(box.dtype)
-        else:
-            values = mask.to(box.dtype)
-            if box.scale != 1.0:
-                values.mul_(box.scale)
+            values.neg_().add_(1)
+        elif box.scale != 1.0:
+            values.mul_(box.scale)
     elif box.scale == -1.0:
         values = torch.where(mask, _constant(0.0, box.dtype, mask.device), _constant(1.0, box.dtype, mask.device))
     else:
