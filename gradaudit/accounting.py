@@ -28,6 +28,12 @@ def packed_bits_nbytes(t: SavedTensor) -> int:
     return (t.numel + 7) // 8
 
 
+def packed_nbytes(t: SavedTensor, masks: str = "bits") -> int:
+    """Bytes of the copy ``gradaudit.trim`` keeps of a bit-packable save: ``masks="bits"``, one bit per
+    element (``packed_bits_nbytes``); ``"bytes"``, one bool per element."""
+    return t.numel if masks == "bytes" else packed_bits_nbytes(t)
+
+
 def fix_scope(findings: Iterable[Finding]) -> set[int]:
     """The saves whose fix (drop or bit-pack) these findings name: the tensors of every finding
     that is not a code change (``Finding.rewrite``: those free what their rule states)."""
@@ -64,12 +70,13 @@ class Accountant:
     def saved_bytes(self) -> int:
         return sum(self.storages[s].nbytes for s in self.refs if self.storages[s].kind in HELD_KINDS)
 
-    def freed(self, dropped: set[int], bitpacked: set[int] = frozenset()) -> int:
+    def freed(self, dropped: set[int], bitpacked: set[int] = frozenset(), masks: str = "bits") -> int:
         """Bytes freed when saves in ``dropped`` are replaced by nothing and those in ``bitpacked``
-        by 1 bit per element (``SavedTensor.index`` values)."""
-        return sum(self.freed_by_storage(dropped, bitpacked).values())
+        by 1 bit per element (``SavedTensor.index`` values; with ``masks="bytes"`` one bool)."""
+        return sum(self.freed_by_storage(dropped, bitpacked, masks).values())
 
-    def freed_by_storage(self, dropped: set[int], bitpacked: set[int] = frozenset()) -> dict[int, int]:
+    def freed_by_storage(self, dropped: set[int], bitpacked: set[int] = frozenset(),
+                         masks: str = "bits") -> dict[int, int]:
         result: dict[int, int] = {}
         touched = {self.tensors[i].storage_id for i in (dropped | bitpacked) if self.tensors[i].storage_id >= 0}
         for storage_id in touched:
@@ -82,7 +89,7 @@ class Accountant:
             # one packed copy per distinct view that is bit-packed rather than dropped
             views = {(t.storage_offset, t.shape, t.stride): t for t in refs
                      if t.index in bitpacked and t.index not in dropped}
-            kept = sum(packed_bits_nbytes(t) for t in views.values())
+            kept = sum(packed_nbytes(t, masks) for t in views.values())
             if storage.nbytes > kept:
                 result[storage_id] = storage.nbytes - kept
         return result

@@ -270,9 +270,12 @@ PLAN = {
     "replaces": Field(LIST, "the modules the model checkpoints itself (the plan's figures are without that)",
                       items=STR),
     "current_held_bytes": Field(_nullable(INT), "what it holds with the model's own checkpoints"),
-    "trim": Field(_nullable(OBJ), "`null`: the figures are without `gradaudit.trim`; `{\"bitpack\": true}` (or "
-                                  "`false`): every byte figure is with `trim(model, bitpack=...)` installed, as "
-                                  "`Plan.apply` installs it (`--trim`)", {"bitpack": Field(BOOL, "trim's bitpack")}),
+    "trim": Field(_nullable(OBJ), "`null`: the figures are without `gradaudit.trim`; `{\"bitpack\": true, "
+                                  "\"masks\": \"bits\"}` (or `false`, `\"bytes\"`): every byte figure is with "
+                                  "`trim(model, bitpack=..., masks=...)` installed, as `Plan.apply` installs it (`--trim`)",
+                  {"bitpack": Field(BOOL, "trim's bitpack"),
+                   "masks": Field(STR, "trim's masks: what a bit-packable save becomes, `\"bits\"` or `\"bytes\"` "
+                                       "(one bool per element)", extra={"enum": ["bits", "bytes"]})}),
     "bound": Field(STR, "what `budget` bounds: `\"held\"` (held after the forward) or `\"peak\"` (the measured "
                         "peak of a step)", extra={"enum": ["held", "peak"]}),
     "checkpointed": Field(LIST, "module paths the plan checkpoints, in forward order", items=STR),
@@ -322,6 +325,7 @@ REMEDY = {
     "accumulation": Field(INT, "micro-batches per optimizer step"),
     "trim": Field(BOOL, "`gradaudit.trim` is part of it"),
     "bitpack": Field(_nullable(BOOL), "trim's bitpack (`null` without trim)"),
+    "masks": Field(_nullable(STR), "trim's masks, `\"bits\"` or `\"bytes\"` (`null` without trim)"),
     "checkpointed": Field(LIST, "the blocks it checkpoints", items=STR),
     "selective": Field(LIST, "those checkpointed op by op", items=STR),
     "extra_compute": Field(NUM, "recompute as a share of a step's FLOPs"),

@@ -245,6 +245,26 @@ def test_a_remedy_with_trim_is_true_and_keeps_gradients_bit_identical(tiny_hf_mo
     assert all(torch.equal(reference[n], remedied[n]) for n in reference)
 
 
+def test_a_model_trimmed_with_byte_masks_is_fitted_with_them(tiny_hf_model):
+    """GPT-2 in train mode with trim(masks="bytes") installed: its dropout masks kept as bools. The
+    remedy's checkpoint plan counts them so (it refused that trim before) and its measured peak is the
+    remedied step's; the remedy says which trim it keeps."""
+    from gradaudit.trimming import trim
+
+    model = tiny_hf_model("gpt2", n_layer=4, n_positions=256, use_cache=False).train()
+    ids = torch.randint(0, 100, (1, 256), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    with trim(model, masks="bytes"):
+        unremedied = gradaudit.fit(model, batch, memory="1GiB", optimizer="sgd")
+        fitted = gradaudit.fit(model, batch, memory=unremedied.peak_bytes * 95 // 100, optimizer="sgd")
+        remedy = fitted.remedy
+        assert remedy is not None and remedy.checkpointed and remedy.peak_bytes <= fitted.memory
+        assert remedy.plan.masks == "bytes" and "masks='bytes'" in remedy.describe()
+        assert (remedy.to_dict()["trim"], remedy.to_dict()["masks"]) == (True, "bytes")
+        with remedy.apply(model):
+            assert measured_step_peak(model, batch, torch.optim.SGD, hf_loss) == remedy.peak_bytes
+
+
 def test_the_html_page_draws_the_step_before_and_after_the_remedy(tiny_hf_model):
     from gradaudit.report import fithtml
 

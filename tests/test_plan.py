@@ -1255,7 +1255,7 @@ def assert_trimmed_plan_exact_and_identical(model: nn.Module, inputs, fraction: 
     trimmed = audited.saved_bytes - audited.reclaimable_with_bitpacking_bytes
     budget = int(trimmed * fraction)
     chosen = plan(model, inputs, budget, trainable=trainable, trim=True, measure_peak=False)
-    assert chosen.trimmed and chosen.bitpack and chosen.to_dict()["trim"] == {"bitpack": True}
+    assert chosen.trimmed and chosen.bitpack and chosen.to_dict()["trim"] == {"bitpack": True, "masks": "bits"}
     assert chosen.unplanned_held_bytes == trimmed < audited.saved_bytes
     assert chosen.held_bytes <= budget < trimmed and chosen.checkpointed
     with chosen.apply(model):
@@ -1341,7 +1341,7 @@ def test_plan_on_top_of_trim_without_bitpacking():
     model, x = conv_stack()
     # bitpack=False: r_i is kept whole (2048 B instead of 64): 2048 + 4096 = 6144 B per block
     chosen = plan(model, x, 10**9, trim=True, bitpack=False, measure_peak=False)
-    assert chosen.unplanned_held_bytes == 4 * 6144 and chosen.to_dict()["trim"] == {"bitpack": False}
+    assert chosen.unplanned_held_bytes == 4 * 6144 and chosen.to_dict()["trim"] == {"bitpack": False, "masks": "bits"}
     least = chosen.for_budget(chosen.frontier[-1][0])
     assert least.held_bytes == 3 * 2048  # every block: the inputs a_0..a_2
     with least.apply(model) as handle:
@@ -1440,6 +1440,74 @@ def test_a_plan_on_top_of_trim_measures_the_steady_step_a_training_loop_runs(vis
     assert (held, peak) == (chosen.held_bytes, chosen.peak_bytes) == (7_928_832, 8_207_360)
 
 
+def test_a_plan_on_top_of_trim_with_byte_masks_measures_the_steady_step(vision_model):
+    """plan(trim=True, masks="bytes") counts what trim(masks="bytes") keeps: a bool per element of each
+    bit-packable save where bits keep one bit. ResNet-50, input only: its held and peak equal a steady
+    step's with that trim installed, measured independently, and hold more than the bits' plan (the
+    49 ReLU results it packs keep 7/8 of a byte more per element)."""
+    from gradaudit.measure import forward_backward
+    from gradaudit.scenarios import apply_scenario
+    from gradaudit.trimming import trim
+
+    model, x = vision_model("resnet50"), torch.randn(2, 3, 64, 64)
+    apply_scenario(model, "input-only", x)
+    chosen = plan(model, x, 10**12, trim=True, masks="bytes")
+    assert chosen.masks == "bytes" and chosen.to_dict()["trim"] == {"bitpack": True, "masks": "bytes"}
+    with trim(model, masks="bytes") as handle:
+        forward_backward(model, (x,), {})
+        x.grad = None
+        held, peak = forward_backward(model, (x,), {})
+        assert handle.forwards == {"full": 1, "steady": 1}
+    x.grad = None
+    assert (held, peak) == (chosen.held_bytes, chosen.peak_bytes)
+    assert chosen.held_bytes > 7_928_832  # the bits' plan (the test above)
+
+
+def test_plan_on_top_of_trim_with_byte_masks_counts_a_bool_per_element():
+    model, x = conv_stack()
+    # as with bits (test_plan_on_top_of_trim_counts_what_trim_leaves), but r_i (512 float32 elements)
+    # is kept as 512 bools: 512 + 4096 B of pool indices = 4608 B per block
+    chosen = plan(model, x, 3 * 4608, trim=True, masks="bytes", measure_peak=False, selective=False)
+    assert chosen.unplanned_held_bytes == 4 * 4608
+    # checkpointed, block i holds its input a_{i-1} whole (2048 B): 2560 B less; block 0 (passed the
+    # caller's x) 4608 B less, for the same recompute: block 0 it is
+    assert chosen.checkpointed == ("blocks.0",) and chosen.held_bytes == 3 * 4608
+    assert [b["internal_bytes"] for b in chosen.blocks] == [4608] * 4
+    assert_step_held_and_identical(model, x, chosen)
+    # CUDA's fused dropout keeps a bool keep-mask, which bytes leave as it is: 256 B per block after
+    # the first, where bits keep 32 (test_plan_on_top_of_trim_counts_bool_dropout_masks_as_bits)
+    torch.manual_seed(0)
+    model, x = FusedDropoutStack().train(), torch.randn(8, 32)
+    as_bytes = plan(model, x, 10**9, trim=True, masks="bytes", measure_peak=False)
+    untrimmed = plan(model, x, 10**9, trim=False, measure_peak=False)
+    as_bits = plan(model, x, 10**9, trim=True, measure_peak=False)
+    assert as_bytes.unplanned_held_bytes == untrimmed.unplanned_held_bytes == as_bits.unplanned_held_bytes + 3 * 224
+    assert_step_held_and_identical(model, x, plan(model, x, int(as_bytes.unplanned_held_bytes * 0.8), trim=True,
+                                                  masks="bytes", measure_peak=False))
+
+
+def test_a_plan_follows_an_installed_trims_masks_and_refuses_others():
+    from gradaudit.trimming import trim
+
+    model, x = conv_stack()
+    expected = plan(model, x, 3 * 4608, trim=True, masks="bytes", measure_peak=False, selective=False)
+    with trim(model, masks="bytes"):
+        found = plan(model, x, 3 * 4608, measure_peak=False, selective=False)
+        # the same bytes (the FLOPs differ: an installed trim's own operations count in its step's)
+        assert found.masks == "bytes" and found.trimmed
+        assert (found.unplanned_held_bytes, found.held_bytes, found.checkpointed) == \
+            (expected.unplanned_held_bytes, expected.held_bytes, expected.checkpointed) == (4 * 4608, 3 * 4608, ("blocks.0",))
+        with pytest.raises(GradauditError, match="installed on this model with masks='bytes': plan with masks='bytes'"):
+            plan(model, x, 3 * 4608, trim=True, masks="bits", measure_peak=False)
+    with pytest.raises(GradauditError, match="masks='bytes' is an option of trim"):
+        plan(model, x, 10**9, masks="bytes")
+    with pytest.raises(GradauditError, match="masks='bit': choose one of 'bits', 'bytes'"):
+        plan(model, x, 10**9, trim=True, masks="bit")
+    with trim(model):  # bits installed: a plan with byte masks cannot apply over it
+        with pytest.raises(GradauditError, match="with masks='bits': plan with masks='bits'"):
+            plan(model, x, 10**9, trim=True, masks="bytes", measure_peak=False)
+
+
 def test_a_model_that_checkpoints_itself_reports_what_it_holds_with_trim():
     from torch.utils.checkpoint import checkpoint
 
@@ -1471,7 +1539,8 @@ def test_a_trimmed_model_is_planned_with_its_trim():
     with trim(model) as own:
         chosen = plan(model, x, 3 * 4160, measure_peak=False)  # trim=None follows the model
         assert chosen.trimmed and chosen.held_bytes == 3 * 4160  # as in test_plan_on_top_of_trim_...
-        assert any("gradaudit.trim is installed on this model (bitpack=True)" in note for note in chosen.notes)
+        assert any("gradaudit.trim is installed on this model (bitpack=True, masks='bits')" in note
+                   for note in chosen.notes)
         with chosen.apply(model) as handle:
             assert handle.trim_handle is None  # the caller's trim serves
             assert held_bytes_after_forward(model, x) == chosen.held_bytes
@@ -1530,19 +1599,30 @@ def test_cli_plans_on_top_of_trim(tmp_path, monkeypatch):
     assert lines[1] == "checkpoint 1 of 4 blocks: 0"
     assert any(line.startswith("held: after the forward with gradaudit.trim installed") for line in lines)
     data = json.loads((tmp_path / "plan.json").read_text())
-    assert data["trim"] == {"bitpack": True}
+    assert data["trim"] == {"bitpack": True, "masks": "bits"}
     assert (data["held_bytes"], data["unplanned_held_bytes"]) == (3 * 4160, 4 * 4160)
     # without bit-packing the ReLU results stay whole: 4 * (2048 + 4096) B unplanned
     result = run("--budget", str(10**6), "--trim", "--no-bitpack", "--json", "plan.json", "--no-peak")
     assert result.exit_code == 0
     assert result.output.splitlines()[0].endswith("held after the forward with gradaudit.trim (no bit-packing)")
     data = json.loads((tmp_path / "plan.json").read_text())
-    assert data["trim"] == {"bitpack": False} and data["unplanned_held_bytes"] == 4 * 6144
+    assert data["trim"] == {"bitpack": False, "masks": "bits"} and data["unplanned_held_bytes"] == 4 * 6144
     # untrimmed, the same budget takes all four blocks; and --no-bitpack alone is refused
     data = json.loads(run("--budget", str(3 * 4160), "--json", "-", "-q").stdout)
     assert data["trim"] is None and len(data["checkpointed"]) == 4
     refused = run("--budget", "1MiB", "--no-bitpack")
     assert refused.exit_code == 2 and "--no-bitpack is an option of --trim" in refused.stderr
+    # masks as bools: each ReLU result's 512 elements keep 512 B where bits keep 64 (4 * 4608 B)
+    result = run("--budget", str(3 * 4608), "--trim", "--masks", "bytes", "--json", "plan.json", "--no-peak")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0].endswith("held after the forward with gradaudit.trim (masks as bytes)")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["trim"] == {"bitpack": True, "masks": "bytes"}
+    assert (data["held_bytes"], data["unplanned_held_bytes"]) == (3 * 4608, 4 * 4608)
+    refused = run("--budget", "1MiB", "--masks", "bytes")
+    assert refused.exit_code == 2 and "--masks is an option of --trim" in refused.stderr
+    refused = run("--budget", "1MiB", "--trim", "--masks", "bit")
+    assert refused.exit_code == 2 and "'bit' is not one of 'bits', 'bytes'" in refused.stderr
 
 
 def test_the_plans_step_is_the_training_loops_and_its_peaks_are_fits(tiny_hf_model):

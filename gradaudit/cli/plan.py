@@ -32,7 +32,8 @@ def _cost_needs_a_real_device() -> str:
 
 def run_plan(options: CommandOptions, budget_texts: Sequence[str], blocks: tuple[str, ...], peak: bool = True,
              html_path: Optional[str] = None, selective: bool = True, cost: str = Cost.FLOPS, trim: bool = False,
-             bitpack: bool = True, bound: str = Bound.HELD, loss_spec: Optional[str] = None) -> int:
+             bitpack: bool = True, bound: str = Bound.HELD, loss_spec: Optional[str] = None,
+             masks: Optional[str] = None) -> int:
     """The plan itself; returns the exit code."""
     from ..planning import BudgetError, plan
     from ..planning.timing import REPEATS
@@ -47,6 +48,8 @@ def run_plan(options: CommandOptions, budget_texts: Sequence[str], blocks: tuple
         raise CommandFailed(_cost_needs_a_real_device())
     if not bitpack and not trim:
         raise CommandFailed("--no-bitpack is an option of --trim: give both, or neither")
+    if masks is not None and not trim:
+        raise CommandFailed("--masks is an option of --trim: give both, or neither")
     if bound == Bound.PEAK and not peak:
         raise CommandFailed("--bound peak chooses by measured peaks: it cannot run with --no-peak")
     loss = load_loss(loss_spec)
@@ -59,7 +62,7 @@ def run_plan(options: CommandOptions, budget_texts: Sequence[str], blocks: tuple
                       blocks=list(blocks) or None,
                       measure_peak=peak and (len(budgets) == 1 or bound == Bound.PEAK), selective=selective,
                       cost=cost, bound=bound, target=options.target if where == "meta" else None, trim=trim,
-                      bitpack=bitpack if trim else None, loss=loss, progress=options.progress)
+                      bitpack=bitpack if trim else None, masks=masks, loss=loss, progress=options.progress)
     except BudgetError as error:
         chosen, code = error.smallest_plan, EXIT_VERDICT
     options.progress.done()
@@ -115,6 +118,9 @@ def _sweep(first: Any, budgets: Sequence[int], options: CommandOptions, output: 
 @click.option("--trim", is_flag=True, help="Plan the bytes that remain with gradaudit.trim installed: every "
               "figure is with trim and the plan (in Python plan(..., trim=True), whose apply installs trim too).")
 @click.option("--no-bitpack", is_flag=True, help="With --trim: trim(bitpack=False), drops only.")
+@click.option("--masks", type=click.Choice(["bits", "bytes"]), default=None,
+              help="With --trim: what trim keeps of a save read only as a sign or a two-valued mask, one bit per "
+              "element (bits, the default) or one bool (bytes: trim(masks='bytes'), fewer operations on a GPU).")
 @click.option("--loss", "loss_spec", metavar="MODULE:FN", help="A function from the model's output to the scalar "
               "loss the measured steps backpropagate (default: the output's loss, as Hugging Face models given "
               "labels return, else the sum of its first tensor; as fit takes it).")
@@ -123,7 +129,7 @@ def _sweep(first: Any, budgets: Sequence[int], options: CommandOptions, output: 
 def plan_command(spec: str, budget: tuple[str, ...], model: dict[str, Any], blocks: tuple[str, ...],
                  json_path: Optional[str],
                  html_path: Optional[str], no_peak: bool, cost: str, bound: str, no_selective: bool,
-                 trim: bool, no_bitpack: bool, loss_spec: Optional[str], quiet: bool,
+                 trim: bool, no_bitpack: bool, masks: Optional[str], loss_spec: Optional[str], quiet: bool,
                  debug: bool) -> None:
     """Choose which modules of the model built by SPEC to checkpoint (recompute in backward) so that
     autograd holds at most --budget after the forward, for the least extra compute.
@@ -145,4 +151,4 @@ def plan_command(spec: str, budget: tuple[str, ...], model: dict[str, Any], bloc
     options = CommandOptions(spec=spec, **model, html=None, json=json_path, quiet=quiet, progress=progress)
     exit_with(lambda: run_ranked(options, lambda ranked, path: run_plan(
         ranked, budget, blocks, peak=not no_peak, html_path=path(html_path), cost=cost, selective=not no_selective,
-        trim=trim, bitpack=not no_bitpack, bound=bound, loss_spec=loss_spec)), progress, debug)
+        trim=trim, bitpack=not no_bitpack, bound=bound, loss_spec=loss_spec, masks=masks)), progress, debug)

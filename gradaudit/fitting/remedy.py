@@ -119,7 +119,8 @@ class Remedy:
         if self.micro_batch:
             parts.append(f"micro-batches of {self.micro_batch} with {self.accumulation} accumulation steps")
         if self.trim:
-            parts.append(f"gradaudit.trim (bitpack={self.plan.bitpack})")
+            masks = f", masks={self.plan.masks!r}" if self.plan.bitpack and self.plan.masks != "bits" else ""
+            parts.append(f"gradaudit.trim (bitpack={self.plan.bitpack}{masks})")
         if self.checkpointed:
             selective = f", {len(self.plan.selective)} of them op by op" if self.plan.selective else ""
             parts.append(f"checkpoint {len(self.checkpointed)} of {len(self.plan.blocks)} blocks{selective}")
@@ -128,6 +129,7 @@ class Remedy:
     def to_dict(self) -> dict[str, Any]:
         return {"change": self.describe(), "micro_batch": self.micro_batch, "accumulation": self.accumulation,
                 "trim": self.trim, "bitpack": self.plan.bitpack if self.trim else None,
+                "masks": self.plan.masks if self.trim else None,
                 "checkpointed": list(self.checkpointed), "selective": list(self.selective),
                 "extra_compute": self.extra_compute,
                 "extra_flops": self.plan.extra_flops if self.plan is not None else 0,

@@ -205,9 +205,9 @@ class PlanHandle:
     """Returned by ``Plan.apply``: ``remove()`` (or leaving the ``with`` block) restores the model."""
 
     def __init__(self, model: nn.Module, paths: tuple[str, ...], policies: Optional[Mapping[str, str]] = None,
-                 keep_caches: bool = False, trim: Optional[bool] = None) -> None:
+                 keep_caches: bool = False, trim: Optional[bool] = None, masks: str = "bits") -> None:
         """``policies``: path -> "full" (the default) or "selective"; ``trim``: None for a plan
-        without trim, else the bitpack option of the trim it needs."""
+        without trim, else the bitpack option of the trim it needs (and ``masks`` its masks option)."""
         policies = dict(policies or {})
         unknown = sorted(set(policies.values()) - set(POLICIES))
         if unknown:
@@ -227,6 +227,9 @@ class PlanHandle:
         if trim is not None and installed is not None and installed.bitpack != trim:
             raise GradauditError(f"this plan's figures are with gradaudit.trim(bitpack={trim}), and trim is installed "
                                  f"on this model with bitpack={installed.bitpack}: remove that handle first")
+        if trim and installed is not None and installed.masks != masks:
+            raise GradauditError(f"this plan's figures are with gradaudit.trim(masks={masks!r}), and trim is installed "
+                                 f"on this model with masks={installed.masks!r}: remove that handle first")
         self._model_ref = weakref.ref(model)
         self.paths = paths
         self.policies = {path: policies.get(path, FULL_POLICY) for path in paths}
@@ -239,7 +242,7 @@ class PlanHandle:
         if trim is not None and installed is None:
             from ..trimming import trim as install_trim
 
-            self.trim_handle = install_trim(model, bitpack=trim)
+            self.trim_handle = install_trim(model, bitpack=trim, masks=masks)
         # a Hugging Face model asking for a key/value cache: off while checkpointed, as its own
         # gradient checkpointing trains (a checkpointed block passed a cache would fill it again)
         self._cache_config = cache_config(model) if paths else None

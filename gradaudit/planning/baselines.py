@@ -68,23 +68,23 @@ def stack_runner(model: nn.Module, paths: Sequence[str], calls: Sequence[Any]) -
 
 @contextlib.contextmanager
 def _in_segments(in_segments: Callable[[int], Any], count: int, model: nn.Module,
-                 bitpack: Optional[bool]) -> Iterator[list[tuple[int, int]]]:
+                 bitpack: Optional[bool], masks: str = "bits") -> Iterator[list[tuple[int, int]]]:
     """The stack run in ``count`` segments (and trim installed where the plan has it)."""
-    with in_segments(count) as ranges, trimmed(model, bitpack):
+    with in_segments(count) as ranges, trimmed(model, bitpack, masks):
         yield ranges
 
 
 def segments_baseline(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: Optional[str],
                       chain: Chain, costs: Costs, children: Sequence[str], in_segments: Callable[[int], Any],
-                      bitpack: Optional[bool]) -> tuple[Baseline, Callable[[], Any]]:
+                      bitpack: Optional[bool], masks: str = "bits") -> tuple[Baseline, Callable[[], Any]]:
     """The sqrt(n) segments baseline of the stack ``children`` (see segments.py; ``in_segments(k)``
     runs it in k segments): its held bytes from an audit with it in force, its recompute from the
     blocks of its checkpointed segments that build a graph; and what puts it in force (to measure
     its peak)."""
     count = segments.square_root_segments(len(children))
-    applied = functools.partial(_in_segments, in_segments, count, model, bitpack)
+    applied = functools.partial(_in_segments, in_segments, count, model, bitpack, masks)
     with applied() as ranges:
-        held = held_by_report(audit(model, inputs, trainable=trainable, frozen=frozen, target=target), bitpack)
+        held = held_by_report(audit(model, inputs, trainable=trainable, frozen=frozen, target=target), bitpack, masks)
     recomputed = {children[k] for first, last in ranges[:-1] for k in range(first, last + 1)}
     chosen = [i for i, b in enumerate(chain.blocks) if b.path in recomputed]
     return Baseline(f"{count} segments", tuple(p for p in children if p in recomputed), held,

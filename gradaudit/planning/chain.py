@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 from torch import nn
 
 from .. import torchapi
-from ..accounting import Accountant, counted, packed_bits_nbytes
+from ..accounting import Accountant, counted, packed_nbytes
 from ..auditing import audit
 from ..recorder import CHECKPOINT_INPUTS
 from ..records import HELD_KINDS, NOT_NEEDED, StorageKind
@@ -29,10 +29,11 @@ from ..torchapi.checkpoint import mutated_cached
 WHOLE = "whole"  # a save that holds its whole storage (see saves_as_trimmed)
 
 
-def saves_as_trimmed(report: Any, bitpack: Optional[bool]) -> dict[int, Any]:
+def saves_as_trimmed(report: Any, bitpack: Optional[bool], masks: str = "bits") -> dict[int, Any]:
     """What holds each counted save's bytes, by ``SavedTensor.index``: ``WHOLE`` (its storage),
-    ``None`` (nothing: trim drops it) or the key of its bit-packed view (trim bit-packs it). Without
-    trim (``bitpack`` None) every save is whole.
+    ``None`` (nothing: trim drops it) or the key of its bit-packed view (trim bit-packs it: one bit
+    per element, or with ``masks="bytes"`` one bool, and a bool save left as it is). Without trim
+    (``bitpack`` None) every save is whole.
 
     Trim decides from the op knowledge the audit's verdicts come from, so it drops the saves the
     audit calls not needed and (with bitpack) bit-packs the bit-packable ones; a save that
@@ -45,7 +46,7 @@ def saves_as_trimmed(report: Any, bitpack: Optional[bool]) -> dict[int, Any]:
             decided[t.index] = WHOLE
         elif t.verdict == NOT_NEEDED:
             decided[t.index] = None
-        elif bitpack and t.bitpackable:
+        elif bitpack and t.bitpackable and not (masks == "bytes" and t.dtype == "bool"):
             decided[t.index] = (t.storage_id, t.storage_offset, tuple(t.shape), tuple(t.stride))
         else:
             decided[t.index] = WHOLE
@@ -69,19 +70,20 @@ def trim_changes(report: Any) -> bool:
                for t in saves)
 
 
-def held_by_report(report: Any, bitpack: Optional[bool]) -> int:
-    """What the audited forward holds (with trim where ``bitpack`` is not None), by the audit's own
-    accounting: saved_bytes less what trim's drops and bit-packing free (``Accountant.freed``)."""
+def held_by_report(report: Any, bitpack: Optional[bool], masks: str = "bits") -> int:
+    """What the audited forward holds (with trim where ``bitpack`` is not None, its masks as ``masks``),
+    by the audit's own accounting: saved_bytes less what trim's drops and packing free
+    (``Accountant.freed``)."""
     if bitpack is None:
         return report.saved_bytes
-    decided = saves_as_trimmed(report, bitpack)
+    decided = saves_as_trimmed(report, bitpack, masks)
     dropped = {i for i, how in decided.items() if how is None}
     packed = {i for i, how in decided.items() if how is not None and how != WHOLE}
-    return report.saved_bytes - Accountant(report.tensors, report.storages).freed(dropped, packed)
+    return report.saved_bytes - Accountant(report.tensors, report.storages).freed(dropped, packed, masks)
 
 
 def build_chain(report: Any, ran: Sequence[str], calls: dict[str, list], costs: dict[str, tuple[int, int]],
-                bitpack: Optional[bool]) -> Chain:
+                bitpack: Optional[bool], masks: str = "bits") -> Chain:
     """The planner's chain of the blocks ``ran`` (forward order) from one audit: per storage of a held
     kind, which saves hold it, inside which block, whole or (under trim) as a bit-packed copy.
     ``costs``: per block, what recomputing it costs and what an op-level checkpoint does not redo."""
@@ -90,7 +92,7 @@ def build_chain(report: Any, ran: Sequence[str], calls: dict[str, list], costs: 
         for sid, size, kind in call.inputs:
             if kind in HELD_KINDS:
                 nbytes[sid] = size
-    decided = saves_as_trimmed(report, bitpack)
+    decided = saves_as_trimmed(report, bitpack, masks)
     copies: dict[tuple, int] = {}  # bit-packed view -> copy id
     bits: dict[int, tuple[int, int]] = {}
     # per block (None: outside every block), the storages held whole and the copies held
@@ -108,7 +110,7 @@ def build_chain(report: Any, ran: Sequence[str], calls: dict[str, list], costs: 
             whole[block].add(t.storage_id)
         else:
             copy = copies.setdefault(how, len(copies))
-            bits[copy] = (t.storage_id, packed_bits_nbytes(t))
+            bits[copy] = (t.storage_id, packed_nbytes(t, masks))
             packed[block].add(copy)
     blocks = [Block(path, calls[path][0].module_class, len(calls[path]), costs[path][0], frozenset(whole[path]),
                     frozenset(sid for call in calls[path] for sid, _, kind in call.inputs if kind in HELD_KINDS),
@@ -118,10 +120,12 @@ def build_chain(report: Any, ran: Sequence[str], calls: dict[str, list], costs: 
 
 
 def audited_with(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: Optional[str],
-                 watch: Sequence[str], checkpointed: dict[str, str], bitpack: Optional[bool]) -> tuple[Any, set[str]]:
+                 watch: Sequence[str], checkpointed: dict[str, str], bitpack: Optional[bool],
+                 masks: str = "bits") -> tuple[Any, set[str]]:
     """An audit with ``checkpointed`` applied (path -> policy), and the selectively checkpointed
     paths whose cache had an entry changed in place (backward would raise)."""
-    with PlanHandle(model, tuple(checkpointed), policies=checkpointed, keep_caches=True, trim=bitpack) as handle:
+    with PlanHandle(model, tuple(checkpointed), policies=checkpointed, keep_caches=True, trim=bitpack,
+                    masks=masks) as handle:
         report = audit(model, inputs, trainable=trainable, frozen=frozen, watch=watch, target=target)
         mutated = {path for path, caches in handle.caches.items()
                    if any(mutated_cached(cache) for cache in caches)}

@@ -28,11 +28,12 @@ class PeakProbes:
 
     def __init__(self, model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
                  block_paths: Sequence[str], bitpack: Optional[bool], own_checkpointing: Sequence[str],
-                 progress: Callable[[str], None], loss: Optional[Callable[[Any], Any]] = None) -> None:
+                 progress: Callable[[str], None], loss: Optional[Callable[[Any], Any]] = None,
+                 masks: str = "bits") -> None:
         self._model = weakref.ref(model)
         self._inputs, self._trainable, self._frozen, self._target = inputs, trainable, frozen, target
         self._block_paths = tuple(block_paths)  # the chain's blocks, in order
-        self._bitpack = bitpack
+        self._bitpack, self._masks = bitpack, masks  # trim's options where the plan has it
         self._own_checkpointing = tuple(own_checkpointing)  # checkpointed_now: turned off for every step
         self._progress = progress
         self._loss = loss  # what the step backpropagates (None: Step's default)
@@ -73,7 +74,8 @@ class PeakProbes:
                              baseline.name)
 
     def _checkpointing(self, paths: tuple[str, ...], selective: tuple[str, ...] = ()) -> PlanHandle:
-        return PlanHandle(self._model(), paths, {path: SELECTIVE_POLICY for path in selective}, trim=self._bitpack)
+        return PlanHandle(self._model(), paths, {path: SELECTIVE_POLICY for path in selective}, trim=self._bitpack,
+                          masks=self._masks)
 
     def _measure(self, key: Any, applied: Callable[[], Any], what: str,
                  watch: Optional[Callable[[str], Any]] = None) -> int:

@@ -45,6 +45,7 @@ class _Run:
     trainable: Any
     frozen: Any
     target: Optional[str]
+    masks: str = "bits"  # trim's masks option, where the plan has trim
 
 
 @dataclass
@@ -74,6 +75,7 @@ def plan(
     bitpack: Optional[bool] = None,
     loss: Optional[Callable[[Any], torch.Tensor]] = None,
     progress: Optional[Callable[[str], None]] = None,
+    masks: Optional[str] = None,
 ) -> Plan:
     """Choose which modules of ``model`` to checkpoint so that autograd holds at most ``budget``
     bytes after the forward on ``inputs``, for the least recompute.
@@ -81,8 +83,7 @@ def plan(
     budget: bytes (int) or a size such as "8GiB", "500MB".
     trainable / frozen: what-if requires_grad patterns, as for ``audit``.
     blocks: glob patterns over module paths to consider (default: ``repeated_blocks(model)``).
-    target: on the meta device, the device type the figures are for ("cpu", the default, or "cuda"),
-        as for ``audit``.
+    target: on the meta device, the device type the figures are for ("cpu", the default, or "cuda").
     selective: also consider checkpointing a block op by op (keep the outputs of its matrix products,
         convolutions and attention, recompute the rest) where that beats recomputing all of it.
     bound: what ``budget`` bounds: "held" (bytes held after the forward, exact by the audit) or
@@ -99,7 +100,7 @@ def plan(
         ``Plan.apply`` installs trim too where it is not installed. None (the default) follows the
         model: with trim installed on it, as True (with its bitpack); without, as False. trim=False
         on a trimmed model raises GradauditError (its figures would be wrong for it).
-    bitpack: trim's option (default True, or the installed handle's); only with trim.
+    bitpack, masks: trim's options (default True and "bits", or the installed handle's); only with trim.
     loss: a callable from the model's output to the scalar loss that the measured steps backpropagate,
         as a training loop does (default: the output's ``loss`` when it has one, as Hugging Face
         models given labels do, else the sum of its first tensor; as ``fit`` takes it).
@@ -109,13 +110,13 @@ def plan(
     with cache_off(model) as cache_was_on:  # (planned as Hugging Face's checkpointing trains: see CACHE_NOTE)
         inputs = meta_inputs(model, inputs)  # CPU token ids and masks beside a meta model keep their values
         budget_bytes, bound, cost = _checked_arguments(model, inputs, budget, bound, measure_peak, cost)
-        installed, bitpack = trim_options(model, trim, bitpack)
+        installed, bitpack, masks = trim_options(model, trim, bitpack, masks)
         say = progress or _silent
-        run = _Run(model, inputs, trainable, frozen, target)
+        run = _Run(model, inputs, trainable, frozen, target, masks)
         paths, found = _candidates(run, blocks, say)
         audited = _audit(run, paths, bitpack, say)
         report, now = audited.report, audited.now
-        probes = PeakProbes(model, inputs, trainable, frozen, report.target, (), bitpack, now, say, loss)
+        probes = PeakProbes(model, inputs, trainable, frozen, report.target, (), bitpack, now, say, loss, masks)
         counted_in = probes.unplanned if measure_peak and bitpack is None else None  # (with trim: trim's ops)
         chained = _chain(run, report, paths, now, cost, bitpack, say, loss, counted_in)
         chain, costs = chained.chain, chained.costs
@@ -130,7 +131,7 @@ def plan(
                       unplanned_held_bytes=chain.held(()), step_flops=chained.step_flops, blocks=frontier.blocks(),
                       frontier=frontier.entries(), optimal=optimal, notes=found + notes + segment_notes, replaces=tuple(now),
                       current_held_bytes=audited.current_held, cost=cost, step_seconds=chained.step_seconds,
-                      trimmed=bitpack is not None, bitpack=bitpack, bound=bound,
+                      trimmed=bitpack is not None, bitpack=bitpack, masks=masks, bound=bound,
                       search=PlanSearch(frontier, point, probes, trim_changes(report)), **frontier.at(point, budget_bytes))
         if measure_peak:
             _measure_peaks(result, probes, applying)
@@ -163,11 +164,11 @@ def _chain(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], cos
     flops, step_flops, nanoseconds, step_seconds = _block_costs(run, report, paths, now, cost, say, loss, counted_in)
     ran, graphless, calls = _blocks_that_ran(report, paths)
     chain = build_chain(report, ran, calls, {path: (nanoseconds.get(path, 0), 0) if nanoseconds is not None
-                                             else flops.get(path, (0, 0)) for path in ran}, bitpack)
+                                             else flops.get(path, (0, 0)) for path in ran}, bitpack, run.masks)
     # the solver minimises the integer it is given as a block's cost: FLOPs, or nanoseconds
     # (op-level checkpointing is costed in FLOPs only: with time, whole blocks)
     costs = Costs.of([b.path for b in chain.blocks], flops, nanoseconds)
-    unplanned = held_by_report(report, bitpack)
+    unplanned = held_by_report(report, bitpack, run.masks)
     if chain.held(()) != unplanned:  # both count the held saves' storages of held kinds, as trim leaves them
         raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit {unplanned}")
     return _Chained(chain, costs, step_flops, step_seconds, graphless)
@@ -188,8 +189,9 @@ def _solved(run: _Run, audited: _Audited, chained: _Chained, paths: Sequence[str
     points, optimal = solve(chain)
     notes = _own_checkpointing(run.model, now, audited.current_held) + notes + _assumed(chain)
     if trim_installed:
-        notes.append(f"gradaudit.trim is installed on this model (bitpack={bitpack}), so the plan's figures are "
-                     f"with it, as trim=True plans them; to plan without trim, remove its handle first")
+        notes.append(f"gradaudit.trim is installed on this model (bitpack={bitpack}, masks={run.masks!r}), so the "
+                     f"plan's figures are with it, as trim=True plans them; to plan without trim, remove its handle "
+                     f"first")
     return points, optimal, notes
 
 
@@ -231,7 +233,7 @@ def _audit(run: _Run, paths: Sequence[str], bitpack: Optional[bool], say: Callab
         _refuse_opaque(report)
         return _Audited(report, now, None)
     # plan from what the model holds without its own checkpointing (which the plan replaces)
-    current_held = held_by_report(report, bitpack)
+    current_held = held_by_report(report, bitpack, run.masks)
     say("auditing the forward without the model's own checkpointing")
     with checkpointing_off():
         report = audit(run.model, run.inputs, trainable=run.trainable, frozen=run.frozen, watch=paths,
@@ -335,10 +337,11 @@ def _selective_option(run: _Run, chain: Chain, costs: Costs, report: Any, paths:
     say("auditing the forward with every block checkpointed selectively")
 
     def audit_with(policies: dict[str, str]) -> Any:
-        return audited_with(run.model, run.inputs, run.trainable, run.frozen, run.target, paths, policies, bitpack)
+        return audited_with(run.model, run.inputs, run.trainable, run.frozen, run.target, paths, policies, bitpack,
+                            run.masks)
 
     with own_checkpointing_off(now):
-        note = add_selective(chain, report, audit_with, lambda other: held_by_report(other, bitpack))
+        note = add_selective(chain, report, audit_with, lambda other: held_by_report(other, bitpack, run.masks))
     return [note] if note else []
 
 
@@ -379,7 +382,7 @@ def _segments(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], 
     say("auditing the forward in sqrt(n) segments")
     try:
         baseline, applied = segments_baseline(run.model, run.inputs, run.trainable, run.frozen, run.target, chain,
-                                              costs, paths, in_segments, bitpack)
+                                              costs, paths, in_segments, bitpack, run.masks)
     except segments.NotSegmentable as error:  # the loop passed a block other tensors than the audit suggested
         return (), {}, [f"no sqrt(n) segments baseline: {error}"]
     return (baseline,), {baseline.name: applied}, []

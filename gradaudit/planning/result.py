@@ -97,9 +97,10 @@ class Plan:
     # what the budget bounds: "held" (bytes held after the forward, exact) or "peak" (the measured
     # peak of one step: the plan is the cheapest frontier point whose peak fits, see _by_peak)
     bound: Bound = Bound.HELD
-    # every figure above is with gradaudit.trim installed (with this bitpack option): apply installs it
+    # every figure above is with gradaudit.trim installed (with these options): apply installs it
     trimmed: bool = False
     bitpack: Optional[bool] = None  # trim's option; None without trim
+    masks: str = "bits"  # trim's option (what a bit-packable save becomes: "bits" or "bytes")
     # not part of the plan's data: where it was found, for for_budget and sweep (None: nowhere to look)
     search: Optional["PlanSearch"] = field(default=None, repr=False, compare=False)
 
@@ -194,13 +195,14 @@ class Plan:
 
     def apply(self, model: nn.Module) -> PlanHandle:
         """Checkpoint the planned modules of ``model`` (non-reentrant ``torch.utils.checkpoint``) and,
-        for a plan made with trim, install ``gradaudit.trim`` (with the plan's bitpack) unless it is
+        for a plan made with trim, install ``gradaudit.trim`` (with the plan's bitpack and masks) unless it is
         installed already; returns a handle: ``remove()`` or ``with plan.apply(model): ...`` restores
         it (removing trim only where apply installed it)."""
         if self.replaces and checkpoints_itself(model):
             raise GradauditError(f"this plan replaces the model's own checkpointing, which is still on: turn it off "
                                  f"first ({checkpointing_off_call(model)})")
-        return PlanHandle(model, self.checkpointed, self.policies, trim=self.bitpack if self.trimmed else None)
+        return PlanHandle(model, self.checkpointed, self.policies, trim=self.bitpack if self.trimmed else None,
+                          masks=self.masks)
 
     @property
     def policies(self) -> dict[str, str]:
@@ -231,7 +233,7 @@ class Plan:
             "unplanned_peak_bytes": self.unplanned_peak_bytes,
             "replaces": list(self.replaces),
             "current_held_bytes": self.current_held_bytes,
-            "trim": {"bitpack": self.bitpack} if self.trimmed else None,
+            "trim": {"bitpack": self.bitpack, "masks": self.masks} if self.trimmed else None,
             "bound": str(self.bound),
             "checkpointed": list(self.checkpointed),
             "selective": list(self.selective),

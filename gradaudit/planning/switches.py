@@ -80,24 +80,30 @@ def own_checkpointing_off(now: Sequence[str]) -> Any:
 
 
 @contextlib.contextmanager
-def trimmed(model: nn.Module, bitpack: Optional[bool]) -> Iterator[None]:
-    """gradaudit.trim installed (with ``bitpack``) while in force, unless it is already or ``bitpack``
-    is None (a plan without trim)."""
+def trimmed(model: nn.Module, bitpack: Optional[bool], masks: str = "bits") -> Iterator[None]:
+    """gradaudit.trim installed (with ``bitpack`` and ``masks``) while in force, unless it is already or
+    ``bitpack`` is None (a plan without trim)."""
     if bitpack is None or trimmed_now(model):
         yield
         return
     from ..trimming import trim as install_trim
 
-    with install_trim(model, bitpack=bitpack):
+    with install_trim(model, bitpack=bitpack, masks=masks):
         yield
 
 
-def trim_options(model: nn.Module, trim: Optional[bool], bitpack: Optional[bool]) -> tuple[Any, Optional[bool]]:
+def trim_options(model: nn.Module, trim: Optional[bool], bitpack: Optional[bool],
+                 masks: Optional[str] = None) -> tuple[Any, Optional[bool], str]:
     """(the trim handle installed on ``model`` or None, the plan's bitpack: None for a plan without
-    trim). Every combination that would make the figures wrong for the model is refused."""
+    trim, the form of its masks: "bits" or "bytes"). Every combination that would make the figures
+    wrong for the model is refused."""
+    from ..trimming.codec import MASK_FORMATS
+
     for name, value in (("trim", trim), ("bitpack", bitpack)):
         if value is not None and not isinstance(value, bool):
             raise GradauditError(f"{name} must be True, False or None, not {value!r}")
+    if masks is not None and masks not in MASK_FORMATS:
+        raise GradauditError(f"masks={masks!r}: choose one of {', '.join(map(repr, MASK_FORMATS))}")
     installed = None
     if trimmed_now(model):
         from ..trimming.handle import handle_of
@@ -109,16 +115,14 @@ def trim_options(model: nn.Module, trim: Optional[bool], bitpack: Optional[bool]
         if installed is not None:
             raise GradauditError("gradaudit.trim is installed on this model, so it holds less than a plan without "
                                  "trim says: plan with trim=True (--trim), or remove the trim handle first")
-        if bitpack is not None:
-            raise GradauditError(f"bitpack={bitpack} is an option of trim: pass trim=True with it (--trim)")
-        return None, None
+        for name, value in (("bitpack", bitpack), ("masks", masks)):
+            if value is not None:
+                raise GradauditError(f"{name}={value!r} is an option of trim: pass trim=True with it (--trim)")
+        return None, None, "bits"
     if installed is not None:
-        if installed.bitpack and installed.masks != "bits":
-            raise GradauditError(f"gradaudit.trim is installed on this model with masks={installed.masks!r}, which "
-                                 f"plans and fits do not count (they count masks as bits): remove the trim handle, "
-                                 f"or install trim(model) with masks='bits'")
-        if bitpack is not None and bitpack != installed.bitpack:
-            raise GradauditError(f"gradaudit.trim is installed on this model with bitpack={installed.bitpack}: plan "
-                                 f"with bitpack={installed.bitpack}, or remove the trim handle first")
-        return installed, installed.bitpack
-    return None, True if bitpack is None else bitpack
+        for name, value, theirs in (("bitpack", bitpack, installed.bitpack), ("masks", masks, installed.masks)):
+            if value is not None and value != theirs:
+                raise GradauditError(f"gradaudit.trim is installed on this model with {name}={theirs!r}: plan with "
+                                     f"{name}={theirs!r}, or remove the trim handle first")
+        return installed, installed.bitpack, installed.masks
+    return None, True if bitpack is None else bitpack, masks or "bits"

@@ -125,4 +125,6 @@ def _with_trim(plan: Any) -> str:
     """How the header says a plan's figures are with trim ("" without)."""
     if not plan.trimmed:
         return ""
-    return " with gradaudit.trim" + ("" if plan.bitpack else " (no bit-packing)")
+    if not plan.bitpack:
+        return " with gradaudit.trim (no bit-packing)"
+    return " with gradaudit.trim" + (" (masks as bytes)" if plan.masks == "bytes" else "")
