@@ -265,6 +265,54 @@ def test_a_model_trimmed_with_byte_masks_is_fitted_with_them(tiny_hf_model):
             assert measured_step_peak(model, batch, torch.optim.SGD, hf_loss) == remedy.peak_bytes
 
 
+class _FrozenConvStack(nn.Module):
+    """A trainable stem and head around frozen conv / eval batch norm / ReLU blocks: trim drops the
+    convolutions' and batch norms' inputs and keeps each ReLU's result as a mask."""
+
+    def __init__(self, blocks: int = 6, channels: int = 32):
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+                                                  nn.BatchNorm2d(channels), nn.ReLU()) for _ in range(blocks))
+        self.head = nn.Linear(channels, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean((2, 3)))
+
+
+def test_the_remedy_keeps_masks_as_bytes_on_a_gpu_where_bits_recompute_no_less():
+    """For a GPU (meta, target="cuda"), where a step with byte masks ran faster than with bits, the remedy
+    keeps them as bytes where that fits with no more recompute, and names bits beside it (a lower peak);
+    where only bits fit without recomputing, bits. For the CPU, where the two cost about the same, bits.
+    One image: no micro-batch to split into."""
+    def build(device):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model, x = _FrozenConvStack(), torch.randn(1, 3, 192, 192)
+        model.eval().requires_grad_(False)
+        model.stem.requires_grad_(True)
+        model.head.requires_grad_(True)
+        return model, x
+
+    model, x = build("meta")
+    peak = gradaudit.fit(model, x, memory="1GiB", target="cuda", optimizer="sgd", remedy=False).peak_bytes
+    roomy = gradaudit.fit(model, x, memory=peak * 80 // 100, target="cuda", optimizer="sgd")
+    remedy = roomy.remedy
+    assert remedy is not None and remedy.plan.masks == "bytes" and not remedy.checkpointed
+    assert remedy.describe() == "gradaudit.trim (bitpack=True, masks='bytes')"
+    beside = next(a for a in roomy.alternatives if a.name == "gradaudit.trim (bitpack=True)")
+    assert beside.fits and beside.peak_bytes < remedy.peak_bytes and beside.extra_compute == remedy.extra_compute == 0
+    tight = gradaudit.fit(model, x, memory=peak * 70 // 100, target="cuda", optimizer="sgd").remedy
+    assert tight is not None and tight.plan.masks == "bits" and tight.peak_bytes == beside.peak_bytes
+    model, x = build("cpu")
+    peak = gradaudit.fit(model, x, memory="1GiB", optimizer="sgd", remedy=False).peak_bytes
+    on_cpu = gradaudit.fit(model, x, memory=peak * 80 // 100, optimizer="sgd").remedy
+    assert on_cpu is not None and on_cpu.trim and on_cpu.plan.masks == "bits"
+
+
 def test_the_html_page_draws_the_step_before_and_after_the_remedy(tiny_hf_model):
     from gradaudit.report import fithtml
 

@@ -225,28 +225,29 @@ def search(model: nn.Module, inputs: Any, memory: int, measure: Measure, *, trai
     from ..planning import plan as make_plan
     from ..planning.frontier import by_peak
 
-    found: list[tuple[float, int, Remedy]] = []
+    found: list[tuple[float, int, int, Remedy]] = []
     notes: list[str] = []
     every_block: Optional[Alternative] = None
     trim_changes = True
-    for trim in (False, True):
+    for trim, masks in _trim_options(model, target):
         if trim and not trim_changes:
             break  # trim's steady steps would change no save: they are the steps just measured without it
-        say(f"planning checkpoints{' with trim' if trim else ''}")
+        with_trim = (" with trim" + (" (masks as bytes)" if masks == "bytes" else "")) if trim else ""
+        say(f"planning checkpoints{with_trim}")
         try:
             planned = make_plan(model, inputs, NO_PLAN, trainable=trainable, frozen=frozen, target=target,
-                                measure_peak=False, trim=trim)
+                                measure_peak=False, trim=trim, masks=masks)
         except GradauditError as error:
-            notes.append(f"no checkpoint plan{' with trim' if trim else ''}: {error}")
+            notes.append(f"no checkpoint plan{with_trim}: {error}")
             continue
         trim_changes = planned.search.trim_changes
         measured: dict[int, Any] = {}
 
-        def figures_at(index: int, planned: Any = planned, measured: dict = measured, trim: bool = trim) -> Any:
+        def figures_at(index: int, planned: Any = planned, measured: dict = measured) -> Any:
             if index not in measured:
                 at = planned.on_frontier(index, memory)
                 say(f"measuring a step: {len(at.checkpointed)} of {len(at.blocks)} blocks checkpointed"
-                    f"{' with trim' if trim else ''}")
+                    f"{' with trim' if at.trimmed else ''}")
 
                 def applied(at: Any = at) -> Any:
                     stack = contextlib.ExitStack()
@@ -264,15 +265,39 @@ def search(model: nn.Module, inputs: Any, memory: int, measure: Measure, *, trai
             index = by_peak(points, memory, lambda i: needed(figures_at(i)[1]), 0)
         if index is not None:
             at, step = figures_at(index)
-            found.append((at.extra_flops, step.peak_bytes, Remedy(at, step.peak_bytes, step.breakdown, step.timeline,
-                                                                  headroom=needed(step) - step.peak_bytes)))
+            found.append((at.extra_flops, _slower_on(target, at), step.peak_bytes,
+                          Remedy(at, step.peak_bytes, step.breakdown, step.timeline,
+                                 headroom=needed(step) - step.peak_bytes)))
         if every and not trim and planned.blocks:
             every_block = _every_block(model, planned, measure, memory, needed, list(measured.values()))
     alternatives = [every_block] if every_block is not None else []
     if not found:
         return None, alternatives, notes
-    found.sort(key=lambda entry: (entry[0], entry[1]))
-    return found[0][2], alternatives, notes
+    found.sort(key=lambda entry: entry[:3])
+    best = found[0][3]
+    if best.plan.trimmed and best.plan.masks == "bytes":  # what bits would give, beside it
+        bits = next((r for *_, r in found[1:] if r.plan.trimmed and r.plan.masks == "bits"), None)
+        if bits is not None:
+            alternatives.append(Alternative(bits.describe(), bits.peak_bytes, bits.extra_compute, True))
+    return best, alternatives, notes
+
+
+def _trim_options(model: nn.Module, target: str) -> list[tuple[bool, Optional[str]]]:
+    """The remedy search's plans: without trim, with it, and for a GPU with its masks as bytes too;
+    with trim installed, only with it as installed (its options are the user's)."""
+    from ..conditions import trimmed_now
+
+    if trimmed_now(model):
+        return [(False, None), (True, None)]
+    return [(False, None), (True, "bits")] + ([(True, "bytes")] if target == "cuda" else [])
+
+
+def _slower_on(target: str, at: Any) -> int:
+    """1 where a remedy's trim keeps masks as bits on a GPU, else 0: among remedies recomputing the same,
+    one that keeps them as bytes comes first there. On an H200 a ResNet-50 step with its weights frozen
+    ran 1.35-1.51x a plain one with byte masks and 1.70-1.88x with bits (half the host time per changed
+    save, fewer kernels: docs/benchmarks.md); on the CPU the two cost about the same and bits free more."""
+    return int(target == "cuda" and at.trimmed and bool(at.bitpack) and at.masks == "bits")
 
 
 # bytes: the audit counts 0-dim numbers autograd saves that no op makes; the step's tracker does not
