@@ -1243,7 +1243,7 @@ def conv_stack():
     return model, torch.randn(2, 4, 8, 8, requires_grad=True)
 
 
-def assert_trimmed_plan_exact_and_identical(model: nn.Module, inputs, fraction: float, trainable=None) -> "Plan":
+def assert_trimmed_plan_exact_and_identical(model: nn.Module, inputs, fraction: float, trainable=None) -> gradaudit.Plan:
     """Plan on top of trim to ``fraction`` of what the trimmed model holds unplanned. With the plan
     applied (which installs trim, and removes it again), the re-audit's trimmed figure (saved_bytes
     - reclaimable_with_bitpacking_bytes, which its note states) and the independent storage tracker
