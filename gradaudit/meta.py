@@ -276,7 +276,11 @@ class DeviceKernelsOnMeta(TorchDispatchMode):
         self.target = target
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+        return self.run(func, args, kwargs or {})
+
+    def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func`` called as this mode calls it; ``standing_for`` has ``KnownValues`` call this in
+        place of entering the mode (one dispatch mode fewer for every op)."""
         if self.target == "cpu" and func in _CPU_LOSSES_ON_THEIR_BUFFER:
             out = kernel_cache.call(func, args, kwargs)
             if out.device.type == "meta" and out.dim() == 0:  # (reduction "none" keeps the whole shape)
@@ -387,9 +391,9 @@ def standing_for(target: str, also: Any = None) -> Iterator[Emulation]:
             stack.enter_context(cuda_autocast_without_cuda())
             # a checkpointed block recomputed in backward runs under the forward's CUDA autocast
             stack.enter_context(checkpoint_meta_as("cuda"))
-        stack.enter_context(DeviceKernelsOnMeta(target))
-        # above the kernels: it sees what they return (values carried through masks and positions)
-        values = stack.enter_context(KnownValues())
+        # KnownValues runs each op through the device's kernel choices, as a mode of its own below it
+        # would (it sees what they return: values carried through masks and positions)
+        values = stack.enter_context(KnownValues(kernels=DeviceKernelsOnMeta(target).run))
         stack.enter_context(LiteralsOnMeta())
         kernels = stack.enter_context(kernel_choices(target))
         if also is not None:

@@ -25,7 +25,7 @@ import torch
 from .records import Name
 from .tensors import iter_tensors, split_inputs, storage_key, strided_parts, unique
 from .torchapi.autograd import graph_nodes, is_custom_function, raw_saved_slots
-from .torchapi.dispatch import TorchDispatchMode, overload_packet, tree_flatten
+from .torchapi.dispatch import TorchDispatchMode, overload_packet, top_dispatch_mode, tree_flatten
 from .torchapi.ddp import buckets_seen
 from .torchapi.distributed import wait_unwaited
 from .torchapi.fsdp import fsdp_storage_events
@@ -92,6 +92,11 @@ class Lifetimes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        self.after(func, args, out)
+        return out
+
+    def after(self, func: Any, args: Any, out: Any) -> None:
+        """Op ``func`` returned ``out``: the next sample, and the storages it made."""
         self.samples += 1
         named = _OP_NAMES.get(func)
         if named is None:
@@ -101,20 +106,32 @@ class Lifetimes(TorchDispatchMode):
             self.observe(named[0], args)
         self._op = named[1]
         for t in op_leaves(out):
-            if isinstance(t, torch.Tensor):
+            if type(t) is torch.Tensor and t.layout == torch.strided:  # (nearly every output: at once)
+                self._note(t.untyped_storage())
+            elif isinstance(t, torch.Tensor):
                 for part in strided_parts(t):
                     self._note(part.untyped_storage())
-        return out
 
     def __enter__(self) -> "Lifetimes":
         # FSDP2 gives its gathered parameters' storages their bytes and takes them back in place
         self._resizes = fsdp_storage_events(self._resized)
         self._resizes.__enter__()
+        # right above a mode that offers to tell what each op returned (the meta emulation's
+        # KnownValues, whose ``observer`` is free), ride on it: every op this mode would see reaches
+        # that one next, so the samples and storages are the same, for one dispatch mode fewer
+        below = top_dispatch_mode()
+        if below is not None and hasattr(below, "observer") and below.observer is None:
+            below.observer, self._host = self.after, below
+            return self
+        self._host = None
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            super().__exit__(*exc)
+            if self._host is not None:
+                self._host.observer, self._host = None, None
+            else:
+                super().__exit__(*exc)
         finally:
             self._resizes.__exit__(*exc)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -163,10 +163,18 @@ class KnownValues(TorchDispatchMode):
     With ``assume=False`` the read raises as meta does.
     """
 
-    def __init__(self, values: Values = VALUES, assume: bool = True) -> None:
+    def __init__(self, values: Values = VALUES, assume: bool = True,
+                 kernels: Optional[Callable[[Any, tuple, dict], Any]] = None) -> None:
+        """``kernels(func, args, kwargs)``: what runs each op beneath (a device's kernel choices,
+        ``meta.DeviceKernelsOnMeta.run``) where it would otherwise be a dispatch mode of its own below
+        this one: one mode where two did one job (each mode costs every op ~3 us of Python)."""
         super().__init__()
         self.values = values
         self.assume = assume
+        self._run = kernels if kernels is not None else _call
+        # ``observer(func, args, out)`` after each op this mode answers (tracking.Lifetimes rides on it
+        # so, where it would be a dispatch mode of its own right above this one)
+        self.observer: Optional[Callable[[Any, tuple, Any], None]] = None
         self.reads: list[ValueRead] = []
         self._written: list[torch.Tensor] = []  # in-place targets whose version moves after the op
 
@@ -209,28 +217,38 @@ class KnownValues(TorchDispatchMode):
         self._written.clear()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+        out = self._dispatch(func, args, kwargs or {})
+        if self.observer is not None:
+            self.observer(func, args, out)
+        return out
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        # (every op of a meta step passes here: the op's traits are looked up once, in _traits)
         if self._written:
             self._settle()
         flat = _tensors_of(args, kwargs)
-        metas = _meta_tensors(flat)
+        metas = any(t.is_meta for t in flat)
         if not metas and not _factory(func, kwargs):
-            return func(*args, **kwargs)  # nothing on meta reaches it
-        if metas and (func in _READS or torch.Tag.data_dependent_output in func.tags
-                      or (func is _aten._to_copy.default and _leaves_meta(kwargs.get("device")))):
+            return self._run(func, args, kwargs)  # nothing on meta reaches it
+        traits = _TRAITS.get(func) or _traits(func)
+        if metas and (traits.reads or (func is _TO_COPY and _leaves_meta(kwargs.get("device")))):
             return self._read(func, args, kwargs, flat)
-        known = all(self.values.known(t) for t in flat)
+        known = True
+        for t in flat:
+            if not self.values.known(t):
+                known = False
+                break
         try:
-            out = func(*args, **kwargs)
+            out = self._run(func, args, kwargs)
         except (NotImplementedError, RuntimeError):
-            if not (metas and torch.Tag.dynamic_output_shape in func.tags):
+            if not (metas and traits.dynamic_shape):
                 raise
             # nonzero, masked_select, unique, indexing with a bool mask: the output's shape depends
             # on values, which meta does not have
             return self._data_dependent(func, args, kwargs, flat, known)
-        if known and func not in _UNINITIALISED and not _random(func):
+        if known and traits.computes:
             self._follow(func, args, kwargs, out)
-        else:
+        elif traits.writes:
             for t in _written_arguments(func, args, kwargs):
                 self.values.forget(t)
         return out
@@ -262,7 +280,7 @@ class KnownValues(TorchDispatchMode):
 
     def _read(self, func: Any, args: tuple, kwargs: dict, flat: list) -> Any:
         if not self.assume and not all(self.values.known(t) for t in _meta_tensors(flat)):
-            return func(*args, **kwargs)  # raises as meta does
+            return self._run(func, args, kwargs)  # raises as meta does
         return self._with_values(func, args, kwargs, flat)
 
     def _with_values(self, func: Any, args: tuple, kwargs: dict, flat: list) -> Any:
@@ -284,7 +302,7 @@ class KnownValues(TorchDispatchMode):
 
     def _data_dependent(self, func: Any, args: tuple, kwargs: dict, flat: list, known: bool) -> Any:
         if not known and not self.assume:
-            return func(*args, **kwargs)  # raises as meta does
+            return self._run(func, args, kwargs)  # raises as meta does
         cpu_out = self._with_values(func, args, kwargs, flat)
 
         def as_meta(v: Any) -> Any:
@@ -296,6 +314,34 @@ class KnownValues(TorchDispatchMode):
             return meta
 
         return tree_map(as_meta, cpu_out)
+
+
+class _Traits:
+    """What ``KnownValues`` asks of an op on every call, answered once per op."""
+
+    __slots__ = ("reads", "dynamic_shape", "computes", "writes")
+
+    def __init__(self, func: Any) -> None:
+        tags = getattr(func, "tags", ())
+        # hands a value to Python, or its output depends on values (answered from the copies)
+        self.reads = func in _READS or torch.Tag.data_dependent_output in tags
+        self.dynamic_shape = torch.Tag.dynamic_output_shape in tags
+        # its outputs' values follow from its inputs' (not uninitialised memory, not random)
+        self.computes = func not in _UNINITIALISED and not _random(func)
+        self.writes = bool(_mutable(func))  # writes an argument in place
+
+
+_TRAITS: dict[Any, _Traits] = {}
+_TO_COPY = _aten._to_copy.default
+
+
+def _traits(func: Any) -> _Traits:
+    traits = _TRAITS[func] = _Traits(func)
+    return traits
+
+
+def _call(func: Any, args: tuple, kwargs: dict) -> Any:
+    return func(*args, **kwargs)
 
 
 def _leaves_meta(device: Any) -> bool:
@@ -332,13 +378,19 @@ def _outputs(out: Any) -> list[torch.Tensor]:
 _MUTABLE: dict[Any, tuple[tuple[int, str], ...]] = {}
 
 
-def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The meta tensors ``func`` writes in place (its schema's mutable arguments)."""
+def _mutable(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument ``func``'s schema says it writes in place."""
     mutable = _MUTABLE.get(func)
     if mutable is None:
         mutable = _MUTABLE[func] = tuple(
             (i, argument.name) for i, argument in enumerate(op_schema(func).arguments)
             if argument.alias_info is not None and argument.alias_info.is_write)
+    return mutable
+
+
+def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The meta tensors ``func`` writes in place (its schema's mutable arguments)."""
+    mutable = _mutable(func)
     written = []
     for i, name in mutable:
         value = args[i] if i < len(args) else kwargs.get(name)

@@ -25,6 +25,13 @@ def without_dispatch_modes() -> Any:
 dispatch_modes_below = torch._C._len_torch_dispatch_stack
 
 
+def top_dispatch_mode() -> Optional[Any]:
+    """The TorchDispatchMode that would see the next op first (the last entered), or None."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
 def without_function_modes() -> Any:
     """A context in which no TorchFunctionMode (and no tensor subclass's ``__torch_function__``) sees the
     torch functions called (tensors a dispatch mode makes as a kernel would)."""
