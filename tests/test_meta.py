@@ -475,3 +475,33 @@ def test_normalisation_statistics_on_meta_have_the_cpu_kernels_dtype(norm, dtype
     # batch-eval: 2 statistics * 16 channels * 2 or 4 bytes more on meta
     statistics = 2 * 16 * (4 if parameters == "float32" else 2) if norm == "batch-eval" else 0
     assert on_meta.saved_bytes - on_cpu.saved_bytes == statistics
+
+
+def test_the_storage_tracker_riding_on_the_emulation_sees_what_it_sees_as_a_mode_of_its_own():
+    # tracking.Lifetimes entered right above the meta emulation's KnownValues is told of each op by it
+    # (one dispatch mode fewer); pushed as a mode of its own (the observer slot taken) it calls each op
+    # itself: the samples, the storages, their sizes, births, deaths and makers must be the same
+    from gradaudit.meta import standing_for
+    from gradaudit.tracking import Lifetimes
+
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        model = SmallCNN()
+        x = torch.randn(4, 3, 16, 16, requires_grad=True)
+
+    def lives(ride: bool):
+        model.zero_grad(set_to_none=True)  # each step's gradients made, not accumulated
+        x.grad = None
+        with standing_for("cpu") as emulation:
+            if not ride:
+                emulation.values.observer = lambda func, args, out: None  # taken: Lifetimes pushes itself
+            lifetimes = Lifetimes([])
+            with lifetimes:
+                assert (lifetimes._host is emulation.values) == ride
+                model(x).sum().backward()
+            emulation.values.observer = None
+        return lifetimes.samples, [(life.nbytes, life.born, life.died, life.op) for life in lifetimes.lives]
+
+    riding, pushed = lives(True), lives(False)
+    assert riding == pushed
+    assert riding[0] > 50 and len(riding[1]) > 20  # a step's ops and storages, not an empty run
