@@ -16,6 +16,7 @@ from ..errors import GradauditError
 from ..tensors import iter_tensors
 from ..torchapi.dispatch import tree_map
 from ..torchapi.storages import storage_key
+from ..tracking import collecting_only_new
 
 DIMENSIONS = {"batch": 0, "seq": 1}
 MOST_STEPS = 40  # measurements before giving up on the search (halving 2 ** 24 takes 24)
@@ -94,6 +95,7 @@ class Unbounded(GradauditError):
     """The step's peak does not bound the size: it does not grow with it, or fits at the most searched."""
 
 
+@collecting_only_new()  # (its steps' garbage collections look at what it made, not at the model)
 def largest(fit: Any, dimension: str, progress: Optional[Callable[[str], None]] = None) -> int:
     """The largest size along ``dimension`` whose step peaks within ``fit.memory`` (0 when even 1 does not);
     every answer is measured: n fits and n+1 does not (0 where what no size changes passes the memory

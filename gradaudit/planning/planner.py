@@ -20,6 +20,7 @@ from ..errors import GradauditError
 from ..records import Bound, Cost, Report
 from ..compiled import compiled_regions
 from ..sizes import as_bytes
+from ..tracking import collecting_only_new
 from ..torchapi.checkpoint import checkpointing_off
 from ..values import is_assumption_note
 from . import segments, timing
@@ -58,6 +59,7 @@ class _Audited:
     current_held: Optional[int]
 
 
+@collecting_only_new()  # (its runs' garbage collections look at what it made, not at the model)
 def plan(
     model: nn.Module,
     inputs: Any,

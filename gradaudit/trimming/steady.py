@@ -255,15 +255,16 @@ class SteadyPlan:
             index = counts.get(key, 0)
             counts[key] = index + 1
             if index < len(calls) and calls[index]:
-                self.apply(calls[index], output, self.starts.get(key, 0), getattr(module, "p", None))
+                self.apply(calls[index], output, self.starts.get(key, 0), module)
 
         return post
 
-    def apply(self, entries: list[Entry], output: Any, start: int, p: Any = None) -> None:
+    def apply(self, entries: list[Entry], output: Any, start: int, module: Optional[nn.Module] = None) -> None:
         tensors = [output] if type(output) is torch.Tensor else list(iter_tensors(output))
         stats = self.stats
         for entry in entries:
-            if entry.fresh is not None and entry.fresh != p:
+            # (a dropout's p read only for its entry: a missing attribute costs nn.Module's __getattr__ a raise)
+            if entry.fresh is not None and entry.fresh != getattr(module, "p", None):
                 continue
             node = entry.find(tensors, start)
             if node is None:
