@@ -20,7 +20,7 @@ from .rules.registry import check_codes
 from .tracking import held_after_forward
 from .tensors import ModelTree, first_meta_parameter, iter_tensors, split_inputs, unique
 from .values import to_meta
-from .compiled import compare_with_eager, compiled_paths, compiled_regions, ran_eagerly_note
+from .compiled import EAGER_ASKED, ON_META, compare_with_eager, compiled_paths, compiled_regions, ran_eagerly_note
 from .torchapi.compiler import COMPILED_NODE, compiled_original, force_eager, keeping_graphs
 from .torchapi.distributed import distributed_rank, wait_unwaited
 from .torchapi.fsdp import fsdp_reshard, fsdp_unsharded_parameters
@@ -305,7 +305,7 @@ def _compiled_notes(model: nn.Module, report: Report, on_meta: bool) -> list[str
     """What a torch.compile'd model's report can and cannot say."""
     regions = compiled_regions(report)
     if not regions:
-        eager = ran_eagerly_note(model, on_meta)
+        eager = ran_eagerly_note(model, ON_META if on_meta else EAGER_ASKED)
         return [eager] if eager else []
     compiled = compiled_paths(model)
     where = f" ({', '.join(compiled[:5])})" if compiled else ""

@@ -170,20 +170,29 @@ def compiled_paths(model: nn.Module) -> list[str]:
     return [path or "the model" for path, m in model.named_modules() if compiled_original(m) is not None]
 
 
-def ran_eagerly_note(model: nn.Module, on_meta: bool) -> Optional[str]:
-    """The note for a compiled model that made no compiled region here (on meta, or eager=True): its
-    figures are eager autograd's, not its compiled graph's; None for a model with no compiled module."""
+# why a compiled model ran eagerly, by who ran it (``ran_eagerly_note``)
+ON_META = "on the meta device TorchDynamo does not compile under gradaudit's emulation"
+EAGER_ASKED = "eager=True, or TorchDynamo fell back to eager"
+FIT = ("fit's step tracker follows the aten ops a step dispatches, and a compiled region's generated code does "
+       "not dispatch all it does: inductor makes its buffers out of the tracker's sight")
+
+
+def ran_eagerly_note(model: nn.Module, why: str) -> Optional[str]:
+    """The note for a compiled model that made no compiled region here (``why``: ON_META, EAGER_ASKED or
+    FIT): its figures are eager autograd's, not its compiled graph's; None for a model with no compiled
+    module."""
     paths = compiled_paths(model)
     if not paths:
         return None
-    why = ("on the meta device TorchDynamo does not compile under gradaudit's emulation" if on_meta
-           else "eager=True, or TorchDynamo fell back to eager")
+    where = ("audit it (gradaudit scan, gradaudit.audit) on the CPU or the GPU: an audit counts every tensor its "
+             "regions keep for backward" if why == FIT else
+             "run it on the CPU or the GPU: the partitioner is the same, and for that ResNet-18 the CPU's graph "
+             "keeps the GPU's bytes, but where a kernel differs between devices (attention, batch norm) a region "
+             "can keep other tensors")
     return (f"the model is torch.compile'd ({', '.join(paths[:5])}) but ran eagerly here ({why}): these figures are "
             f"what eager autograd keeps, not what its compiled graphs keep, which can be far more or less "
             f"(a ResNet-18 fine-tune at 32x224 under inductor keeps 362,725,376 B on an H200, where eager keeps "
-            f"433,586,176 B). For the compiled figures run it on the CPU or the GPU: the partitioner is the same, "
-            f"and for that ResNet-18 the CPU's graph keeps the GPU's bytes, but where a kernel differs between "
-            f"devices (attention, batch norm) a region can keep other tensors")
+            f"433,586,176 B). For what its compiled graphs keep, {where}")
 
 
 def compare_with_eager(compiled: "Report", eager: "Report") -> "EagerComparison":

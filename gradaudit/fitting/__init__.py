@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..compiled import compiled_paths, ran_eagerly_note
+from ..compiled import FIT, ran_eagerly_note
 from ..errors import GradauditError
 from ..report.units import human_bytes
 from ..sizes import as_bytes
@@ -148,14 +148,9 @@ def _beyond_remedy(floor_bytes: int, memory_bytes: int, headroom_bytes: int) -> 
 def _as_fit(step: Step, run: Any, measured: Figures, memory_bytes: int, headroom_of: "_Headroom") -> Fit:
     """The Fit of ``step``'s run (its figures ``measured``) in ``memory_bytes``, before any remedy."""
     notes = list(run.notes)
-    if step.on_meta:
-        eager = ran_eagerly_note(step.model, on_meta=True)
-        if eager:
-            notes.append(eager)
-    elif compiled_paths(step.model):
-        notes.append("the model is torch.compile'd: these figures are its compiled step's as it ran here (what its "
-                     "regions keep for backward is the partitioner's choice, on this device's kernels); no "
-                     "checkpoint plan is searched for inside a compiled region (plan the model before compiling)")
+    eager = ran_eagerly_note(step.model, FIT)
+    if eager:
+        notes.append(eager)
     if run.output_cache:
         notes.append("the forward returned a key/value cache (Hugging Face: the config's use_cache=True): training "
                      "never reads it; model.config.use_cache = False may hold less")

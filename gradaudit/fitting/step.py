@@ -32,12 +32,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from ..compiled import compiled_paths
 from ..conditions import as_audited, meta_inputs, prepare_data_parallel, resolve_target, runs_on_meta, trimmed_now
 from ..errors import ForwardError, GradauditError, NothingRequiresGradError
 from ..module_tracker import ModuleTracker
 from ..sites import user_source_line
 from ..tensors import default_loss, first_meta_parameter, iter_tensors, split_inputs, storage_key, strided_parts, unique
 from ..torchapi.autograd import current_node, node_sequence_number
+from ..torchapi.compiler import force_eager
 from ..torchapi.ddp import bucket_view_setting, buckets_seen, no_sync
 from ..torchapi.distributed import in_fake_world, local_of
 from ..torchapi.pipelining import (following_chunks, passes_between_own_stages, received_buffers,
@@ -159,7 +161,10 @@ class Step:
             tracker, where = _attribution(model, sys._getframe()) if self.attribute else (contextlib.nullcontext(), None)
             gemms = GemmCount()  # the matrix products run (on CUDA they hold cuBLAS's workspaces)
             lifetimes = Lifetimes(persistent.seen, persistent.counts, where, observe=gemms.count)
-            with applied(), tracker, buckets_seen() as buckets:
+            # a compiled model's step runs eagerly, as Lifetimes' dispatch mode makes TorchDynamo do anyway
+            # (explicitly: whatever the release's rule for modes; the Fit's note says so, compiled.FIT)
+            eager = force_eager("fit") if compiled_paths(model) else contextlib.nullcontext()
+            with applied(), tracker, buckets_seen() as buckets, eager:
                 _steady_trim(self, args, kwargs)
                 if self.schedule is not None:
                     micro = _scheduled(self, args, kwargs, lifetimes, gemms)
