@@ -323,6 +323,53 @@ def test_a_compiled_hugging_face_model_is_audited_as_its_user_runs_it():
     assert not report.findings
 
 
+def test_a_compiled_llama_is_attributed_and_judged_through_its_decorated_forward():
+    """A Llama from a config (grouped key/value heads, SDPA with a padded mask, labels, frozen embeddings)
+    compiled with aot_eager. transformers' decorators wrap its forward, so the compiled frame holds the
+    model as its first argument (``L['args'][0]`` in the graphs' module stacks, where a plain forward has
+    ``L['self']``): every save must still be named by its module's own path, not "0.model...". The CPU
+    flash attention's backward takes the mask as the keyword ``attn_mask``: its verdict is read off the
+    graph too (needed), where it was "unknown" until the proof. The proof agrees save for save."""
+    if not torchapi.has("compiler stance"):
+        pytest.skip("torch.compile is missing its stance API")
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      use_cache=False)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").train()
+    model.model.embed_tokens.requires_grad_(False)
+    ids = torch.randint(3, 1000, (2, 32))
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[1, 20:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    modules = dict(model.named_modules())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(model, backend="aot_eager")
+        try:
+            loss = compiled(**batch).loss
+            regions, held = _compiled_saves(loss, model, ids)
+            del loss
+            report = gradaudit.audit(compiled, batch)
+            verified = gradaudit.audit(compiled, batch, verify=True)
+        finally:
+            torch._dynamo.reset()
+    _assert_audited_as_run(report, regions, held, expected_regions=1)
+    own = [t for t in report.tensors if t.source.startswith("transformers/loss/")]
+    rest = [t for t in report.tensors if t not in own]
+    assert own and all(t.module == "" for t in own)
+    assert rest and all(t.module in modules and t.module != "" for t in rest), \
+        sorted({t.module for t in rest if t.module not in modules or t.module == ""})
+    assert any(t.module == "model.layers.1.self_attn" for t in report.tensors)
+    masks = [t for t in report.tensors if "scaled_dot_product_flash_attention_for_cpu_backward" in t.reason
+             and t.dtype == "float32" and len(t.shape) == 4 and t.shape[-2:] == (32, 32)]
+    assert masks and all(t.verdict == "needed" for t in masks)
+    assert [t.verdict for t in report.tensors] == [t.verdict for t in verified.tensors]
+    assert all(t.verdict == "needed" for t in report.tensors) and not report.findings
+
+
 def _eager_saves(loss: torch.Tensor, model: nn.Module, x: torch.Tensor) -> int:
     """Bytes of the storages every node of a plain eager run's graph keeps beside the parameters,
     buffers and the input (its ``_saved_*`` attributes), each storage once: the independent count."""

@@ -93,9 +93,19 @@ def _literal(value: Any) -> Any:
     return value
 
 
+def _schema_position(target: Any, name: str) -> Optional[int]:
+    """The position of argument ``name`` in ``target``'s schema (an aten overload), else None."""
+    schema = getattr(target, "_schema", None)
+    for i, argument in enumerate(getattr(schema, "arguments", ())):
+        if argument.name == name:
+            return i
+    return None
+
+
 def _uses(placeholder: Any) -> Optional[tuple[SavedUse, ...]]:
-    """Every op that takes ``placeholder`` or a view of it; None where the graph takes it in a way
-    this does not follow (as a keyword, inside a list, outside a call)."""
+    """Every op that takes ``placeholder`` or a view of it (a keyword argument at its schema position:
+    the CPU flash attention's backward takes the mask as ``attn_mask``); None where the graph takes it
+    in a way this does not follow (inside a list, outside a call, a keyword of an op without a schema)."""
     found: list[SavedUse] = []
     pending, seen = [placeholder], set()
     while pending:
@@ -111,8 +121,10 @@ def _uses(placeholder: Any) -> Optional[tuple[SavedUse, ...]]:
                 return None
             name = _op_name(user.target)
             positions = [i for i, a in enumerate(user.args) if a is value]
-            if not positions:
-                return None  # a keyword argument, or inside a list of tensors
+            keywords = [_schema_position(user.target, k) for k, a in user.kwargs.items() if a is value]
+            if None in keywords or not positions + keywords:
+                return None  # a keyword no schema places, or inside a list of tensors
+            positions += keywords
             if name in _VIEWS and positions == [0]:
                 pending.append(user)
                 continue
@@ -127,9 +139,11 @@ def _op_name(target: Any) -> str:
     return f"aten.{packet.__name__}" if packet is not None else name
 
 
-# the compiled frame's local that holds the module: L['self'] (its forward compiled) or L['fn'] (the
-# module called as a function); what follows is the path inside it
-_FRAME_LOCAL = re.compile(r"^L\['[^']*'\]")
+# the compiled frame's local that holds the module: L['self'] (its forward compiled), L['fn'] (the
+# module called as a function) or L['args'][0] (a wrapper of its forward, such as transformers'
+# decorators on LlamaForCausalLM.forward, taking it as its first argument); what follows is the path
+# inside it
+_FRAME_LOCAL = re.compile(r"^L\['(?:args'\]\[0\]|(?!args')[^']*'\])")
 
 
 def _module_path(stack: Any) -> tuple[Optional[str], Optional[str]]:
