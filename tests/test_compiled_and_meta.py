@@ -370,6 +370,39 @@ def test_a_compiled_llama_is_attributed_and_judged_through_its_decorated_forward
     assert all(t.verdict == "needed" for t in report.tensors) and not report.findings
 
 
+def test_a_compiled_mixture_of_experts_routing_indices_are_judged_off_its_backward_graph():
+    """A Mixtral from a config (4 experts, 2 per token) compiled with aot_eager keeps its routing's int64
+    indices for backward, where aten.index_put takes them inside its list of indices: the verdict comes
+    from the graph (needed: the op reads them), where it was "unknown" until the proof; the proof agrees
+    save for save, and the bytes are those the plain run's region keeps."""
+    if not torchapi.has("compiler stance"):
+        pytest.skip("torch.compile is missing its stance API")
+    import transformers
+
+    from hf_zoo import ARCHS, batch, build_model
+
+    arch = next(a for a in ARCHS if a.model == "MixtralForCausalLM")
+    model = build_model(arch, transformers)
+    model.get_input_embeddings().requires_grad_(False)
+    inputs = batch(arch, padded=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(model, backend="aot_eager")
+        try:
+            loss = compiled(**inputs).loss
+            regions, held = _compiled_saves(loss, model, inputs["input_ids"])
+            del loss
+            report = gradaudit.audit(compiled, inputs)
+            verified = gradaudit.audit(compiled, inputs, verify=True)
+        finally:
+            torch._dynamo.reset()
+    _assert_audited_as_run(report, regions, held, expected_regions=1)
+    routing = [t for t in report.tensors if t.dtype == "int64" and "aten.index_put in its backward graph" in t.reason]
+    assert len(routing) == 6 and all(t.verdict == "needed" for t in routing)  # 3 per layer, 2 layers
+    assert [t.verdict for t in report.tensors] == [t.verdict for t in verified.tensors]
+    assert not [t for t in report.tensors if t.verdict == "unknown"]
+
+
 def _eager_saves(loss: torch.Tensor, model: nn.Module, x: torch.Tensor) -> int:
     """Bytes of the storages every node of a plain eager run's graph keeps beside the parameters,
     buffers and the input (its ``_saved_*`` attributes), each storage once: the independent count."""

@@ -104,8 +104,9 @@ def _schema_position(target: Any, name: str) -> Optional[int]:
 
 def _uses(placeholder: Any) -> Optional[tuple[SavedUse, ...]]:
     """Every op that takes ``placeholder`` or a view of it (a keyword argument at its schema position:
-    the CPU flash attention's backward takes the mask as ``attn_mask``); None where the graph takes it
-    in a way this does not follow (inside a list, outside a call, a keyword of an op without a schema)."""
+    the CPU flash attention's backward takes the mask as ``attn_mask``; an item of a list argument at the
+    list's: index_put's indices); None where the graph takes it in a way this does not follow (outside a
+    call, a keyword of an op without a schema, inside a keyword's list)."""
     found: list[SavedUse] = []
     pending, seen = [placeholder], set()
     while pending:
@@ -122,9 +123,12 @@ def _uses(placeholder: Any) -> Optional[tuple[SavedUse, ...]]:
             name = _op_name(user.target)
             positions = [i for i, a in enumerate(user.args) if a is value]
             keywords = [_schema_position(user.target, k) for k, a in user.kwargs.items() if a is value]
-            if None in keywords or not positions + keywords:
-                return None  # a keyword no schema places, or inside a list of tensors
-            positions += keywords
+            # inside a list argument (index_put's indices, cat's tensors): a use at the list's position,
+            # which no op's special reading in compiled._read concerns (they read tensors given alone)
+            listed = [i for i, a in enumerate(user.args) if isinstance(a, (list, tuple)) and any(v is value for v in a)]
+            if None in keywords or not positions + keywords + listed:
+                return None  # a keyword no schema places, or inside a keyword's list
+            positions += keywords + listed
             if name in _VIEWS and positions == [0]:
                 pending.append(user)
                 continue
