@@ -403,6 +403,45 @@ def test_a_compiled_mixture_of_experts_routing_indices_are_judged_off_its_backwa
     assert not [t for t in report.tensors if t.verdict == "unknown"]
 
 
+def test_a_compiled_model_that_sets_a_tensor_attribute_is_audited_as_it_runs():
+    """Wav2Vec2's feature encoder sets ``hidden_states.requires_grad = True`` in training: the audit's
+    function mode was handed the property's setter and TorchDynamo failed to trace it, so the audit
+    raised where the user's compiled model runs. It now runs as the user's does: the same 4 regions,
+    and the bytes every node of the plain run keeps (its regions' and the eager index_put's between
+    them), counted independently."""
+    if not torchapi.has("compiler stance"):
+        pytest.skip("torch.compile is missing its stance API")
+    import transformers
+
+    from hf_zoo import ARCHS, batch, build_model
+
+    arch = next(a for a in ARCHS if a.model == "Wav2Vec2ForCTC")
+    model = build_model(arch, transformers)
+    inputs = batch(arch, padded=False)
+    alive = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *inputs.values()]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(model, backend="aot_eager")
+        try:
+            loss = compiled(**inputs).logits.sum()
+            storages, regions = {}, 0
+            for node in _nodes(loss):
+                regions += type(node).__name__ == "CompiledFunctionBackward"
+                values = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
+                if type(node).__name__ == "CompiledFunctionBackward":
+                    values.append(node.saved_tensors)
+                for value in values:
+                    for t in value if isinstance(value, (tuple, list)) else [value]:
+                        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in alive:
+                            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            del loss
+            report = gradaudit.audit(compiled, inputs)
+        finally:
+            torch._dynamo.reset()
+    assert regions == 4 and sum(n.name == "CompiledFunctionBackward" for n in report.nodes) == regions
+    assert report.saved_bytes == sum(storages.values()) > 0
+
+
 def _eager_saves(loss: torch.Tensor, model: nn.Module, x: torch.Tensor) -> int:
     """Bytes of the storages every node of a plain eager run's graph keeps beside the parameters,
     buffers and the input (its ``_saved_*`` attributes), each storage once: the independent count."""

@@ -39,6 +39,15 @@ def compiling() -> bool:
     return _IS_COMPILING()
 
 
+def settable_attribute(func: Any) -> Optional[str]:
+    """The attribute a tensor property's setter sets (``func``: ``Tensor.requires_grad.__set__`` as a
+    TorchFunctionMode is handed it), else None."""
+    descriptor = getattr(func, "__self__", None)
+    if type(descriptor).__name__ != "getset_descriptor" or getattr(func, "__name__", None) != "__set__":
+        return None
+    return getattr(descriptor, "__name__", None)
+
+
 def force_eager(who: str) -> Any:
     """A context in which torch.compile'd modules and functions run eagerly."""
     require("compiler stance", who)
