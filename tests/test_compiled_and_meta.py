@@ -323,6 +323,25 @@ def test_a_compiled_hugging_face_model_is_audited_as_its_user_runs_it():
     assert not report.findings
 
 
+def _tiny_llama(transformers) -> nn.Module:
+    """A 2-layer Llama from a config (grouped key/value heads, SDPA), in training, embeddings frozen."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      use_cache=False)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").train()
+    model.model.embed_tokens.requires_grad_(False)
+    return model
+
+
+def _padded_batch(length: int) -> dict[str, torch.Tensor]:
+    """Two sequences of ``length`` tokens, the second's last 5 padding, labels -100 there: a collator's batch."""
+    ids = torch.randint(3, 1000, (2, length))
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, length - 5:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
 def test_a_compiled_llama_is_attributed_and_judged_through_its_decorated_forward():
     """A Llama from a config (grouped key/value heads, SDPA with a padded mask, labels, frozen embeddings)
     compiled with aot_eager. transformers' decorators wrap its forward, so the compiled frame holds the
@@ -334,23 +353,15 @@ def test_a_compiled_llama_is_attributed_and_judged_through_its_decorated_forward
         pytest.skip("torch.compile is missing its stance API")
     import transformers
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      use_cache=False)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").train()
-    model.model.embed_tokens.requires_grad_(False)
-    ids = torch.randint(3, 1000, (2, 32))
-    mask = torch.ones(2, 32, dtype=torch.long)
-    mask[1, 20:] = 0
-    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    model = _tiny_llama(transformers)
+    batch = _padded_batch(32)
     modules = dict(model.named_modules())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         compiled = torch.compile(model, backend="aot_eager")
         try:
             loss = compiled(**batch).loss
-            regions, held = _compiled_saves(loss, model, ids)
+            regions, held = _compiled_saves(loss, model, batch["input_ids"])
             del loss
             report = gradaudit.audit(compiled, batch)
             verified = gradaudit.audit(compiled, batch, verify=True)
@@ -368,6 +379,37 @@ def test_a_compiled_llama_is_attributed_and_judged_through_its_decorated_forward
     assert masks and all(t.verdict == "needed" for t in masks)
     assert [t.verdict for t in report.tensors] == [t.verdict for t in verified.tensors]
     assert all(t.verdict == "needed" for t in report.tensors) and not report.findings
+
+
+def test_a_compiled_region_recompiled_with_dynamic_sizes_is_audited_as_it_runs():
+    """Batches of other lengths recompile a region with symbolic sizes (TorchDynamo's automatic dynamic
+    shapes), as a training loop over variable-length batches does: the audit of a third length compiles
+    its region with those symbolic sizes too, and counts the bytes the plain run's region keeps and names
+    the modules as for a static one."""
+    if not torchapi.has("compiler stance"):
+        pytest.skip("torch.compile is missing its stance API")
+    import transformers
+
+    model = _tiny_llama(transformers)
+    modules = dict(model.named_modules())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(model, backend="aot_eager")
+        try:
+            for length in (32, 24):  # the second length recompiles the region with dynamic sizes
+                compiled(**_padded_batch(length)).loss.backward()
+            model.zero_grad(set_to_none=True)
+            batch = _padded_batch(16)
+            loss = compiled(**batch).loss
+            regions, held = _compiled_saves(loss, model, batch["input_ids"])
+            del loss
+            report = gradaudit.audit(compiled, batch)
+        finally:
+            torch._dynamo.reset()
+    _assert_audited_as_run(report, regions, held, expected_regions=1)
+    assert all(t.module in modules for t in report.tensors)
+    assert all(t.module != "" or t.source.startswith("transformers/loss/") for t in report.tensors)
+    assert not [t for t in report.tensors if t.verdict == "unknown"] and not report.findings
 
 
 def test_a_compiled_mixture_of_experts_routing_indices_are_judged_off_its_backward_graph():
