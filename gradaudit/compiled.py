@@ -13,8 +13,8 @@ from torch import nn
 from .knowledge import Bit, Outcome
 from .records import NEEDED, NOT_NEEDED, SIGN_ONLY
 from .sites import traced_source_line
-from .torchapi.compiler import (COMPILED_NODE, SavedOrigin, SavedUse, compiled_original, original_path,
-                                saved_origins)
+from .torchapi.compiler import (COMPILED_NODE, SavedOrigin, SavedUse, compiled_in_place, compiled_original,
+                                original_path, saved_origins)
 
 if TYPE_CHECKING:
     from .records import EagerComparison, Report
@@ -167,7 +167,8 @@ def compiled_regions(report: "Report") -> int:
 
 def compiled_paths(model: nn.Module) -> list[str]:
     """The paths of the model's ``torch.compile``'d modules ("the model" for the model itself)."""
-    return [path or "the model" for path, m in model.named_modules() if compiled_original(m) is not None]
+    return [path or "the model" for path, m in model.named_modules()
+            if compiled_original(m) is not None or compiled_in_place(m)]
 
 
 # why a compiled model ran eagerly, by who ran it (``ran_eagerly_note``)

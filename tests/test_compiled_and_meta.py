@@ -84,6 +84,27 @@ def test_fit_runs_a_compiled_model_eagerly_and_says_so(compiled):
     assert [n.name for n in gradaudit.audit(compiled, x).nodes if n.saved] == ["CompiledFunctionBackward"]
 
 
+def test_blocks_compiled_in_place_are_named_and_fit_says_it_ran_them_eagerly(compiled):
+    """``nn.Module.compile()`` compiles a block in place (torchtitan's and the Trainer's way: the module
+    keeps its class and path): the audit names it as the compiled region's module, and fit, which runs a
+    compiled model eagerly, says so for it too, where it said nothing about such blocks."""
+    x = torch.randn(8, 16)
+    model = _frozen_mlp()
+    eager = gradaudit.fit(model, x, memory="1GiB", remedy=False)
+    model[0].compile(backend="aot_eager")
+    try:
+        report = gradaudit.audit(model, x)
+        fitted = gradaudit.fit(model, x, memory="1GiB", remedy=False)
+    finally:
+        torch._dynamo.reset()
+    note, = [n for n in report.notes if "torch.compile'd region" in n]
+    assert "1 torch.compile'd region (0) ran" in note
+    assert sum(n.name == "CompiledFunctionBackward" for n in report.nodes) == 1
+    assert (fitted.peak_bytes, fitted.breakdown) == (eager.peak_bytes, eager.breakdown)
+    note, = [n for n in fitted.notes if "torch.compile'd" in n]
+    assert note.startswith("the model is torch.compile'd (0) but ran eagerly here (fit's step tracker")
+
+
 def test_plan_refuses_a_compiled_model_and_says_what_to_plan_instead(compiled):
     """Checkpointing inside a compiled region compiles it anew: plan cannot predict what it keeps then,
     and says so in one message naming what to do, instead of finding no candidate block."""

@@ -24,6 +24,12 @@ def compiled_original(module: Any) -> Optional[torch.nn.Module]:
     return None
 
 
+def compiled_in_place(module: Any) -> bool:
+    """Whether ``nn.Module.compile()`` compiled ``module`` in place (its calls run a compiled
+    ``_call_impl``; the module keeps its class and paths)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
 def original_path(path: str) -> str:
     """A module or parameter path as the eager model names it: a compiled module's ``_orig_mod`` (and
     empty parts) left out (``block._orig_mod.lin`` -> ``block.lin``)."""
