@@ -126,9 +126,17 @@ def _read(use: SavedUse) -> Any:
         # output_mask); in eval mode grad_input = grad * weight * invstd(running_var), grad_weight =
         # sum(grad * (input - running_mean) * invstd): the batch statistics are not read at all
         mask = _mask(args, 9)
-        if mask is None or len(args) < 8 or args[7] is not False:
+        if mask is None or len(args) < 8 or args[7] not in (True, False):
             return "values"
-        wanted_by = {1: mask[1], 2: mask[0], 3: mask[1], 4: mask[0] or mask[1], 5: False, 6: False}
+        if args[7] is True:
+            # in training the input and weight gradients read the input and the batch statistics, the
+            # input's the weight too; the bias's (a sum of grad) none; no gradient reads the running
+            # statistics, which a functional region passes as the forward's updated copies (tensors of
+            # its own, where eager passes the buffers)
+            either = mask[0] or mask[1]
+            wanted_by = {1: either, 2: mask[0], 3: False, 4: False, 5: either, 6: either}
+        else:
+            wanted_by = {1: mask[1], 2: mask[0], 3: mask[1], 4: mask[0] or mask[1], 5: False, 6: False}
         return "values" if wanted_by[i] else "shape"
     if op in ("aten.max_pool2d_with_indices_backward", "aten.max_pool3d_with_indices_backward") and i == 1:
         return "shape"  # the indices say where the maxima were; the input gives the gradient's shape

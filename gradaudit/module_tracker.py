@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 from torch import nn
 
 from .torchapi.autograd import sequence_number
-from .torchapi.compiler import compiling
+from .torchapi.compiler import compiling, original_path
 from .torchapi.modules import add_forward_hooks, remove_forward_hooks
 
 
@@ -44,7 +44,9 @@ class ModuleTracker:
         for path, module in modules:
             if module is self.model:
                 continue
-            self._handles.append(add(module, self._make_pre((path, type(module).__name__)), post))
+            # a compiled model's modules by the eager model's paths ("_orig_mod." left out), as its
+            # compiled regions' saves are named
+            self._handles.append(add(module, self._make_pre((original_path(path), type(module).__name__)), post))
         return self
 
     def _make_pre(self, entry: tuple[str, str]):
