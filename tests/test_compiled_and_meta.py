@@ -386,20 +386,9 @@ def _padded_batch(length: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def test_a_compiled_llama_is_attributed_and_judged_through_its_decorated_forward():
-    """A Llama from a config (grouped key/value heads, SDPA with a padded mask, labels, frozen embeddings)
-    compiled with aot_eager. transformers' decorators wrap its forward, so the compiled frame holds the
-    model as its first argument (``L['args'][0]`` in the graphs' module stacks, where a plain forward has
-    ``L['self']``): every save must still be named by its module's own path, not "0.model...". The CPU
-    flash attention's backward takes the mask as the keyword ``attn_mask``: its verdict is read off the
-    graph too (needed), where it was "unknown" until the proof. The proof agrees save for save."""
-    if not torchapi.has("compiler stance"):
-        pytest.skip("torch.compile is missing its stance API")
-    import transformers
-
-    model = _tiny_llama(transformers)
-    batch = _padded_batch(32)
-    modules = dict(model.named_modules())
+def _audited_and_proven_as_run(model: nn.Module, batch: dict) -> tuple:
+    """(the audit, the audit with verify=True) of ``model`` compiled with aot_eager on a batch with
+    labels, asserted to see the one region and the bytes a plain run of the compiled model keeps."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         compiled = torch.compile(model, backend="aot_eager")
@@ -412,6 +401,23 @@ def test_a_compiled_llama_is_attributed_and_judged_through_its_decorated_forward
         finally:
             torch._dynamo.reset()
     _assert_audited_as_run(report, regions, held, expected_regions=1)
+    return report, verified
+
+
+def test_a_compiled_llama_is_attributed_and_judged_through_its_decorated_forward():
+    """A Llama from a config (grouped key/value heads, SDPA with a padded mask, labels, frozen embeddings)
+    compiled with aot_eager. transformers' decorators wrap its forward, so the compiled frame holds the
+    model as its first argument (``L['args'][0]`` in the graphs' module stacks, where a plain forward has
+    ``L['self']``): every save must still be named by its module's own path, not "0.model...". The CPU
+    flash attention's backward takes the mask as the keyword ``attn_mask``: its verdict is read off the
+    graph too (needed), where it was "unknown" until the proof. The proof agrees save for save."""
+    if not torchapi.has("compiler stance"):
+        pytest.skip("torch.compile is missing its stance API")
+    import transformers
+
+    model = _tiny_llama(transformers)
+    modules = dict(model.named_modules())
+    report, verified = _audited_and_proven_as_run(model, _padded_batch(32))
     own = [t for t in report.tensors if t.source.startswith("transformers/loss/")]
     rest = [t for t in report.tensors if t not in own]
     assert own and all(t.module == "" for t in own)
@@ -470,19 +476,7 @@ def test_a_compiled_mixture_of_experts_routing_indices_are_judged_off_its_backwa
     arch = next(a for a in ARCHS if a.model == "MixtralForCausalLM")
     model = build_model(arch, transformers)
     model.get_input_embeddings().requires_grad_(False)
-    inputs = batch(arch, padded=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        compiled = torch.compile(model, backend="aot_eager")
-        try:
-            loss = compiled(**inputs).loss
-            regions, held = _compiled_saves(loss, model, inputs["input_ids"])
-            del loss
-            report = gradaudit.audit(compiled, inputs)
-            verified = gradaudit.audit(compiled, inputs, verify=True)
-        finally:
-            torch._dynamo.reset()
-    _assert_audited_as_run(report, regions, held, expected_regions=1)
+    report, verified = _audited_and_proven_as_run(model, batch(arch, padded=True))
     routing = [t for t in report.tensors if t.dtype == "int64" and "aten.index_put in its backward graph" in t.reason]
     assert len(routing) == 6 and all(t.verdict == "needed" for t in routing)  # 3 per layer, 2 layers
     assert [t.verdict for t in report.tensors] == [t.verdict for t in verified.tensors]
