@@ -119,8 +119,10 @@ class Lifetimes(TorchDispatchMode):
         # right above a mode that offers to tell what each op returned (the meta emulation's
         # KnownValues, whose ``observer`` is free), ride on it: every op this mode would see reaches
         # that one next, so the samples and storages are the same, for one dispatch mode fewer
+        from .values import KnownValues  # (values imports nothing of the tracker's)
+
         below = top_dispatch_mode()
-        if below is not None and hasattr(below, "observer") and below.observer is None:
+        if isinstance(below, KnownValues) and below.observer is None:
             below.observer, self._host = self.after, below
             return self
         self._host = None
