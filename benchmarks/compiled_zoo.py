@@ -36,29 +36,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from test_compiled_and_meta import graph_saves  # noqa: E402  (the tests' independent count)
+
 VISION = "resnet18,mobilenet_v3_small,efficientnet_b0,convnext_tiny,swin_t,regnet_y_400mf,densenet121,squeezenet1_1"
-
-
-def _plain_run(loss: torch.Tensor, alive: set[int]) -> tuple[int, int]:
-    """(compiled regions, bytes of the storages every node keeps beside those in ``alive``)."""
-    storages: dict[int, int] = {}
-    regions, stack, seen = 0, [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        compiled = type(node).__name__ == "CompiledFunctionBackward"
-        regions += compiled
-        values = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
-        if compiled:
-            values.append(node.saved_tensors)
-        for value in values:
-            for t in value if isinstance(value, (tuple, list)) else [value]:
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in alive:
-                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return regions, sum(storages.values())
 
 
 def _running_statistics(t: Any) -> bool:
@@ -78,7 +58,7 @@ def check(name: str, model: torch.nn.Module, inputs: Any, backend: str, loss_of:
     call = (lambda: compiled(**inputs)) if isinstance(inputs, dict) else (lambda: compiled(inputs))
     try:
         loss = loss_of(call())
-        regions, held = _plain_run(loss, alive)
+        regions, held = graph_saves(loss, alive)
         del loss
         report = gradaudit.audit(compiled, inputs)
         proven = gradaudit.audit(compiled, inputs, verify=True)

@@ -504,22 +504,13 @@ def test_a_compiled_model_that_sets_a_tensor_attribute_is_audited_as_it_runs():
         compiled = torch.compile(model, backend="aot_eager")
         try:
             loss = compiled(**inputs).logits.sum()
-            storages, regions = {}, 0
-            for node in _nodes(loss):
-                regions += type(node).__name__ == "CompiledFunctionBackward"
-                values = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
-                if type(node).__name__ == "CompiledFunctionBackward":
-                    values.append(node.saved_tensors)
-                for value in values:
-                    for t in value if isinstance(value, (tuple, list)) else [value]:
-                        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in alive:
-                            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            regions, held = graph_saves(loss, alive)
             del loss
             report = gradaudit.audit(compiled, inputs)
         finally:
             torch._dynamo.reset()
     assert regions == 4 and sum(n.name == "CompiledFunctionBackward" for n in report.nodes) == regions
-    assert report.saved_bytes == sum(storages.values()) > 0
+    assert report.saved_bytes == held > 0
     # the eager save between regions (an index_put where the model breaks its graph) too is named by the
     # eager model's path, not the compiled wrapper's "_orig_mod.wav2vec2"
     modules = {path for path, _ in model.named_modules()}
@@ -531,15 +522,27 @@ def _eager_saves(loss: torch.Tensor, model: nn.Module, x: torch.Tensor) -> int:
     """Bytes of the storages every node of a plain eager run's graph keeps beside the parameters,
     buffers and the input (its ``_saved_*`` attributes), each storage once: the independent count."""
     alive = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), x]}
-    storages = {}
+    return graph_saves(loss, alive)[1]
+
+
+def graph_saves(loss: torch.Tensor, alive: set[int]) -> tuple[int, int]:
+    """(compiled regions, bytes of the storages every node of ``loss``'s graph keeps: its ``_saved_*``
+    attributes and a region's ``saved_tensors``, each storage once, but those whose data pointer is in
+    ``alive``): the independent count, for an eager graph, a compiled one or both mixed
+    (benchmarks/compiled_zoo.py counts with it too)."""
+    storages: dict[int, int] = {}
+    regions = 0
     for node in _nodes(loss):
-        for name in dir(node):
-            if name.startswith("_saved_"):
-                value = getattr(node, name)
-                for t in value if isinstance(value, (tuple, list)) else [value]:
-                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in alive:
-                        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
+        compiled = type(node).__name__ == "CompiledFunctionBackward"
+        regions += compiled
+        values = [getattr(node, name) for name in dir(node) if name.startswith("_saved_")]
+        if compiled:
+            values.append(node.saved_tensors)
+        for value in values:
+            for t in value if isinstance(value, (tuple, list)) else [value]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in alive:
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return regions, sum(storages.values())
 
 
 def test_compare_eager_puts_what_eager_autograd_holds_beside_each_module(compiled_resnet, tmp_path):
