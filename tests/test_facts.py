@@ -271,6 +271,36 @@ def test_relu_result_is_needed_but_only_as_a_sign():
     assert not torch.equal(run(torch.zeros_like), clean)  # but the pattern itself is read
 
 
+def test_relu_result_is_never_negative_and_its_conversion_to_bool_is_not_le_zero():
+    """trim keeps a ReLU's result as x != 0 (Bit.NE_ZERO: one conversion to bool each way) where
+    threshold_backward reads x <= 0: the same bit only because relu never writes a negative value
+    (-0.0 compares equal to 0, NaN passes both), whatever the input holds."""
+    special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1e-45, -1e-45, -3.0, 2.0])
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        x = torch.cat([special, torch.randn(200)]).to(dtype)
+        for result in (torch.relu(x), torch.relu_(x.clone()), torch.nn.functional.relu(x.clone(), inplace=True)):
+            assert not (result < 0).any()
+            assert torch.equal(result.bool(), ~(result <= 0))
+            grad = torch.randn(result.shape).to(dtype)
+            assert torch.equal(torch.ops.aten.threshold_backward(grad, result, 0),
+                               torch.ops.aten.threshold_backward(grad, result.bool().to(dtype), 0))
+
+
+def test_a_pack_hook_set_by_register_hooks_runs_with_grad_mode_off():
+    """trim's steady pack hooks make their masks without a no_grad block of their own: autograd runs a
+    pack hook set on a saved tensor (SavedTensor.register_hooks) under its own no-grad guard."""
+    x = torch.randn(3, requires_grad=True)
+    y = torch.relu(x * 2)
+    seen = []
+
+    def pack(t):
+        seen.append((torch.is_grad_enabled(), t.requires_grad))
+        return t.bool()
+
+    y.grad_fn._raw_saved_result.register_hooks(pack, lambda packed: packed.to(torch.float32))
+    assert seen == [(False, False)]
+
+
 def test_meta_device_builds_the_graph_and_packs_meta_tensors():
     packed = []
     with torch.device("meta"):

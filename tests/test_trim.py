@@ -909,9 +909,10 @@ def test_a_steady_forward_syncs_nothing_and_adds_few_ops():
 
 def test_bits_in_torch_operations_take_three_elementwise_kernels_each_way(monkeypatch):
     """Without numpy (as on a GPU, where each operation is a kernel launch and a pass over memory), a
-    ReLU's result before a frozen conv is packed by a comparison, a multiplication of each 8 bools
-    read as one word, and a copy of each word's top byte; unpacked by a shift, a mask and a select:
-    every one elementwise (on an H200 a row-wise sum took 4x, and a gather from a kept table 13x,
+    ReLU's result before a frozen conv is packed by a conversion to bool (result != 0: a ReLU's result
+    is never negative, so that is result > 0), a multiplication of each 8 bools read as one word, and
+    a copy of each word's top byte; unpacked by a shift, a mask and a conversion back: every one
+    elementwise (on an H200 a row-wise sum took 4x, and a gather from a kept table 13x,
     the time of these; benchmarks/gpu_check.py --sections codec), and no table made per save."""
     import gradaudit.trimming.codec as codec
 
@@ -922,16 +923,15 @@ def test_bits_in_torch_operations_take_three_elementwise_kernels_each_way(monkey
     # numbers on the CPU (kept per GPU: codec._shifts, codec._constant)
     kernels = [name for name in steady if name not in ("as_strided", "detach", "view", "empty_strided", "lift_fresh",
                                                        "arange", "full", "slice", "select", "empty")]
-    assert sorted(kernels) == ["bitwise_and", "bitwise_right_shift", "clone", "le", "mul", "where"], steady
+    assert sorted(kernels) == ["_to_copy", "_to_copy", "bitwise_and", "bitwise_right_shift", "clone", "mul"], steady
 
 
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
 def test_a_byte_mask_costs_one_operation_each_way_in_the_saves_own_layout(layout):
-    """masks="bytes" compares the save itself (its bools come in its layout) and selects from them in
-    backward (the values come in that layout too): one dispatch each way and no view, on a GPU two
-    launches and a few microseconds of host time per save (meta runs the GPU's path: le, where). On
-    the CPU the comparison's bools are negated in place and converted instead of selected from
-    (codec.unpack_bytes: the CPU's select is the slow one there); gradients bit-identical."""
+    """masks="bytes" converts a ReLU's result itself to bools (result != 0, which for a result never
+    negative is result > 0; the bools come in its layout) and back in backward (the values come in
+    that layout too): one dispatch each way and no view, on a GPU two launches and a few microseconds
+    of host time per save, the same two conversions on meta and the CPU; gradients bit-identical."""
     def build(device):
         with torch.device(device):
             model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)).requires_grad_(False)
@@ -941,11 +941,10 @@ def test_a_byte_mask_costs_one_operation_each_way_in_the_saves_own_layout(layout
     # beside autograd's detaches and the first conv's input dropped (its stand-in, empty_strided)
     beside = ("detach", "lift_fresh", "full", "empty_strided")
     assert [name for name in steady_ops_added(*build("meta"), masks="bytes") if name not in beside] == \
-        ["le", "where"]
+        ["_to_copy", "_to_copy"]
     model, x = build("cpu")
     steady = steady_ops_added(model, x, masks="bytes")
-    # its complement made in place, and converted
-    assert [name for name in steady if name not in beside] == ["_to_copy", "le", "logical_not_"], steady
+    assert [name for name in steady if name not in beside] == ["_to_copy", "_to_copy"], steady
     plain = gradients(model, (x,))
     with trim(model, masks="bytes"):
         gradients(model, (x,))
@@ -1062,8 +1061,8 @@ def test_fused_triton_kernels_give_the_torch_paths_bytes_and_identical_gradients
 
 def test_masks_as_bytes_hold_one_byte_per_element_and_cost_one_operation_each_way():
     """masks="bytes": a frozen conv after a ReLU in eval, input gradient: the ReLU's result (2*4*8*8 =
-    512 float32 elements, 2048 bytes) is held as 512 bools; packing is one comparison, unpacking on
-    the CPU a negation and a conversion (a GPU's one select: the test above, on meta)."""
+    512 float32 elements, 2048 bytes) is held as 512 bools; packing is one conversion to bool,
+    unpacking one conversion back (on meta too: the test above)."""
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)).requires_grad_(False)
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
     figures = {masks: compare(model, x, masks=masks) for masks in ("bits", "bytes")}
@@ -1074,9 +1073,8 @@ def test_masks_as_bytes_hold_one_byte_per_element_and_cost_one_operation_each_wa
 
     steady = steady_ops_added(model, x, masks="bytes")
     kernels = [name for name in steady if name not in ("as_strided", "detach", "view")]
-    # the comparison and its negation in place, the conversion; the second conv's input dropped: one
-    # unfilled tensor
-    assert kernels == ["_to_copy", "empty_strided", "le", "logical_not_"], steady
+    # the conversion to bools and back; the second conv's input dropped: one unfilled tensor
+    assert kernels == ["_to_copy", "_to_copy", "empty_strided"], steady
 
 
 def test_masks_takes_bits_or_bytes_and_plans_count_either():

@@ -203,7 +203,8 @@ declare("RreluWithNoiseBackward0", edges=("self",), when={"training": False},
 # -- activations whose backward reads one bit per element
 declare("ReluBackward0", edges=("self",), source="derivatives.yaml relu: threshold_backward(grad, result, 0)",
         in_place={"relu": "result", "relu_": "result"},  # F.relu(inplace=True), Tensor.relu_
-        saves={"result": Read(reads=Reads.SIGN, bit=Bit.NOT_LE_ZERO, rule="GA401",
+        # relu's result is never negative: result > 0 exactly where result != 0 (NaN: both pass)
+        saves={"result": Read(reads=Reads.SIGN, bit=Bit.NE_ZERO, rule="GA401",
                               why="the backward reads only result > 0")})
 declare("LeakyReluBackward0", edges=("self",), source="derivatives.yaml leaky_relu_backward",
         saves={"self": Read(reads=Reads.SIGN, bit=Bit.GT_ZERO, rule="GA401",

@@ -50,6 +50,9 @@ class Bit(enum.Enum):
 
     NOT_LE_ZERO = "not x <= 0"  # threshold_backward(grad, x, 0): x <= 0 ? 0 : grad (NaN passes)
     GT_ZERO = "x > 0"  # leaky_relu_backward: x > 0 ? grad : grad * slope (NaN takes the slope)
+    # a save that is never negative (relu's result): there x <= 0 only where x is 0, so NOT_LE_ZERO's
+    # bit is x != 0 (NaN passes both), which one conversion to bool makes and one back unpacks
+    NE_ZERO = "x != 0"
     BOOL = "x"  # a bool tensor's own values (a BOOL read: needed, each element one bit)
 
 

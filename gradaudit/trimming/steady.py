@@ -19,6 +19,7 @@ Modules and saves the plan does not name cost nothing: they have no hook.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any, Callable, Optional
 
@@ -100,8 +101,8 @@ def _bit_packer(packer: Callable) -> Callable[[torch.Tensor], Any]:
     def pack(t: torch.Tensor) -> Any:
         if not (t.is_floating_point() or t.dtype == torch.bool) or t.numel() == 0 or not dense(t):
             return _Kept(t)
-        with torch.no_grad():
-            found = packer(t.as_strided((t.numel(),), (1,)) if flat else t)
+        # (grad mode is off here: autograd runs a pack hook set by register_hooks under its own guard)
+        found = packer(t.as_strided((t.numel(),), (1,)) if flat else t)
         if found is None:
             return _Kept(t)
         return _Bits(found[0], found[1], t)
@@ -139,11 +140,10 @@ def _dropout_packer(scale: float, dtype: torch.dtype, form: str) -> Callable[[to
     def pack(t: torch.Tensor) -> Any:
         if t.dtype != dtype or t.numel() == 0 or not dense(t):
             return _Kept(t)
-        with torch.no_grad():
-            if form == "bytes":
-                return _Bits(t != 0, scale, t)
-            flat = t.as_strided((t.numel(),), (1,))
-            return _Bits(dropout_mask(flat, scale, fused_kernels=form == "fused"), scale, t)
+        if form == "bytes":
+            return _Bits(t != 0, scale, t)
+        flat = t.as_strided((t.numel(),), (1,))
+        return _Bits(dropout_mask(flat, scale, fused_kernels=form == "fused"), scale, t)
 
     return pack
 
@@ -172,7 +172,11 @@ class Entry:
         self.out, self.path, self.kind = out, path, type(node)
         self.edges = tuple([fn is not None for fn, _ in node.next_functions])
         names = kind_of(node).scalars
-        self.scalars = (names, node_scalars(node, names)) if names else None
+        # read as one attrgetter call per find, compared as read (node_scalars' dict costs ~1 us more)
+        self.scalars = None
+        if names:
+            getter = operator.attrgetter(*["_saved_" + name for name in names])
+            self.scalars = (getter, getter(node))
         self.slots = slots
         # a dropout keep-mask packed with no look at its values: the module's p when it was planned
         # (the mask's value follows from it); the node must have been made by this very call
@@ -195,8 +199,12 @@ class Entry:
             return None
         if tuple([fn is not None for fn, _ in node.next_functions]) != self.edges:
             return None
-        if self.scalars is not None and node_scalars(node, self.scalars[0]) != self.scalars[1]:
-            return None
+        if self.scalars is not None:
+            try:
+                if self.scalars[0](node) != self.scalars[1]:
+                    return None
+            except Exception:  # an attribute this node cannot give: not what was planned
+                return None
         if self.fresh is not None and node_sequence_number(node) < start:
             return None
         return node
