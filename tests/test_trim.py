@@ -99,8 +99,14 @@ def test_bitpacking_without_numpy_uses_torch_ops(monkeypatch):
              torch.rand(1000) > 0.5]  # a multiple of 8: packed with no padded copy
     with_numpy = [codec.pack_bits(mask) for mask in masks]
     monkeypatch.setattr(codec, "numpy", None)
+    copies = [mask.clone() for mask in masks]
     assert [torch.equal(codec.pack_bits(mask), expected) for mask, expected in zip(masks, with_numpy)] \
         == [True, True]
+    # a mask that is not scratch (a bool keep-mask: the save itself) is read, never written; a scratch
+    # one (a comparison's own result) may be overwritten by the in-place multiplication, same bits
+    assert all(torch.equal(mask, copy) for mask, copy in zip(masks, copies))
+    assert [torch.equal(codec.pack_bits(copy.clone(), scratch=True), expected)
+            for copy, expected in zip(copies, with_numpy)] == [True, True]
     model = nn.Sequential(nn.Linear(7, 9), nn.ReLU(), nn.Linear(9, 2))
     model[2].weight.requires_grad_(False)  # so that the last linear does not keep the ReLU result
     plain, trimmed, stats = plain_and_trimmed(model, (torch.randn(5, 7),))
@@ -193,8 +199,9 @@ def test_a_bool_dropout_mask_becomes_bits(monkeypatch, p, masks, with_numpy):
         steady = steady_ops_added(model, x)
         kernels = [name for name in steady if name not in ("as_strided", "detach", "view", "empty_strided", "lift_fresh",
                                                            "arange", "full", "slice", "select", "empty", "zeros")]
-        # (350 is not a multiple of 8: the bools are first copied into a zeroed buffer of whole words)
-        assert sorted(kernels) == ["bitwise_and", "bitwise_right_shift", "clone", "copy_", "mul"], steady
+        # (350 is not a multiple of 8: the bools are first copied into a zeroed buffer of whole words,
+        # multiplied in place there; the save itself is read only)
+        assert sorted(kernels) == ["bitwise_and", "bitwise_right_shift", "clone", "copy_", "mul_"], steady
 
 
 def test_checking_a_mask_reads_nothing_back_value_by_value():
@@ -923,7 +930,8 @@ def test_bits_in_torch_operations_take_three_elementwise_kernels_each_way(monkey
     # numbers on the CPU (kept per GPU: codec._shifts, codec._constant)
     kernels = [name for name in steady if name not in ("as_strided", "detach", "view", "empty_strided", "lift_fresh",
                                                        "arange", "full", "slice", "select", "empty")]
-    assert sorted(kernels) == ["_to_copy", "_to_copy", "bitwise_and", "bitwise_right_shift", "clone", "mul"], steady
+    # (the multiplication in place on the conversion's own bools: the save itself is never written)
+    assert sorted(kernels) == ["_to_copy", "_to_copy", "bitwise_and", "bitwise_right_shift", "clone", "mul_"], steady
 
 
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])

@@ -64,13 +64,13 @@ def _passes_unless_le_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
     # and unpacks to 0.0 where set, 1.0 elsewhere (scale -1.0), so no pass flips it
     if _numpy_ok(values):
         return _compare_and_pack(values, numpy.less_equal), -1.0
-    return pack_bits(values <= 0), -1.0
+    return pack_bits(values <= 0, scratch=True), -1.0
 
 
 def _passes_if_gt_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
     if _numpy_ok(values):
         return _compare_and_pack(values, numpy.greater), 1.0
-    return pack_bits(values > 0), 1.0
+    return pack_bits(values > 0, scratch=True), 1.0
 
 
 def _passes_if_nonzero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -79,7 +79,7 @@ def _passes_if_nonzero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
     # meta one of its C++ kernels, where a comparison with a scalar runs torch's Python reference)
     if _numpy_ok(values):
         return _compare_and_pack(values, numpy.not_equal), 1.0
-    return pack_bits(values.bool()), 1.0
+    return pack_bits(values.bool(), scratch=True), 1.0
 
 
 def _bool_bits(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
@@ -108,7 +108,7 @@ def _mask_scale(values: torch.Tensor) -> Optional[float]:
 
 def _scaled_mask(values: torch.Tensor) -> Optional[tuple[torch.Tensor, float]]:
     scale = _mask_scale(values)
-    return None if scale is None else (pack_bits(values != 0), scale)
+    return None if scale is None else (pack_bits(values != 0, scratch=True), scale)
 
 
 def dropout_mask(values: torch.Tensor, scale: float, fused_kernels: bool = False) -> torch.Tensor:
@@ -120,7 +120,7 @@ def dropout_mask(values: torch.Tensor, scale: float, fused_kernels: bool = False
     in one Triton kernel where ``fused`` takes the values."""
     if fused_kernels and fused.takes(values):
         return fused.pack(values, fused.NE_ZERO)
-    return pack_bits(values != 0)
+    return pack_bits(values != 0, scratch=True)
 
 
 def _byte_unless_le_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -206,22 +206,23 @@ FUSED: dict[Packer, Packer] = {
 KERNELS = ("torch", "triton")
 
 
-def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+def pack_bits(mask: torch.Tensor, scratch: bool = False) -> torch.Tensor:
     """1-D bool -> uint8: bit i of byte k is element 8k+i (the padding bits of a partial last byte
-    are 0 and never read: unpacking keeps the first ``numel`` values).
+    are 0 and never read: unpacking keeps the first ``numel`` values). ``scratch``: the mask is the
+    caller's own temporary (a comparison's result), which packing may overwrite; never a save itself.
 
     The packed bytes are allocated by torch, so storage trackers see them.
     """
     count = mask.numel()
     if mask.device.type != "cpu" or numpy is None:
-        return _pack_bits_with_torch(mask)
+        return _pack_bits_with_torch(mask, scratch)
     # numpy's packbits is one C loop; the torch expression takes several passes
     packed = torch.empty(((count + 7) // 8,), dtype=torch.uint8, device=mask.device)
     packed.numpy()[:] = numpy.packbits(mask.numpy(), bitorder="little")
     return packed
 
 
-def _pack_bits_with_torch(mask: torch.Tensor) -> torch.Tensor:
+def _pack_bits_with_torch(mask: torch.Tensor, scratch: bool = False) -> torch.Tensor:
     """``pack_bits`` in torch operations (a GPU, meta): each is a dispatch, and on a GPU a kernel
     launch, so as few as the layout allows (a count that is a multiple of 8 needs no padded copy),
     and each elementwise: a sum over rows of 8 bytes ran as a reduction that took a GPU ~40 us per
@@ -231,18 +232,22 @@ def _pack_bits_with_torch(mask: torch.Tensor) -> torch.Tensor:
     ``_GATHER`` has bit k of element k at bit 56 + k, and no other product lands on bits 56-63 or
     carries into them (element j's copies land at bits 8j + 56 - 7i, all distinct): the word's top
     byte is the packed byte, read through a strided view and copied out. The multiplication keeps
-    the low 64 bits of the product, as every torch backend's integer multiplication does."""
+    the low 64 bits of the product, as every torch backend's integer multiplication does; it runs in
+    place on a mask that is ``scratch`` or a padded copy (one allocation fewer; and on meta a C++
+    kernel, where the out-of-place one runs torch's Python reference, ~50-90 us)."""
     count = mask.numel()
     if count % 8 == 0 and mask.is_contiguous() and mask.storage_offset() % 8 == 0:
-        octets = mask
+        octets, own = mask, scratch
     else:
         octets = torch.zeros((((count + 7) // 8) * 8,), dtype=torch.uint8, device=mask.device)
         octets[:count] = mask.view(torch.uint8)
+        own = True
     if not _LITTLE_ENDIAN:
         weights = _bit_weights(mask.device)
         return torch.sum(octets.view(torch.uint8).view(-1, 8) * weights, dim=1, dtype=torch.uint8)
     # (each view is a dispatch too, a few microseconds of host time: as few as the layout allows)
-    words = torch.mul(octets.view(torch.int64), _GATHER)
+    words = octets.view(torch.int64)
+    words = words.mul_(_GATHER) if own else torch.mul(words, _GATHER)
     return words.view(torch.uint8)[7::8].contiguous()
 
 
