@@ -18,7 +18,11 @@ Python work a GPU step waits on when the host is the bottleneck. Per case, at GP
   launch a kernel and pass over memory on a GPU;
 - host syncs per step (``_local_scalar_dense``, ``is_nonzero``, ``equal``, ``nonzero``, ``item``);
 - on the CPU, at small shapes: held and peak bytes (``gradaudit.trimming.compare``: the trimmed
-  figures are the steady forward's) against trim deciding fully, gradients bit-identical, and the
+  figures are the steady forward's) against trim deciding fully, and (the ResNet-50 rows) with
+  ``masks="bytes"`` and against memsave_torch's converted model measured the same way
+  (``gradaudit.measure.forward_backward``), where its source lies in ``.dev/memsave`` (it is not on
+  PyPI: ``git clone https://github.com/plutonium-239/memsave_torch .dev/memsave``; ignored by git);
+  gradients of a steady step bit-identical to a plain one's with bits and with bytes, and the
   time inside trim per steady step again (there an op costs a dispatch and a small kernel, nearer a
   GPU launch's host cost than meta's 30-40 us of Python meta kernel; the CPU's own codec paths run:
   bits unpacked by a table lookup, bytes by a conversion).
@@ -37,14 +41,19 @@ import copy
 import gc
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gradaudit.measure import forward_backward
 from gradaudit.scenarios import SCENARIOS, apply_scenario
 from gradaudit.trimming import compare, trim
+
+# memsave_torch from its source, where a developer put it (benchmarks/gpu_check.py looks there too)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / ".dev" / "memsave"))
 
 _SYNCS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "item"}
 
@@ -317,14 +326,32 @@ def bytes_and_gradients(build: Callable[[], tuple]) -> tuple[dict[str, int], dic
             [t.grad.clone() for t in args if isinstance(t, torch.Tensor) and t.grad is not None]
 
     plain = grads()
-    model.load_state_dict(state)
-    with trim(model):
-        grads()
+    same = True
+    for masks in ("bits", "bytes"):
         model.load_state_dict(state)
-        trimmed = grads()
+        with trim(model, masks=masks):
+            grads()
+            model.load_state_dict(state)
+            trimmed = grads()
+        same = same and len(plain) == len(trimmed) and all(torch.equal(a, b) for a, b in zip(plain, trimmed))
     model.load_state_dict(state)
-    same = len(plain) == len(trimmed) and all(torch.equal(a, b) for a, b in zip(plain, trimmed))
     return steady_figures, full_figures, same
+
+
+def bytes_and_memsave(build: Callable[[], tuple]) -> str:
+    """On the CPU: held / peak of a steady step with ``masks="bytes"``, and of a plain step of
+    memsave_torch's conversion of the same model ("-" where its source is not in .dev/memsave)."""
+    model, args, kwargs, loss = build()
+    inputs = kwargs if kwargs else args
+    figures = compare(model, inputs, masks="bytes")
+    text = f"{figures['held_after']:,} / {figures['peak_after']:,}"
+    try:
+        from memsave_torch.nn import convert_to_memory_saving
+    except ImportError:
+        return text + ", memsave -"
+    converted = convert_to_memory_saving(copy.deepcopy(model))
+    held, peak = forward_backward(converted, args, kwargs)
+    return text + f", memsave {held:,} / {peak:,}"
 
 
 def main() -> None:
@@ -343,9 +370,9 @@ def main() -> None:
     print("| case | plain ms | full +ms | steady +ms | bytes +ms | plain again +ms (noise) | inside trim, steady ms "
           "(bytes) | hooked calls | ops plain | +ops full | +ops steady | +ops bytes | saves changed "
           "| +ops per changed save (bytes) | +kernels per changed save (bytes) | syncs full / steady "
-          "| held steady vs full | peak steady vs full | gradients | inside trim on the CPU, small shapes, ms "
-          "(bytes) |")
-    print("|" + "---|" * 21)
+          "| held steady vs full | peak steady vs full | held / peak with bytes, memsave | gradients (bits, bytes) "
+          "| inside trim on the CPU, small shapes, ms (bytes) |")
+    print("|" + "---|" * 22)
     meta_cases, cpu_cases = cases("meta", False), cases("cpu", True)
     for name in options.cases:
         model, args, kwargs, loss = meta_cases[name]()
@@ -364,7 +391,7 @@ def main() -> None:
         kernels = [ops[how][2] - ops["plain"][2] for how in ("steady", "bytes")]
         kernels_per_save = f"{kernels[0] / changed:.2f} ({kernels[1] / changed:.2f})" if changed else \
             f"{kernels[0]:+d} ({kernels[1]:+d})"
-        held = peak = grads = on_cpu = "-"
+        held = peak = grads = on_cpu = against = "-"
         if not options.no_bytes:
             cpu_inside = [trim_own_time(*cpu_cases[name](), masks, options.rounds)[0] for masks in ("bits", "bytes")]
             on_cpu = f"{cpu_inside[0] * 1e3:.2f} ({cpu_inside[1] * 1e3:.2f})"
@@ -374,12 +401,14 @@ def main() -> None:
             peak = (f"{steady_figures['peak_after']:,} vs {full_figures['peak_after']:,} "
                     f"({_change(steady_figures['peak_after'], full_figures['peak_after'])})")
             grads = "bit-identical" if same else "DIFFER"
+            if name.startswith("resnet50"):
+                against = bytes_and_memsave(cpu_cases[name])
         ms = {how: value * 1e3 for how, value in times.items()}
         print(f"| {name} | {ms['plain']:.1f} | {ms['full'] - ms['plain']:+.2f} | {ms['steady'] - ms['plain']:+.2f} "
               f"| {ms['bytes'] - ms['plain']:+.2f} | {ms['plain2'] - ms['plain']:+.2f} "
               f"| {inside * 1e3:.2f} ({inside_bytes * 1e3:.2f}) | {hooked} | {plain_ops} "
               f"| {ops['full'][0] - plain_ops:+d} | {added:+d} | {added_bytes:+d} | {changed} | {per_save} | {kernels_per_save} | {ops['full'][1] - ops['plain'][1]} / {ops['steady'][1] - ops['plain'][1]} "
-              f"| {held} | {peak} | {grads} | {on_cpu} |", flush=True)
+              f"| {held} | {peak} | {against} | {grads} | {on_cpu} |", flush=True)
 
 
 def _change(new: int, old: int) -> str:

@@ -992,8 +992,9 @@ def test_bytes_unpack_on_the_cpu_to_the_values_the_select_gives(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_bits_in_torch_operations_equal_numpys_bits_and_the_tables_values(monkeypatch, dtype):
     """The torch path (a GPU's) packs the bytes numpy's packbits makes, for every count (a partial
-    last byte included) and a mask starting off a word's boundary; and unpacks the values a kept
-    table's rows give, for a mask whose set bit stands for 0.0 and for a scaled one."""
+    last byte included) and a mask starting off a word's boundary, from a mask it may overwrite
+    (scratch) too; and unpacks the values a kept table's rows give, for a mask whose set bit stands
+    for 0.0, for 1.0 (a ReLU's x != 0: a conversion) and for a scaled one."""
     import numpy
     import gradaudit.trimming.codec as codec
 
@@ -1001,14 +1002,14 @@ def test_bits_in_torch_operations_equal_numpys_bits_and_the_tables_values(monkey
     for count in (1, 7, 8, 9, 63, 64, 65, 1000, 4104):
         for offset in (0, 3, 8):
             mask = (torch.rand(count + offset, generator=generator) < 0.5)[offset:]
-            packed = codec._pack_bits_with_torch(mask)
-            assert torch.equal(packed, torch.from_numpy(numpy.packbits(mask.numpy(), bitorder="little"))), \
-                (count, offset)
+            expected = torch.from_numpy(numpy.packbits(mask.numpy(), bitorder="little"))
+            assert torch.equal(codec._pack_bits_with_torch(mask), expected), (count, offset)
+            assert torch.equal(codec._pack_bits_with_torch(mask.clone(), scratch=True), expected), (count, offset)
 
     class Box:
         pass
 
-    for scale in (-1.0, torch.tensor(1 / 0.9, dtype=dtype).item()):
+    for scale in (-1.0, 1.0, torch.tensor(1 / 0.9, dtype=dtype).item()):
         box = Box()
         box.payload = torch.randint(0, 256, (37,), dtype=torch.uint8, generator=generator)
         box.scale, box.dtype = scale, dtype
