@@ -46,7 +46,10 @@ class Reads(enum.Enum):
 
 
 class Bit(enum.Enum):
-    """Which comparison with zero a SIGN read makes (and so which bit a packed save keeps)."""
+    """Which comparison with zero a SIGN read makes (and so which bit a packed save keeps):
+    NOT_LE_ZERO (``threshold_backward``), GT_ZERO (``leaky_relu_backward``), NE_ZERO (NOT_LE_ZERO on a
+    save that is never negative, such as relu's result: the cheapest to pack), BOOL (a bool save's
+    own values)."""
 
     NOT_LE_ZERO = "not x <= 0"  # threshold_backward(grad, x, 0): x <= 0 ? 0 : grad (NaN passes)
     GT_ZERO = "x > 0"  # leaky_relu_backward: x > 0 ? grad : grad * slope (NaN takes the slope)

@@ -28,9 +28,9 @@ from torch import nn
 
 from ..errors import GradauditError
 from ..tensors import iter_tensors
-from ..torchapi.autograd import in_backward, node_scalars, node_sequence_number, raw_slot_attribute, sequence_number
+from ..torchapi.autograd import in_backward, node_sequence_number, raw_slot_attribute, sequence_number
 from ..tensors import contiguous_strides
-from .codec import (BYTES, FUSED, PACKERS, dense, dropout_mask, scaled_mask, shape_stand_in, unfilled_strided,
+from .codec import (BYTES, FUSED, PACKERS, dense, dropout_mask, scaled_mask, shape_stand_in,
                     unpack_bits)
 from .plan import kind_of
 
@@ -78,18 +78,13 @@ def _drop(t: torch.Tensor) -> Any:
     return (t.shape, t.stride(), t.dtype, t.device)
 
 
-class _Layout:
-    __slots__ = ("shape", "stride", "dtype", "device")
-
-
 def _unpack_dropped(saved: tuple) -> torch.Tensor:
     _refuse_double_backward()
     shape, stride, dtype, device = saved
     if stride is None:
         return shape_stand_in(shape, dtype, device)
-    layout = _Layout()
-    layout.shape, layout.stride, layout.dtype, layout.device = shape, stride, dtype, device
-    return unfilled_strided(layout)
+    # unfilled, in the saved layout (codec.unfilled_strided's one operation, without its record)
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
 def _bit_packer(packer: Callable) -> Callable[[torch.Tensor], Any]:
