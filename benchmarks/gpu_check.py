@@ -935,7 +935,6 @@ def codec_section(out: Path, budget: Budget) -> None:
 
     rows = []
     weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=DEVICE)
-    shifts = torch.arange(8, dtype=torch.uint8, device=DEVICE)
     zero, one = torch.zeros((), device=DEVICE), torch.ones((), device=DEVICE)
     for shape, dtype in [((32, 64, 112, 112), torch.float32), ((32, 256, 56, 56), torch.float32),
                          ((32, 2048, 7, 7), torch.float32), ((32, 256, 56, 56), torch.bfloat16),
@@ -947,19 +946,26 @@ def codec_section(out: Path, budget: Budget) -> None:
         packed = codec._pack_bits_with_torch(mask)
         box = Box()
         box.payload, box.scale, box.dtype = packed, -1.0, dtype
+        # a ReLU's result as trim keeps it now (Bit.NE_ZERO): x != 0, its bits standing for 1.0
+        passes = x.bool()
+        packed_ne = codec._pack_bits_with_torch(passes)
+        box_ne = Box()
+        box_ne.payload, box_ne.scale, box_ne.dtype = packed_ne, 1.0, dtype
         table = codec._bit_table(-1.0, dtype, packed.device)
         zero_, one_ = zero.to(dtype), one.to(dtype)
         variants = {
-            "pack: compare": lambda: x <= 0,
-            "pack: compare, mul, sum (before)": lambda: torch.sum((x <= 0).view(-1, 8).view(torch.uint8) * weights,
+            "pack: compare (bytes before)": lambda: x <= 0,
+            "pack: to bool, x != 0 (bytes now)": lambda: x.bool(),
+            "pack: compare, mul, sum (oldest)": lambda: torch.sum((x <= 0).view(-1, 8).view(torch.uint8) * weights,
                                                                   dim=1, dtype=torch.uint8),
-            "pack: compare, word mul, copy (now)": lambda: codec._pack_bits_with_torch(x <= 0),
-            "unpack: where from bytes": lambda: torch.where(mask, zero_, one_),
-            "unpack: int, index_select (before)": lambda: torch.index_select(table, 0, packed.int()),
+            "pack: compare, word mul, copy (before)": lambda: codec._pack_bits_with_torch(x <= 0),
+            "pack: to bool, word mul_, copy (x != 0, now)": lambda: codec._pack_bits_with_torch(x.bool(), scratch=True),
+            "unpack: where from bytes (before)": lambda: torch.where(mask, zero_, one_),
+            "unpack: to dtype from bytes (now)": lambda: passes.to(dtype),
+            "unpack: int, index_select (oldest)": lambda: torch.index_select(table, 0, packed.int()),
             "unpack: long, index (table[idx])": lambda: table[packed.long()],
-            "unpack: and, bool, where (now)": lambda: codec._unpack_with_torch(box),
-            "unpack: shift, and, where": lambda: torch.where(((packed.view(-1, 1) >> shifts) & 1).view(torch.bool),
-                                                             zero_, one_),
+            "unpack: shift, and, where (before; threshold now)": lambda: codec._unpack_with_torch(box),
+            "unpack: shift, and, to (x != 0, now)": lambda: codec._unpack_with_torch(box_ne),
         }
         if fused.installed() and fused.takes(x):
             variants["pack: triton fused"] = lambda: fused.pack(x, fused.LE_ZERO)
@@ -972,7 +978,7 @@ def codec_section(out: Path, budget: Budget) -> None:
                 if name.startswith("unpack"):
                     row[f"{name} exact"] = bool(torch.equal(result.reshape(-1)[:x.numel()], expected))
                 elif "sum" in name or "copy" in name or "triton" in name:
-                    row[f"{name} exact"] = bool(torch.equal(result, packed))
+                    row[f"{name} exact"] = bool(torch.equal(result, packed_ne if "x != 0" in name else packed))
                 del result
                 row[name] = _time_op(fn)
             except Exception as error:  # noqa: BLE001
@@ -984,7 +990,7 @@ def codec_section(out: Path, budget: Budget) -> None:
             text = f"GPU {value[0] * 1e3:8.1f} us, host {value[1]:6.1f} us" if isinstance(value, tuple) else value
             print(f"   {name:40s} {text}  exact: {row.get(name + ' exact', '-')}", flush=True)
         write(out, "codec", rows)
-        del x, mask, packed
+        del x, mask, packed, passes, packed_ne
     # a bool keep-mask (native_dropout's, GA403: every CUDA nn.Dropout in training) to bits and back, as
     # trim does by default: what it costs per mask against the 7/8 of the mask it frees (a BERT-base
     # attention-probability mask at 32 x 128 tokens, and a hidden-state one)
