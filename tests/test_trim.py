@@ -1098,3 +1098,79 @@ def test_masks_takes_bits_or_bytes_and_plans_count_either():
         with trim(model, masks=masks):
             planned = gradaudit.plan(model, x, 10**9, measure_peak=False)
         assert (planned.masks, planned.unplanned_held_bytes) == (masks, held)
+
+
+# ----------------------------------------------------------------------------------------------
+# a save modified in place after it was saved: backward raises as plain autograd does, never reads
+# the new values (autograd checks a saved tensor's version only where no hook packed it)
+
+class _SquareThenShift(nn.Module):
+    """z = y * y saves y (both factors); y is then modified in place: plain backward raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.linear(x)
+        z = y * y
+        y.add_(1.0)
+        return z
+
+
+class _ReluThenShift(nn.Module):
+    """A ReLU's result (which trim packs) shifted in place inside the same call, when ``modify``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.modify = False
+
+    def forward(self, x):
+        y = F.relu(self.linear(x))
+        out = y * 2.0  # (saves no tensor; the output's node still leads to relu's, which saved y)
+        if self.modify:
+            y.sub_(0.3)  # some results turn negative: a sign pattern other than relu's
+        return out
+
+
+def _backward_error(model: nn.Module, x: torch.Tensor) -> str:
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as raised:
+        model(x).sum().backward()
+    return str(raised.value)
+
+
+def test_a_kept_save_modified_in_place_raises_in_backward_as_without_trim():
+    model, x = _SquareThenShift(), torch.randn(5, 3)
+    _backward_error(model, x)
+    with trim(model) as handle:
+        # the forward that decides keeps y (the multiplication reads it); before this check backward
+        # read y + 1 and gave a gradient, silently wrong
+        message = _backward_error(model, x)
+        assert "gradaudit.trim" in message and "expected version 0" in message
+        assert handle.forwards["full"] == 1
+
+
+@pytest.mark.parametrize("masks", ["bits", "bytes"])
+def test_a_packed_save_modified_in_place_before_it_is_packed_raises_as_without_trim(masks):
+    """In the forward that decides, the ReLU's result is packed at the next module boundary, after the
+    shift: it is kept and backward raises. In a steady forward planned without the shift (a branch
+    the plan did not see), it is packed at the module's end, after the shift: kept, and backward
+    raises too; with no shift the gradients stay bit-identical."""
+    model = nn.Sequential(_ReluThenShift(), nn.Linear(4, 2).requires_grad_(False))
+    x = torch.randn(6, 4)
+    model[0].modify = True
+    _backward_error(model, x)
+    with trim(model, masks=masks):
+        _backward_error(model, x)
+    model[0].modify = False
+    plain = gradients(model, (x,))
+    with trim(model, masks=masks) as handle:
+        gradients(model, (x,))  # decides: the result is packed
+        model[0].modify = True
+        _backward_error(model, x)
+        model[0].modify = False
+        trimmed = gradients(model, (x,))
+        assert handle.forwards == {"full": 1, "steady": 2}, handle.forwards
+        assert handle.stats["bitpacked"] >= 2
+    assert_identical(plain, trimmed)

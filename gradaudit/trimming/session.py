@@ -56,7 +56,13 @@ class Box:
 
 def unpack(box: Box) -> torch.Tensor:
     if box.state == KEPT:
-        return box.payload if box.outer_unpack is None else box.outer_unpack(box.payload)
+        if box.outer_unpack is not None:
+            return box.outer_unpack(box.payload)
+        if version_counter(box.payload) != box.version:
+            # autograd checks a saved tensor's version only where no hook packed it: with trim's
+            # hooks a save modified in place since would give backward the new values, silently
+            raise modified_since_saved(box.payload, box.version)
+        return box.payload
     if torch.is_grad_enabled() and in_backward():
         # backward(create_graph=True) differentiates the backward formulas themselves, which may
         # read values the first-order backward never reads
@@ -71,6 +77,15 @@ def unpack(box: Box) -> torch.Tensor:
 
 
 _FUSED_PACKERS = frozenset(FUSED.values())
+
+
+def modified_since_saved(tensor: torch.Tensor, version: int) -> RuntimeError:
+    """The error autograd raises when backward reads a saved tensor modified in place since its save."""
+    return RuntimeError(
+        f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{tensor.dtype} {list(tensor.shape)}] is at version {version_counter(tensor)}; expected version {version} "
+        f"instead (autograd's own check, made by gradaudit.trim, whose saved-tensor hooks autograd does not check). "
+        f"Clone the tensor before modifying it, or modify a copy")
 
 
 
@@ -410,7 +425,9 @@ class Session:
                     and version_counter(tensor) == packed_box.version:
                 view = torch.empty((0,), dtype=packed_box.dtype, device=packed_box.device)
                 view.set_(storage, packed_box.offset, packed_box.shape, packed_box.stride)
+                # (a tensor of its own, with a version counter of its own: unmodified now)
                 packed_box.payload, packed_box.state = view, KEPT
+                packed_box.version = version_counter(view)
                 self.stats["unpacked_again"] += 1
 
     def pack_bits(self, box: Box, packer: Packer) -> None:

@@ -33,6 +33,7 @@ from ..tensors import contiguous_strides
 from .codec import (BYTES, FUSED, PACKERS, dense, dropout_mask, scaled_mask, shape_stand_in,
                     unpack_bits)
 from .plan import kind_of
+from .session import modified_since_saved
 
 # the torch.nn dropout classes whose keep-mask is two-valued by construction (ATen's Dropout.cpp)
 STOCK_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
@@ -105,16 +106,44 @@ def _bit_packer(packer: Callable) -> Callable[[torch.Tensor], Any]:
     return pack
 
 
+class _Modified:
+    """A save modified in place between the op that saved it and its module's end: kept, and read by
+    backward only as autograd would (which, for a save with hooks, does not check)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, version: int) -> None:
+        self.tensor, self.version = tensor, version
+
+
+def _unmodified(pack: Callable[[torch.Tensor], Any], version: int) -> Callable[[torch.Tensor], Any]:
+    """``pack`` for a save whose version when saved was ``version`` in the forward that planned it
+    (a tensor the forward makes: no parameter, buffer or input is ever packed, so its version
+    counter starts afresh each forward and the same ops bump it alike)."""
+    def pack_unmodified(t: torch.Tensor) -> Any:
+        if t._version != version:
+            return _Modified(t, version)
+        return pack(t)
+
+    return pack_unmodified
+
+
+def _kept_tensor(saved: Any) -> torch.Tensor:
+    if type(saved) is _Modified:
+        raise modified_since_saved(saved.tensor, saved.version)
+    return saved.tensor
+
+
 def _unpack_bits(saved: Any) -> torch.Tensor:
-    if type(saved) is _Kept:
-        return saved.tensor
+    if type(saved) is _Kept or type(saved) is _Modified:
+        return _kept_tensor(saved)
     _refuse_double_backward()
     return unpack_bits(saved)
 
 
 def _unpack_fused(saved: Any) -> torch.Tensor:
-    if type(saved) is _Kept:
-        return saved.tensor
+    if type(saved) is _Kept or type(saved) is _Modified:
+        return _kept_tensor(saved)
     _refuse_double_backward()
     return unpack_bits(saved, fused_kernels=True)
 
@@ -358,6 +387,8 @@ def build(session: Any, key: Any, dropped: int, packed: int) -> SteadyPlan:
                         slot.pack = _dropout_packer(slot.box.scale, slot.box.dtype, _CHECKED_MASKS[slot.pack])
             # elsewhere a mask keeps the packer that checks its values
             for slot in slots:
+                if not slot.dropped:
+                    slot.pack = _unmodified(slot.pack, slot.box.version)
                 slot.box = None
             entries.append(Entry(where[0], where[1], node, slots, fresh))
         if not entries:
