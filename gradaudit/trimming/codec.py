@@ -324,8 +324,9 @@ def unpack_bytes(box: Any) -> torch.Tensor:
     ReLU result's, x != 0) by one conversion of the bools on every device; others by one select on a
     GPU and meta, and on the CPU by a conversion (a scaled mask multiplied in place), since the CPU's
     select between two 0-dim tensors runs ~9x slower than a conversion (2 x 256 x 16 x 16: 383 us
-    against 47; 32 x 64 x 56 x 56: 20.5 ms against 2.3, one thread). Either way the values are the only tensor it makes, and the same: 0.0 and 1.0,
-    or +0.0 and ``scale`` (1.0 * scale and 0.0 * scale are exact, ``scale`` > 0; 1 - 1.0 is +0.0)."""
+    against 47; 32 x 64 x 56 x 56: 20.5 ms against 2.3, one thread). Either way the values are the
+    only tensor it makes, and the same: 0.0 and 1.0, or +0.0 and ``scale`` (1.0 * scale and 0.0 *
+    scale are exact, ``scale`` > 0; 1 - 1.0 is +0.0)."""
     mask = box.payload
     if box.scale == 1.0:
         # True stands for 1.0 and False for 0.0: one conversion on every device (a GPU's is one
