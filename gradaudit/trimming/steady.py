@@ -29,6 +29,7 @@ from torch import nn
 from ..errors import GradauditError
 from ..tensors import iter_tensors
 from ..torchapi.autograd import in_backward, node_sequence_number, raw_slot_attribute, sequence_number
+from ..torchapi.storages import version_counter
 from ..tensors import contiguous_strides
 from .codec import (BYTES, FUSED, PACKERS, dense, dropout_mask, scaled_mask, shape_stand_in,
                     unpack_bits)
@@ -121,7 +122,7 @@ def _unmodified(pack: Callable[[torch.Tensor], Any], version: int) -> Callable[[
     (a tensor the forward makes: no parameter, buffer or input is ever packed, so its version
     counter starts afresh each forward and the same ops bump it alike)."""
     def pack_unmodified(t: torch.Tensor) -> Any:
-        if t._version != version:
+        if version_counter(t) != version:
             return _Modified(t, version)
         return pack(t)
 
