@@ -17,6 +17,7 @@ A row is OK when the regions and bytes agree, no save has an unknown module and 
     python benchmarks/compiled_zoo.py                                   # every architecture, aot_eager
     python benchmarks/compiled_zoo.py --backend inductor --hf LlamaForCausalLM,BertForMaskedLM --vision resnet18
     python benchmarks/compiled_zoo.py --hf "" --vision resnet18,mobilenet_v3_small,swin_t
+    python benchmarks/compiled_zoo.py --meta                            # and each on meta, for cpu and cuda
 
 Inductor needs a C++ compiler; each model compiles in seconds (aot_eager) to tens of seconds (inductor).
 """
@@ -45,8 +46,50 @@ def _running_statistics(t: Any) -> bool:
     return t.storage_kind == "buffer"
 
 
-def check(name: str, model: torch.nn.Module, inputs: Any, backend: str, loss_of: Any) -> str:
-    """One row: the compiled model's plain run against its audit and its proof."""
+def _same_saves(report: Any, other: Any) -> bool:
+    """Whether two audits list the same saves: module, shape, dtype, size, verdict and source line of each,
+    in any order (a region's graph may number its saves otherwise when its inputs come in another order)."""
+    def rows(r: Any) -> list[tuple]:
+        return sorted((t.module, tuple(t.shape), t.dtype, t.numel, str(t.verdict), t.source or "") for t in r.tensors)
+    return rows(report) == rows(other)
+
+
+def on_meta(name: str, build_meta: Any, inputs: Any, backend: str, on_cpu: Any) -> list[str]:
+    """Two rows: the same model built on the meta device (``build_meta()``), compiled and audited standing
+    for the CPU (checked save by save against ``on_cpu``, the CPU's audit) and for CUDA (regions, bytes
+    and verdicts only: no GPU here to compare with)."""
+    import gradaudit
+
+    rows = []
+    for target in ("cpu", "cuda"):
+        start = time.time()
+        meta = build_meta()
+        torch._dynamo.reset()
+        try:
+            report = gradaudit.audit(torch.compile(meta, backend=backend), inputs, target=target)
+        except Exception as error:  # noqa: BLE001 - a row, not the end of the run
+            first = str(error).splitlines()[0][:160]
+            rows.append(f"ERR {name + ' meta ' + target:34s} {type(error).__name__}: {first}")
+            continue
+        finally:
+            torch._dynamo.reset()
+        seen = sum(n.name == "CompiledFunctionBackward" for n in report.nodes)
+        unknown = sum(1 for t in report.tensors if t.verdict == "unknown")
+        cpu_seen = sum(n.name == "CompiledFunctionBackward" for n in on_cpu.nodes)
+        same = _same_saves(report, on_cpu) if target == "cpu" else None
+        ok = seen == cpu_seen and not unknown and same is not False
+        compared = {True: "saves as the CPU audit", False: "saves differ from the CPU audit", None: ""}[same]
+        rows.append(f"{'OK ' if ok else 'BAD'} {name + ' meta ' + target:34s} regions {cpu_seen}/{seen}  bytes "
+                    f"{on_cpu.saved_bytes:,}/{report.saved_bytes:,}  "
+                    f"{compared}"
+                    f"  unknown {unknown}  findings {','.join(sorted({f.code for f in report.findings})) or '-'}  "
+                    f"{time.time() - start:.0f}s")
+    return rows
+
+
+def check(name: str, model: torch.nn.Module, inputs: Any, backend: str, loss_of: Any, build_meta: Any = None) -> str:
+    """One row: the compiled model's plain run against its audit and its proof (with ``build_meta``, the
+    same model's builder on meta, the rows of ``on_meta`` after it)."""
     import gradaudit
 
     start = time.time()
@@ -73,32 +116,46 @@ def check(name: str, model: torch.nn.Module, inputs: Any, backend: str, loss_of:
     differ = [t for t, p in zip(report.tensors, proven.tensors)
               if t.verdict != p.verdict and not _running_statistics(t)]
     ok = seen == regions and held == report.saved_bytes and not unknown_module and not unknown and not differ
-    return (f"{'OK ' if ok else 'BAD'} {name:34s} regions {regions}/{seen}  bytes {held:,}/{report.saved_bytes:,}  "
-            f"off-model {len(unknown_module)} root {root}  unknown {unknown} differ {len(differ)}  "
-            f"findings {','.join(sorted({f.code for f in report.findings})) or '-'}  {time.time() - start:.0f}s")
+    row = (f"{'OK ' if ok else 'BAD'} {name:34s} regions {regions}/{seen}  bytes {held:,}/{report.saved_bytes:,}  "
+           f"off-model {len(unknown_module)} root {root}  unknown {unknown} differ {len(differ)}  "
+           f"findings {','.join(sorted({f.code for f in report.findings})) or '-'}  {time.time() - start:.0f}s")
+    return "\n".join([row, *on_meta(name, build_meta, inputs, backend, report)]) if build_meta else row
 
 
-def hugging_face(names: list[str], backend: str) -> None:
+def hugging_face(names: list[str], backend: str, meta: bool) -> None:
     import transformers
     from hf_zoo import ARCHS, batch, build_model
 
-    for arch in ARCHS:
-        if names and arch.model not in names:
-            continue
-        model = build_model(arch, transformers)
+    def built(arch: Any, device: str = "cpu") -> torch.nn.Module:
+        model = build_model(arch, transformers, device=device)
+        if device == "meta":
+            # a parameter made by torch.Tensor(n) ignores torch.device and stays on the CPU (Wav2Vec2's
+            # masked_spec_embed): on meta too, as it would be on the GPU with the rest of the model
+            for module in model.modules():
+                for name, p in list(module._parameters.items()):
+                    if p is not None and not p.is_meta:
+                        module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
         try:
             model.get_input_embeddings().requires_grad_(False)  # frozen embeddings, as fine-tunes have them
         except (NotImplementedError, AttributeError):
             pass
+        return model
+
+    for arch in ARCHS:
+        if names and arch.model not in names:
+            continue
         inputs = batch(arch, padded=arch.batch in ("text", "audio"))
         loss_of = (lambda out: out.loss) if "labels" in inputs else (lambda out: out[0].float().sum())
-        print(check(arch.model, model, inputs, backend, loss_of), flush=True)
+        build_meta = (lambda arch=arch: built(arch, "meta")) if meta else None
+        print(check(arch.model, built(arch), inputs, backend, loss_of, build_meta), flush=True)
 
 
-def vision(names: list[str], backend: str) -> None:
+def vision(names: list[str], backend: str, meta: bool) -> None:
     import torchvision
 
-    for name in names:
+    import gradaudit
+
+    def built(name: str) -> torch.nn.Module:
         torch.manual_seed(0)
         model = getattr(torchvision.models, name)(num_classes=10)
         # the last quarter of the parameters trains, the rest is frozen; batch norm in training
@@ -106,8 +163,16 @@ def vision(names: list[str], backend: str) -> None:
         parameters = list(model.parameters())
         for p in parameters[-len(parameters) // 4:]:
             p.requires_grad_(True)
-        model.train()
-        print(check(name, model, torch.randn(2, 3, 64, 64), backend, lambda out: out.sum()), flush=True)
+        return model.train()
+
+    def built_on_meta(name: str) -> torch.nn.Module:
+        with gradaudit.meta_device():  # RegNet reads the sizes it computes while it is built
+            return built(name)
+
+    for name in names:
+        build_meta = (lambda name=name: built_on_meta(name)) if meta else None
+        print(check(name, built(name), torch.randn(2, 3, 64, 64), backend, lambda out: out.sum(), build_meta),
+              flush=True)
 
 
 def main() -> None:
@@ -116,15 +181,18 @@ def main() -> None:
     parser.add_argument("--hf", default=None, help="comma-separated architectures of tests/hf_zoo.py (default: all; "
                                                     "'' for none)")
     parser.add_argument("--vision", default=VISION, help="comma-separated torchvision models ('' for none)")
+    parser.add_argument("--meta", action="store_true", help="also audit each model on the meta device, standing for "
+                                                            "the CPU (checked save by save against the CPU audit) "
+                                                            "and for CUDA")
     options = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     logging.disable(logging.WARNING)
     print(f"torch {torch.__version__}, backend {options.backend}, CPU, one thread")
     if options.hf != "":
-        hugging_face([n for n in (options.hf or "").split(",") if n], options.backend)
+        hugging_face([n for n in (options.hf or "").split(",") if n], options.backend, options.meta)
     if options.vision:
-        vision(options.vision.split(","), options.backend)
+        vision(options.vision.split(","), options.backend, options.meta)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from .rules.registry import check_codes
 from .tracking import held_after_forward
 from .tensors import ModelTree, first_meta_parameter, iter_tensors, split_inputs, unique
 from .values import to_meta
-from .compiled import EAGER_ASKED, ON_META, compare_with_eager, compiled_paths, compiled_regions, ran_eagerly_note
+from .compiled import (EAGER_ASKED, compare_with_eager, compiled_paths, compiled_regions, on_meta_note,
+                       ran_eagerly_note)
 from .torchapi.compiler import COMPILED_NODE, compiled_original, force_eager, keeping_graphs
 from .torchapi.distributed import distributed_rank, wait_unwaited
 from .torchapi.fsdp import fsdp_reshard, fsdp_unsharded_parameters
@@ -250,7 +251,7 @@ def _notes_after(model: nn.Module, report: Report, emulated: Any) -> list[str]:
         notes.extend(_rank_notes(report))
     if emulated is not None:
         notes.extend(emulated.notes)
-    notes.extend(_compiled_notes(model, report, emulated is not None))
+    notes.extend(_compiled_notes(model, report, emulated))
     if trimmed_now(model):
         # trim stands aside while gradaudit audits (its hooks would hide the saves from the audit)
         notes.append(
@@ -301,19 +302,25 @@ def _forward_failure(error: Exception, on_meta: bool) -> str:
     return message
 
 
-def _compiled_notes(model: nn.Module, report: Report, on_meta: bool) -> list[str]:
-    """What a torch.compile'd model's report can and cannot say."""
+def _compiled_notes(model: nn.Module, report: Report, emulated: Any) -> list[str]:
+    """What a torch.compile'd model's report can and cannot say (``emulated``: the meta emulation, or None)."""
     regions = compiled_regions(report)
     if not regions:
-        eager = ran_eagerly_note(model, ON_META if on_meta else EAGER_ASKED)
+        eager = ran_eagerly_note(model, EAGER_ASKED)
         return [eager] if eager else []
     compiled = compiled_paths(model)
     where = f" ({', '.join(compiled[:5])})" if compiled else ""
-    return [f"{regions} torch.compile'd region{'s' if regions > 1 else ''}{where} ran as one compiled graph each "
-            f"({COMPILED_NODE}): what such a region keeps for backward is the compiler's choice, "
-            f"counted in the byte figures and attributed to the module and line its graphs name (each "
-            f"save's reason names the ops that make and read it); verdicts and findings (GA003) come "
-            f"from what its backward graph's ops read of each save, and from the proof (verify=True, "
-            f"scan --verify) for what the graph does not settle. To see what eager autograd would keep "
-            f"and which fixes apply, audit with eager=True (gradaudit scan --eager); both side by side, per "
-            f"module: compare_eager=True (scan --compare-eager)"]
+    notes = []
+    if emulated is not None:
+        compiled_here = emulated.compiled_here
+        notes.append(on_meta_note(report.target, compiled_here.inductor_regions if compiled_here else 0))
+    plural = "s" if regions > 1 else ""
+    return notes + [
+        f"{regions} torch.compile'd region{plural}{where} ran as one compiled graph each "
+        f"({COMPILED_NODE}): what such a region keeps for backward is the compiler's choice, "
+        f"counted in the byte figures and attributed to the module and line its graphs name (each "
+        f"save's reason names the ops that make and read it); verdicts and findings (GA003) come "
+        f"from what its backward graph's ops read of each save, and from the proof (verify=True, "
+        f"scan --verify) for what the graph does not settle. To see what eager autograd would keep "
+        f"and which fixes apply, audit with eager=True (gradaudit scan --eager); both side by side, per "
+        f"module: compare_eager=True (scan --compare-eager)"]

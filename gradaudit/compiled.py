@@ -180,28 +180,41 @@ def compiled_paths(model: nn.Module) -> list[str]:
 
 
 # why a compiled model ran eagerly, by who ran it (``ran_eagerly_note``)
-ON_META = "on the meta device TorchDynamo does not compile under gradaudit's emulation"
 EAGER_ASKED = "eager=True, or TorchDynamo fell back to eager"
 FIT = ("fit's step tracker follows the aten ops a step dispatches, and a compiled region's generated code does "
        "not dispatch all it does: inductor makes its buffers out of the tracker's sight")
 
 
 def ran_eagerly_note(model: nn.Module, why: str) -> Optional[str]:
-    """The note for a compiled model that made no compiled region here (``why``: ON_META, EAGER_ASKED or
-    FIT): its figures are eager autograd's, not its compiled graph's; None for a model with no compiled
-    module."""
+    """The note for a compiled model that made no compiled region here (``why``: EAGER_ASKED or FIT): its
+    figures are eager autograd's, not its compiled graph's; None for a model with no compiled module."""
     paths = compiled_paths(model)
     if not paths:
         return None
-    where = ("audit it (gradaudit scan, gradaudit.audit) on the CPU or the GPU: an audit counts every tensor its "
-             "regions keep for backward" if why == FIT else
-             "run it on the CPU or the GPU: the partitioner is the same, and for that ResNet-18 the CPU's graph "
-             "keeps the GPU's bytes, but where a kernel differs between devices (attention, batch norm) a region "
-             "can keep other tensors")
+    where = ("audit it (gradaudit scan, gradaudit.audit): an audit counts every tensor its regions keep for "
+             "backward" if why == FIT else "audit it without eager=True")
     return (f"the model is torch.compile'd ({', '.join(paths[:5])}) but ran eagerly here ({why}): these figures are "
             f"what eager autograd keeps, not what its compiled graphs keep, which can be far more or less "
             f"(a ResNet-18 fine-tune at 32x224 under inductor keeps 362,725,376 B on an H200, where eager keeps "
             f"433,586,176 B). For what its compiled graphs keep, {where}")
+
+
+def on_meta_note(target: Optional[str], inductor_regions: int) -> str:
+    """What a compiled model's audit on the meta device stands for (``target``: the device it stands
+    for; ``inductor_regions``: graphs compiled for inductor, partitioned but not code-generated)."""
+    target = target or "cpu"
+    kernels = ("cuDNN batch norm, the attention kernel the GPU would take, fused dropout" if target == "cuda" else
+               "the CPU's attention kernel")
+    note = (f"on the meta device the compiled regions were traced and partitioned as for {target}: TorchDynamo "
+            f"traced the forward under the kernel choices gradaudit emulates for {target} ({kernels}), and "
+            f"AOTAutograd decomposed and partitioned that graph as it does on the device")
+    if inductor_regions:
+        note += (f"; {inductor_regions} graph{'s' if inductor_regions > 1 else ''} compiled for inductor went through "
+                 f"inductor's decompositions and partitioner (the backend aot_eager_decomp_partition), not its code "
+                 f"generation, so what its generated code adds is not counted: copies of weights in another layout "
+                 f"(GA703: a channels-last copy of each 3x3 convolution's weight on the CPU) and buffers it "
+                 f"reuses. For those, audit on the CPU or the GPU")
+    return note
 
 
 def compare_with_eager(compiled: "Report", eager: "Report") -> "EagerComparison":

@@ -37,9 +37,12 @@ from torch.overrides import TorchFunctionMode
 
 from . import cuda_choices, kernel_cache
 from .torchapi.checkpoint import checkpoint_meta_as, recomputing_under
+from .torchapi.compiler import CompilingOnMeta, compiling, graph_break, never_compiled_alone, traced_setter
 from .torchapi.dispatch import TorchDispatchMode, op_namespaces
-from .sdpa import SdpaChoice, as_sdpa, cpu_additive_mask, cpu_choice, emulated_sdpa, meta_query, sdpa_arguments
-from .torchapi.kernels import (BATCH_NORM_LEGIT, BATCH_NORM_LEGIT_NO_STATS, any_autocast_enabled,
+from .sdpa import (SdpaChoice, as_sdpa, call_key, choice_when_traced, choosing, chosen, cpu_additive_mask, cpu_choice,
+                   emulated_sdpa, meta_query, sdpa_arguments)
+from .torchapi.kernels import (BATCH_NORM_LEGIT, BATCH_NORM_LEGIT_NO_STATS, BATCH_NORM_LEGIT_NO_TRAINING,
+                               BATCH_NORM_NO_UPDATE, any_autocast_enabled,
                                cpu_flash_attention, cuda_autocast_without_cuda, cudnn_batch_norm,
                                native_dropout, sdp_backend_name, suggest_memory_format)
 from .torchapi.storages import is_view
@@ -50,6 +53,23 @@ from .values import KnownValues, LiteralsOnMeta
 # receives the composite as one call and is off while it runs, so the kernel choices run it with the
 # mode pushed again, and its inner calls take the target's kernels
 _KERNEL_COMPOSITES = (F.multi_head_attention_forward,)
+
+
+def _ctc_lengths_as_lists(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``F.ctc_loss``'s arguments (positional, keyword), its four tensors positional and its lengths as
+    tuples of ints where they are meta tensors. On the CPU and CUDA, ctc_loss with tensor lengths copies
+    them to the CPU and runs the kernel that takes lists (LossCTC.cpp: CtcLossBackward0, its mean divided
+    by float lengths); on meta it runs ``_ctc_loss.Tensor`` (CtcLossBackward1, which also saves both
+    lengths), and TorchDynamo, tracing it, fails for want of a meta kernel where on a device it breaks the
+    graph there (the output's size follows the lengths' values). The values are read as any on meta
+    (known, else assumed and noted)."""
+    names = ("log_probs", "targets", "input_lengths", "target_lengths")
+    moved = [n for n in names[len(args):] if n in kwargs]
+    bound = list(args[:4]) + [kwargs[n] for n in moved]
+    for i in (2, 3):
+        if i < len(bound) and isinstance(bound[i], torch.Tensor) and bound[i].is_meta:
+            bound[i] = tuple(int(n) for n in bound[i].tolist())
+    return (*bound, *args[4:]), {k: v for k, v in kwargs.items() if k not in moved}
 
 
 class CpuKernelChoices(TorchFunctionMode):
@@ -63,15 +83,33 @@ class CpuKernelChoices(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        setting = traced_setter(func)
+        if setting is not None:
+            return setattr(args[0], setting, args[1])
         if func is F.scaled_dot_product_attention:
             bound = sdpa_arguments(args, kwargs)
             if meta_query(bound):
-                choice = self.sdpa_choice(bound)
+                # traced by torch.compile: the choice is made once, as the trace runs, and the chosen
+                # kernel's call is what the graph records (asking the dispatcher here would break it)
+                choice = choice_when_traced(call_key(bound)) if compiling() else self.sdpa_choice(bound)
                 if choice is not None:
                     return emulated_sdpa(choice, self.sdpa_runner(bound, choice), *as_sdpa(bound))
         elif func in _KERNEL_COMPOSITES:
             return run_with_mode_inside(self, func, args, kwargs)
+        elif func is F.ctc_loss:
+            if compiling():
+                graph_break()  # as on a device (the call then runs eagerly, where the lengths' values are known)
+            args, kwargs = _ctc_lengths_as_lists(args, kwargs)
         return func(*args, **kwargs)
+
+    def __enter__(self) -> "CpuKernelChoices":
+        never_compiled_alone(type(self).__torch_function__)  # (inlined where TorchDynamo traces, never alone)
+        choosing(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        chosen(self)
+        return super().__exit__(*exc)
 
     def sdpa_choice(self, bound: dict[str, Any]) -> Optional[SdpaChoice]:
         """The kernel the CPU dispatcher picks for these arguments (asked with CPU twins); None where
@@ -182,6 +220,9 @@ class CudaKernelChoices(CpuKernelChoices):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        setting = traced_setter(func)
+        if setting is not None:
+            return setattr(args[0], setting, args[1])
         bound = batch_norm_arguments(func, args, kwargs)
         if bound is not None:
             x = bound["input"]
@@ -190,7 +231,7 @@ class CudaKernelChoices(CpuKernelChoices):
                                                 bound["running_var"], bool(bound["training"]), bound["eps"])):
                 if func is F.batch_norm and bound["training"]:
                     _verify_batch_size(x)  # F.batch_norm's own check, which this call replaces
-                return self._cudnn(bound)
+                return _cudnn_batch_norm(bound)
             return func(*args, **kwargs)
         dropout = _dropout_arguments(func, args, kwargs)
         if dropout is not None and cuda_choices.fused_dropout_applies(*dropout):
@@ -220,17 +261,18 @@ class CudaKernelChoices(CpuKernelChoices):
     def sdpa_runner(self, bound: dict[str, Any], choice: SdpaChoice) -> Callable[..., torch.Tensor]:
         return lambda *sdpa: cuda_choices.run(cuda_choices.SdpaCall(*sdpa), choice.kernel)
 
-    @staticmethod
-    def _cudnn(bound: dict[str, Any]) -> torch.Tensor:
-        x, training = bound["input"], bool(bound["training"])
-        stats = [t.contiguous() if t is not None else None for t in (bound["running_mean"], bound["running_var"])]
-        return cudnn_batch_norm(x.contiguous(memory_format=suggest_memory_format(x)),
-                                         bound["weight"].contiguous(), bound["bias"].contiguous(), *stats,
-                                         training, bound["momentum"], bound["eps"])
-
     def _note(self, text: str) -> None:
         if text not in self._notes:
             self._notes.append(text)
+
+
+# (a function of its own, not a staticmethod: TorchDynamo, tracing the kernel choices inside a compiled
+# region, fails to build a guard on a staticmethod reached through the mode)
+def _cudnn_batch_norm(bound: dict[str, Any]) -> torch.Tensor:
+    x, training = bound["input"], bool(bound["training"])
+    stats = [t.contiguous() if t is not None else None for t in (bound["running_mean"], bound["running_var"])]
+    return cudnn_batch_norm(x.contiguous(memory_format=suggest_memory_format(x)), bound["weight"].contiguous(),
+                            bound["bias"].contiguous(), *stats, training, bound["momentum"], bound["eps"])
 
 
 def _dropout_arguments(func: Any, args: tuple, kwargs: dict) -> Optional[tuple[Any, Any, Any, Any]]:
@@ -287,8 +329,14 @@ class DeviceKernelsOnMeta(TorchDispatchMode):
                 elements = torch.broadcast_shapes(args[0].shape, args[1].shape).numel()
                 return torch.empty(elements, dtype=out.dtype, device="meta")[0] if elements > 1 else out
             return out
-        if self.target == "cpu" and func in _CPU_NORM_PARAMETERS:
-            return _cpu_statistics(func, args, kernel_cache.call(func, args, kwargs))
+        if self.target == "cpu" and (func in _CPU_NORM_PARAMETERS or func in _CPU_EVAL_BATCH_NORMS):
+            out = kernel_cache.call(func, args, kwargs)
+            if func in _CPU_NORM_PARAMETERS:
+                out = _cpu_statistics(func, args, out)
+            outside_training = _CPU_EVAL_BATCH_NORMS.get(func)
+            if outside_training is not None and outside_training(args, kwargs) and out[1].is_meta:
+                out = (out[0], *[torch.empty(0, dtype=t.dtype, device="meta") for t in out[1:3]], *out[3:])
+            return out
         if func is _GROUPED_MM and _meta_floats_other_than_bf16(args[:2]):
             as_bf16 = [torch.empty_like(t, dtype=torch.bfloat16) for t in args[:2]]
             shape = func(*as_bf16, *args[2:], **kwargs).shape
@@ -315,6 +363,19 @@ _CPU_NORM_PARAMETERS = {torch.ops.aten.native_layer_norm.default: (2, 3),
                         torch.ops.aten.native_group_norm.default: (1, 2),
                         torch.ops.aten.native_batch_norm.default: (1, 2, 3, 4),
                         BATCH_NORM_LEGIT: (1, 2, 3, 4), BATCH_NORM_LEGIT_NO_STATS: (1, 2)}
+
+
+# Batch norm with running statistics outside training: the CPU kernel (batch_norm_cpu) returns its
+# saved mean and inverse deviation empty, (0,), where the meta kernels return one per channel (checked on
+# torch 2.11, 2.14 and 2.15). Eager autograd saves them (NativeBatchNormBackward0's result1 and result2),
+# and so does a compiled region's backward graph: counted on meta, they held the bytes the CPU does not.
+# Per op, whether a call is such a one (its ``training`` argument, where it has one, False).
+_CPU_EVAL_BATCH_NORMS = {
+    torch.ops.aten.native_batch_norm.default: lambda args, kwargs: not _argument(args, kwargs, 5, "training", True),
+    BATCH_NORM_LEGIT: lambda args, kwargs: not _argument(args, kwargs, 5, "training", True),
+    BATCH_NORM_LEGIT_NO_TRAINING: lambda args, kwargs: True,
+    BATCH_NORM_NO_UPDATE: lambda args, kwargs: True,
+}
 
 
 def _cpu_statistics(func: Any, args: tuple, out: tuple) -> tuple:
@@ -364,8 +425,10 @@ class Emulation:
     """What ``standing_for`` entered; ``notes``: what it could not emulate (autocast's, then the
     kernel choices')."""
 
-    def __init__(self, kernels: Any, autocast: "AutocastOnMeta", values: KnownValues) -> None:
+    def __init__(self, kernels: Any, autocast: "AutocastOnMeta", values: KnownValues,
+                 compiled_here: Optional[CompilingOnMeta] = None) -> None:
         self.kernels, self.autocast, self.values = kernels, autocast, values
+        self.compiled_here = compiled_here  # how regions torch.compile compiles on meta were compiled
 
     @property
     def notes(self) -> list[str]:
@@ -393,6 +456,9 @@ def standing_for(target: str, also: Any = None) -> Iterator[Emulation]:
             stack.enter_context(checkpoint_meta_as("cuda"))
         # KnownValues runs each op through the device's kernel choices, as a mode of its own below it
         # would (it sees what they return: values carried through masks and positions)
+        # a region torch.compile compiles here is traced and partitioned as on a device (for inductor:
+        # partitioned, not code-generated)
+        compiling_here = stack.enter_context(CompilingOnMeta())
         values = stack.enter_context(KnownValues(kernels=DeviceKernelsOnMeta(target).run))
         stack.enter_context(LiteralsOnMeta())
         kernels = stack.enter_context(kernel_choices(target))
@@ -400,7 +466,7 @@ def standing_for(target: str, also: Any = None) -> Iterator[Emulation]:
             stack.enter_context(also)
         autocast = AutocastOnMeta(target)
         stack.enter_context(autocast)
-        yield Emulation(kernels, autocast, values)
+        yield Emulation(kernels, autocast, values, compiling_here)
 
 
 # -- autocast on meta -------------------------------------------------------------------------------
@@ -574,10 +640,18 @@ class AutocastOnMeta(TorchFunctionMode):
         self._seen_opaque: set[tuple[str, str]] = set()
         self._others = _KNOWN_OTHERS
 
+    def __enter__(self) -> "AutocastOnMeta":
+        never_compiled_alone(type(self).__torch_function__)  # (inlined where TorchDynamo traces, never alone)
+        return super().__enter__()
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        setting = traced_setter(func)
+        if setting is not None:
+            return setattr(args[0], setting, args[1])
         if not _any_autocast_enabled():
-            self._cache.clear()  # outside every autocast region (autocast clears its cache on exit)
+            if self._cache and not compiling():
+                self._cache.clear()  # outside every autocast region (autocast clears its cache on exit)
             return func(*args, **kwargs)
         device = next((d for d in self.order if torch.is_autocast_enabled(d)), None)
         self._note_other_devices()
@@ -639,8 +713,10 @@ class AutocastOnMeta(TorchFunctionMode):
         if not _eligible(value) or value.dtype == target:
             return value
         # autocast's cache: fp32 leaves that require grad, cast to the lower precision, once per region
-        if (cache and target == lower and value.dtype == torch.float32 and value.requires_grad and value.is_leaf
-                and not is_view(value) and torch.is_autocast_cache_enabled()):
+        # (not in a region being compiled: its graph casts each use, and AOTAutograd's common-subexpression
+        # pass merges the same casts)
+        if (cache and target == lower and not compiling() and value.dtype == torch.float32 and value.requires_grad
+                and value.is_leaf and not is_view(value) and torch.is_autocast_cache_enabled()):
             hit = self._cache.get(id(value))
             if hit is not None and hit[0]() is value:
                 return hit[1]

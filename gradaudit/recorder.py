@@ -30,7 +30,7 @@ from . import torchapi
 from .sdpa import SdpaChoice, cpu_choice, emulated_sdpa, sdpa_arguments
 from .module_tracker import ModuleTracker
 from .compiled import ParameterLayouts, attribute
-from .torchapi.compiler import COMPILED_NODE, SavedOrigin, compiling, settable_attribute
+from .torchapi.compiler import COMPILED_NODE, SavedOrigin, compiling, never_compiled_alone, traced_setter
 from .records import NEEDED, AttentionCall, Leaf, Manager
 from .sites import constructed, user_frame, construction_site, short_path, user_source_line
 from .sites import noting_construction  # noqa: F401  (recorder.noting_construction, as before the move)
@@ -170,18 +170,19 @@ class AttentionCalls(TorchFunctionMode):
     # storages holding all-gathered data: storage key -> (weak reference, ranks gathered over)
     gathered: dict[int, tuple[StorageWeakRef, int]]
 
+    def __enter__(self) -> "AttentionCalls":
+        never_compiled_alone(type(self).__torch_function__)  # (inlined where TorchDynamo traces, never alone)
+        return super().__enter__()
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention and func is not emulated_sdpa:
             # the name of the function running, for saves hidden inside CopySlices (their node
             # is never exposed); the mode is off inside func, so this is the outermost call
             name = self.current = getattr(func, "__name__", None)
-            if name == "__set__" and compiling() and settable_attribute(func) is not None:
-                # a tensor attribute set in a region being compiled (Wav2Vec2's feature encoder sets
-                # hidden_states.requires_grad): TorchDynamo cannot trace the descriptor's own __set__
-                # (it fails the user's compile), but traces the assignment itself
+            if name == "__set__" and traced_setter(func) is not None:  # (a tensor attribute set while compiled)
                 self.current = None
-                return setattr(args[0], settable_attribute(func), args[1])
+                return setattr(args[0], traced_setter(func), args[1])
             try:
                 out = func(*args, **kwargs)
             finally:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import kernel_cache
+from .torchapi.compiler import constant_when_traced, never_compiled_alone, traced_setter
 from .torchapi.kernels import fused_sdp_choice, sdp_settings
 
 
@@ -61,8 +62,15 @@ class WithoutAttentionDropout(TorchFunctionMode):
     # a checkpoint's recomputation in backward runs under it again, as the forward did (planning/apply.py)
     reenter_on_recompute = True
 
+    def __enter__(self) -> "WithoutAttentionDropout":
+        never_compiled_alone(type(self).__torch_function__)  # (inlined where TorchDynamo traces, never alone)
+        return super().__enter__()
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        setting = traced_setter(func)
+        if setting is not None:
+            return setattr(args[0], setting, args[1])
         if func is F.scaled_dot_product_attention:
             bound = sdpa_arguments(args, kwargs)
             bound["dropout_p"] = 0.0
@@ -156,3 +164,39 @@ def cpu_choice(bound: dict[str, Any], dropout_p: Optional[float] = None) -> int:
         if asked != found:
             raise AssertionError(f"sdpa.cpu_choice remembered backend {found}, the dispatcher picks {asked}")
     return found
+
+
+# the kernel choices entered (meta.CpuKernelChoices), innermost last: ``choice_when_traced`` asks the innermost
+_CHOOSING: list[Any] = []
+
+
+def choosing(choices: Any) -> None:
+    """``choices`` (a meta.CpuKernelChoices) entered: the one ``choice_when_traced`` asks until it leaves."""
+    _CHOOSING.append(choices)
+
+
+def chosen(choices: Any) -> None:
+    _CHOOSING.remove(choices)
+
+
+def call_key(bound: dict[str, Any]) -> tuple:
+    """An SDPA call's arguments as plain values (what TorchDynamo can hand a function whose result it
+    takes as a constant): each tensor's shape, strides, dtype and requires_grad, then the others."""
+    tensors = tuple(None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad)
+                    for t in (bound["query"], bound["key"], bound["value"], bound["attn_mask"]))
+    return (tensors, float(bound["dropout_p"]), bool(bound["is_causal"]), bound["scale"], bool(bound["enable_gqa"]))
+
+
+@constant_when_traced
+def choice_when_traced(key: tuple) -> Optional[SdpaChoice]:
+    """The innermost kernel choices' ``sdpa_choice`` for the call ``key`` stands for (``call_key``),
+    asked with meta tensors of its metadata: TorchDynamo runs this once while it traces and records the
+    answer (the dispatcher's choice depends on metadata only, never on values)."""
+    if not _CHOOSING:
+        return None
+    metas, dropout_p, is_causal, scale, enable_gqa = key
+    tensors = [None if m is None else torch.empty_strided(m[0], m[1], dtype=m[2], device="meta").requires_grad_(m[3])
+               for m in metas]
+    bound = dict(zip(("query", "key", "value", "attn_mask"), tensors), dropout_p=dropout_p, is_causal=is_causal,
+                 scale=scale, enable_gqa=enable_gqa)
+    return _CHOOSING[-1].sdpa_choice(bound)

@@ -29,6 +29,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
+from .torchapi.compiler import compiling, never_compiled_alone, traced_setter
 from .torchapi.dispatch import TorchDispatchMode, op_schema, tree_map, without_dispatch_modes
 from .torchapi.storages import storage_key, version_counter
 
@@ -201,6 +202,13 @@ class KnownValues(TorchDispatchMode):
         self.reads.append(ValueRead(str(func).removesuffix(".default"), tuple(t.shape),
                                     str(t.dtype).removeprefix("torch."), "all ones", where))
         return torch.ones(t.shape, dtype=t.dtype, device="cpu")
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """True: TorchDynamo compiles a ``torch.compile``'d region under this mode (without it, a
+        dispatch mode on the stack makes it run the region eagerly). It steps the mode aside while it
+        traces on fake tensors; the compiled region's ops then pass through it as eager ones do."""
+        return True
 
     def __enter__(self) -> "KnownValues":
         self.values.prune()
@@ -413,11 +421,20 @@ class LiteralsOnMeta(TorchFunctionMode):
         super().__init__()
         self.values = values
 
+    def __enter__(self) -> "LiteralsOnMeta":
+        never_compiled_alone(type(self).__torch_function__)  # (inlined where TorchDynamo traces, never alone)
+        return super().__enter__()
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        setting = traced_setter(func)
+        if setting is not None:
+            return setattr(args[0], setting, args[1])
         if func in _INDEXING and len(args) > 1 and isinstance(args[0], torch.Tensor) and args[0].is_meta:
             args = (args[0], _lists_as_tensors(args[1]), *args[2:])
             return func(*args, **kwargs)
+        if func in (torch.tensor, torch.as_tensor) and compiling():
+            return _traced_literal(func, args, kwargs)
         if func in (torch.tensor, torch.as_tensor):
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor) and out.device.type == "meta" and out.numel() <= MAX_ELEMENTS:
@@ -497,6 +514,22 @@ _INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
 def _int_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(
         (isinstance(v, (int, bool)) and not isinstance(v, torch.Tensor)) or _int_list(v) for v in value)
+
+
+def _traced_literal(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``torch.tensor`` / ``torch.as_tensor`` of Python data as TorchDynamo traces it in a region being
+    compiled (the graph's constant: nothing is remembered, which would break the graph). Made for the
+    meta device, TorchDynamo gives the graph a real meta tensor rather than a fake one, and the next op
+    fails to trace (``torch.compile(f)`` of ``torch.where(m, x, torch.tensor(v, device=x.device))`` on meta
+    raises, on torch 2.11, 2.14 and 2.15): such a literal is made on the CPU and moved, which traces."""
+    device = kwargs.get("device")
+    if device is None or torch.device(device).type != "meta" or (args and isinstance(args[0], torch.Tensor)):
+        return func(*args, **kwargs)
+    requires_grad = bool(kwargs.get("requires_grad", False))
+    on_cpu = {k: v for k, v in kwargs.items() if k != "requires_grad"}
+    on_cpu["device"] = "cpu"
+    out = func(*args, **on_cpu).to("meta")
+    return out.requires_grad_(True) if requires_grad else out
 
 
 def _lists_as_tensors(index: Any) -> Any:

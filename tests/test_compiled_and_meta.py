@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 import gradaudit
 from gradaudit import torchapi
@@ -54,18 +55,142 @@ def test_a_compiled_model_is_named_as_such(compiled):
     assert [f.message.endswith("(proven)") for f in verified.findings] == [True]
 
 
-def test_a_compiled_model_on_meta_runs_eagerly_and_says_so(compiled):
-    """On meta TorchDynamo does not compile under the emulation: the audit and fit say their figures are
-    eager autograd's, not the compiled graph's, instead of passing them off as the compiled model's."""
-    torch._dynamo.reset()
-    meta = torch.compile(_frozen_mlp().to("meta"), backend="aot_eager")
-    x = torch.randn(8, 16, device="meta")
-    report = gradaudit.audit(meta, x, target="cuda")
-    assert not [n for n in report.nodes if n.name == "CompiledFunctionBackward"]
-    note, = [n for n in report.notes if "torch.compile'd" in n]
-    assert "ran eagerly here (on the meta device" in note and "not what its compiled graphs keep" in note
-    fitted = gradaudit.fit(meta, x, memory="1GiB", target="cuda", remedy=False)
+def _saves(report) -> list[tuple]:
+    """A report's saves as the CPU and meta audits must agree on them, in any order (a region may number
+    its saves otherwise when its inputs come in another order)."""
+    return sorted((t.node, t.module, tuple(t.shape), t.dtype, t.numel, t.storage_kind, str(t.verdict), t.source or "")
+                  for t in report.tensors)
+
+
+def _regions(report) -> int:
+    return sum(n.name == "CompiledFunctionBackward" for n in report.nodes)
+
+
+def test_a_compiled_model_on_meta_is_compiled_as_on_the_cpu_and_fit_says_it_runs_it_eagerly(compiled_resnet):
+    """On meta, standing for the CPU, TorchDynamo compiles the region under the emulation and
+    AOTAutograd partitions it as on the CPU: the audit lists the CPU compiled audit's saves (node,
+    module, shape, dtype, kind, verdict, source line), its bytes and its findings, and says what it
+    stands for. (Before, a dispatch mode of the emulation made TorchDynamo run the model eagerly.)
+    fit still runs a compiled model eagerly, and says so."""
+    import copy
+
+    model, compiled, x = compiled_resnet
+    on_cpu = gradaudit.audit(compiled, x)
+    meta = torch.compile(copy.deepcopy(model).to("meta"), backend="aot_eager")
+    report = gradaudit.audit(meta, x, target="cpu")
+    assert report.device == "meta" and _regions(report) == _regions(on_cpu) == 1
+    assert report.saved_bytes == on_cpu.saved_bytes > 0 and _saves(report) == _saves(on_cpu)
+    assert [(f.code, f.module, f.bytes) for f in report.findings] == [(f.code, f.module, f.bytes)
+                                                                     for f in on_cpu.findings]
+    assert any(n.startswith("on the meta device the compiled regions were traced and partitioned as for cpu")
+               for n in report.notes)
+    fitted = gradaudit.fit(meta, x.to("meta"), memory="1GiB", target="cuda", remedy=False)
     assert any("ran eagerly here" in n for n in fitted.notes)
+
+
+def test_inductor_on_meta_partitions_as_inductor_does_and_says_what_it_cannot_count(compiled_resnet):
+    """A model compiled for inductor, on meta: its graph goes through inductor's decompositions and
+    partitioner (aot_eager_decomp_partition) without its code generation, which given meta inputs
+    makes a region that saves nothing. The saves are those of the CPU's aot_eager_decomp_partition
+    run; the note says what is not counted (the weight copies inductor's generated code makes, GA703).
+    Every change to torch is undone after the audit."""
+    import copy
+
+    model, _, x = compiled_resnet
+    call = torch._TorchCompileInductorWrapper.__call__
+    torch._dynamo.reset()
+    reference = gradaudit.audit(torch.compile(model, backend="aot_eager_decomp_partition"), x)
+    report = gradaudit.audit(torch.compile(copy.deepcopy(model).to("meta")), x, target="cpu")
+    assert _regions(report) == 1 and report.saved_bytes == reference.saved_bytes > 0
+    assert _saves(report) == _saves(reference)
+    note, = [n for n in report.notes if n.startswith("on the meta device")]
+    assert "1 graph compiled for inductor" in note and "GA703" in note
+    assert torch._TorchCompileInductorWrapper.__call__ is call
+    assert torch._C.DispatchKey.Meta in torch.ops.aten.nll_loss.default.py_kernels
+
+
+class _LossAfterABreak(nn.Module):
+    """A projection, a graph break, then a cross-entropy whose input is a non-leaf tensor: the second
+    region's only input that needs a gradient is not a leaf (as after transformers' graph break in
+    GPT-2, or in a block compiled on its own), and a CTC loss, which TorchDynamo runs eagerly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 10)
+
+    def forward(self, x, labels, targets, mask):
+        logits = self.proj(x)
+        torch._dynamo.graph_break()
+        loss = F.cross_entropy(logits, labels, ignore_index=-100)
+        steps = logits.log_softmax(-1).view(4, 2, 10)  # (time, batch, classes)
+        # the lengths as tensors, as transformers' CTC loss gives them
+        ctc = F.ctc_loss(steps, targets, mask.sum(-1), (targets > 0).sum(-1))
+        return loss + F.relu6(logits).sum() + ctc
+
+
+def test_a_region_whose_input_is_not_a_leaf_keeps_its_gradient_on_meta():
+    """On meta AOTAutograd traced ops that are CompositeImplicitAutograd in C++ and have a Python meta
+    kernel (nll_loss, relu6, where and ~100 more) through that kernel, and in a region whose input needs a
+    gradient but is no leaf their outputs lost it (the region's loss had no grad_fn: its saves went
+    uncounted, 0 bytes). The audit sets those kernels aside while it compiles: the regions and saves are
+    the CPU's. The CTC loss with tensor lengths breaks the graph as on the CPU (on meta its op has no meta
+    kernel to trace, and the compile failed) and runs the CPU's kernel (CtcLossBackward0, not the one that
+    also saves the lengths)."""
+    if not torchapi.has("compiler stance"):
+        pytest.skip("torch.compile is missing its stance API")
+    torch.manual_seed(0)
+    inputs = (torch.randn(8, 16), torch.tensor([1, 2, 3, -100, 5, 6, 7, 8]), torch.tensor([[1, 2], [3, 4]]),
+              torch.ones(2, 4, dtype=torch.long))
+    reports = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for device in ("cpu", "meta"):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = _LossAfterABreak().to(device)
+            try:
+                reports[device] = gradaudit.audit(torch.compile(model, backend="aot_eager"), inputs,
+                                                  **({"target": "cpu"} if device == "meta" else {}))
+            finally:
+                torch._dynamo.reset()
+    on_cpu, on_meta = reports["cpu"], reports["meta"]
+    assert _regions(on_cpu) >= 2 and _regions(on_meta) == _regions(on_cpu)
+    assert on_meta.saved_bytes == on_cpu.saved_bytes and _saves(on_meta) == _saves(on_cpu)
+    # the loss region's saves are there: the log-softmax of the cross-entropy among them
+    assert any("made by aten._log_softmax" in t.reason for t in on_meta.tensors)
+    assert {t.node for t in on_meta.tensors if t.node.startswith("CtcLoss")} == {"CtcLossBackward0"}
+
+
+def test_a_compiled_llama_on_meta_for_cuda_takes_the_gpus_attention_kernel_in_its_region():
+    """Standing for CUDA, the attention call inside the region takes the kernel an H100 would take for a
+    padded batch (memory-efficient attention: its output and logsumexp saved by the region), chosen once
+    while TorchDynamo traces, so the graph is not broken (one region, no eager save between regions);
+    standing for the CPU the same model's region keeps the CPU flash kernel's saves, as the CPU's does."""
+    if not torchapi.has("compiler stance"):
+        pytest.skip("torch.compile is missing its stance API")
+    import transformers
+
+    batch = _padded_batch(16)
+    reports = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for device, target in (("cpu", None), ("meta", "cpu"), ("meta", "cuda")):
+            torch._dynamo.reset()
+            model = _tiny_llama(transformers).to(device)
+            try:
+                reports[target] = gradaudit.audit(torch.compile(model, backend="aot_eager"), batch,
+                                                  **({"target": target} if target else {}))
+            finally:
+                torch._dynamo.reset()
+    made = {target: {t.reason.split("made by ")[1].split(" ")[0] for t in r.tensors if "made by" in t.reason}
+            for target, r in reports.items()}
+    assert all(_regions(r) == 1 and all(t.node == "CompiledFunctionBackward" for t in r.tensors)
+               for r in reports.values())
+    assert _saves(reports["cpu"]) == _saves(reports[None]) and reports["cpu"].saved_bytes == reports[None].saved_bytes
+    assert "aten._scaled_dot_product_flash_attention_for_cpu" in made[None] & made["cpu"]
+    assert "aten._scaled_dot_product_efficient_attention" in made["cuda"]
+    assert "aten._scaled_dot_product_flash_attention_for_cpu" not in made["cuda"]
+    assert any("(efficient x2)" in n for n in reports["cuda"].notes)
 
 
 def test_fit_runs_a_compiled_model_eagerly_and_says_so(compiled):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..records import Manager, Severity
+from ..torchapi.compiler import original_path
 from .registry import Flag, RuleContext, rule
 
 
@@ -57,7 +58,8 @@ def trainable_parameters_get_no_gradient(ctx: RuleContext):
     missing = sorted(name for name, trains in ctx.parameter_names.items() if trains and name not in reached)
     by_module: dict[str, list[str]] = {}
     for name in missing:
-        by_module.setdefault(name.rpartition(".")[0], []).append(name)
+        # a compiled model's parameters by the eager model's paths (its _orig_mod left out), as its saves are named
+        by_module.setdefault(original_path(name.rpartition(".")[0]), []).append(name)
     cut_off = [r for r in ctx.checkpoints if r.reentrant and r.node_id < 0]
     for module, names in by_module.items():
         message = (f"{module or 'model'}: {len(names)} trainable parameter(s) get no gradient "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -52,6 +53,50 @@ def settable_attribute(func: Any) -> Optional[str]:
     if type(descriptor).__name__ != "getset_descriptor" or getattr(func, "__name__", None) != "__set__":
         return None
     return getattr(descriptor, "__name__", None)
+
+
+_NEVER_ALONE: set[Any] = set()  # code objects already marked
+
+
+def never_compiled_alone(*functions: Any) -> None:
+    """TorchDynamo never compiles these functions (a TorchFunctionMode's ``__torch_function__``) as frames
+    of their own, nor what runs inside them: where it traces a region it still inlines them, so what they
+    do is part of the region's graph. Where a region breaks its graph, the call at the break runs
+    eagerly, and a mode's ``__torch_function__`` with it as a frame TorchDynamo compiled: the casts and
+    kernels the mode ran there became compiled regions of their own, and its value reads ran on fake
+    tensors. Nothing to do before ``torch._dynamo`` is imported (nothing is compiled before)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return
+    skip = eval_frame.FrameAction.SKIP
+    for function in functions:
+        code = getattr(function, "__code__", None)
+        if code is not None and code not in _NEVER_ALONE:
+            eval_frame.set_code_exec_strategy(code, eval_frame.FrameExecStrategy(skip, skip))
+            _NEVER_ALONE.add(code)
+
+
+def constant_when_traced(function: Any) -> Any:
+    """``function`` marked as ``torch.compiler.assume_constant_result`` marks it (TorchDynamo calls it once
+    while it traces, on constant arguments, and records its result as a constant), without importing
+    torch._dynamo as that function does (importing it is slow; it reads the mark only when it traces)."""
+    function._dynamo_marked_constant = True
+    return function
+
+
+def graph_break() -> None:
+    """Where TorchDynamo traces the caller, end the graph here: what follows runs eagerly."""
+    torch._dynamo.graph_break()
+
+
+def traced_setter(func: Any) -> Optional[str]:
+    """The attribute ``func`` sets where it is a tensor property's setter (``Tensor.requires_grad.__set__``)
+    handed to a TorchFunctionMode while TorchDynamo traces, else None. Dynamo cannot trace the
+    descriptor's own ``__set__`` (it fails the user's compile: Wav2Vec2's feature encoder sets
+    ``hidden_states.requires_grad``) but traces the assignment itself: a mode does ``setattr`` instead."""
+    if getattr(func, "__name__", None) != "__set__" or not compiling():
+        return None
+    return settable_attribute(func)
 
 
 def force_eager(who: str) -> Any:
@@ -209,6 +254,10 @@ def _origin(placeholder: Any) -> SavedOrigin:
 def _same_layout(value: Any, tensor: Any) -> bool:
     if not isinstance(value, torch.Tensor) or value.dtype != tensor.dtype or value.dim() != tensor.dim():
         return False
+    if tensor.numel() == 0 and value.device.type == "meta":
+        # traced on meta, a statistic the device's kernel returns empty (an eval batch norm's saved mean
+        # on the CPU) has the meta kernel's size in the graph: the emulation gives the save the CPU's
+        return True
     # symbolic sizes (dynamic shapes) cannot be compared: the concrete ones must agree
     return all(not isinstance(a, int) or a == b for a, b in zip(value.shape, tensor.shape))
 
@@ -245,6 +294,94 @@ def donated_saves(node: Any) -> Optional[frozenset[int]]:
         return frozenset(int(i) for i in donated)
     except (TypeError, ValueError):
         return None
+
+
+class CompilingOnMeta:
+    """While entered, a region ``torch.compile`` compiles on the meta device is traced and partitioned
+    as on a device, where two things differ by themselves:
+
+    - AOTAutograd traces with the Python dispatcher on, under which a CompositeImplicitAutograd op that
+      torch also gives a Python meta kernel (``aten.nll_loss``, ``where``, ``relu6``, ``selu``, ``var``
+      and ~100 more: ``_composite_ops_with_python_meta``) runs that kernel for meta tensors instead of
+      decomposing, as it does for CPU and CUDA ones; in a region whose input is not a leaf (a block
+      compiled on its own, the part after a graph break) the op's output then loses its gradient
+      (``torch.compile(F.nll_loss)(logits, labels)`` on meta returns a loss without ``grad_fn``, on torch
+      2.11, 2.14 and 2.15). Those meta kernels are set aside, so the op decomposes as on the device
+      (eager dispatch never uses them: nothing else changes);
+    - a graph handed to inductor with meta inputs goes to ``aot_eager_decomp_partition``: AOTAutograd
+      with inductor's decompositions and its min-cut partitioner, the same choice of what the region
+      saves for backward, without inductor's code generation (which, given meta inputs, makes code
+      whose region saves nothing). ``inductor_regions``: how many graphs went there.
+
+    Both are restored on leaving; graphs with inputs on a device compile as they would. While entered,
+    the change is process-wide (another thread tracing on meta at the same time sees it too)."""
+
+    def __init__(self) -> None:
+        self.inductor_regions = 0
+        self._wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
+        self._call: Any = None
+        self._kernels: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> "CompilingOnMeta":
+        if "torch._dynamo" not in sys.modules:
+            return self  # nothing compiles without it (torch.compile imports it): nothing to set right
+        meta = torch._C.DispatchKey.Meta
+        for op in _composite_ops_with_python_meta():
+            kernel = op.py_kernels.pop(meta, None)
+            if kernel is not None:
+                self._kernels.append((op, kernel))
+                op._dispatch_cache.clear()
+        wrapper = self._wrapper
+        if wrapper is not None:
+            self._call = call = wrapper.__call__
+            outer = self
+
+            def partitioned_on_meta(self: Any, model_: Any, inputs_: Any, **kwargs: Any) -> Any:
+                tensors = [t for t in inputs_ if isinstance(t, torch.Tensor)]
+                if tensors and all(t.device.type == "meta" for t in tensors):
+                    from torch._dynamo.backends.debugging import aot_eager_decomp_partition
+
+                    outer.inductor_regions += 1
+                    return aot_eager_decomp_partition(model_, inputs_)
+                return call(self, model_, inputs_, **kwargs)
+
+            wrapper.__call__ = partitioned_on_meta
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._call is not None:
+            self._wrapper.__call__ = self._call
+            self._call = None
+        meta = torch._C.DispatchKey.Meta
+        for op, kernel in self._kernels:
+            op.py_kernels[meta] = kernel
+            op._dispatch_cache.clear()
+        self._kernels.clear()
+
+
+_COMPOSITES: Optional[list[Any]] = None
+
+
+def _composite_ops_with_python_meta() -> list[Any]:
+    """The aten ops with a CompositeImplicitAutograd kernel and a Python meta kernel (found once)."""
+    global _COMPOSITES
+    if _COMPOSITES is None:
+        import torch._decomp  # noqa: F401 (registers the Python meta kernels, as compiling does)
+        import torch._meta_registrations  # noqa: F401
+
+        meta, found = torch._C.DispatchKey.Meta, []
+        for name in torch._C._dispatch_get_all_op_names():
+            namespace, _, rest = name.partition("::")
+            if namespace != "aten":
+                continue
+            packet_name, _, overload = rest.partition(".")
+            packet = getattr(torch.ops.aten, packet_name, None)
+            op = getattr(packet, overload or "default", None) if packet is not None else None
+            if (op is not None and meta in getattr(op, "py_kernels", {})
+                    and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")):
+                found.append(op)
+        _COMPOSITES = found
+    return _COMPOSITES
 
 
 def keeping_graphs() -> Any:

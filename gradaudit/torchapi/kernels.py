@@ -20,6 +20,8 @@ _SDP_FLAGS = {"flash": "flash", "efficient": "mem_efficient", "cudnn": "cudnn", 
 # batch norm's functional overloads (what torch.export and the decompositions call; eager reaches them too)
 BATCH_NORM_LEGIT = torch.ops.aten._native_batch_norm_legit.default
 BATCH_NORM_LEGIT_NO_STATS = torch.ops.aten._native_batch_norm_legit.no_stats
+BATCH_NORM_LEGIT_NO_TRAINING = torch.ops.aten._native_batch_norm_legit_no_training.default
+BATCH_NORM_NO_UPDATE = torch.ops.aten._batch_norm_no_update.default
 
 
 def sdp_backend_name(choice: int) -> str:
