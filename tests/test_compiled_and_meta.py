@@ -218,13 +218,22 @@ def test_blocks_compiled_in_place_are_named_and_fit_says_it_ran_them_eagerly(com
     eager = gradaudit.fit(model, x, memory="1GiB", remedy=False)
     model[0].compile(backend="aot_eager")
     try:
+        # the regions a plain run makes: 1 from torch 2.12 on; torch 2.11's TorchDynamo skips nn's own
+        # files as frames of their own and compiles none for a bare Linear (where the audit's attention
+        # mode, compiled as a frame, used to make one: never_compiled_alone)
+        plain = sum(type(n).__name__ == "CompiledFunctionBackward" for n in _nodes(model(x).sum()))
         report = gradaudit.audit(model, x)
         fitted = gradaudit.fit(model, x, memory="1GiB", remedy=False)
     finally:
         torch._dynamo.reset()
-    note, = [n for n in report.notes if "torch.compile'd region" in n]
-    assert "1 torch.compile'd region (0) ran" in note
-    assert sum(n.name == "CompiledFunctionBackward" for n in report.nodes) == 1
+    assert sum(n.name == "CompiledFunctionBackward" for n in report.nodes) == plain
+    if plain:
+        note, = [n for n in report.notes if "torch.compile'd region" in n]
+        assert "1 torch.compile'd region (0) ran" in note
+    else:
+        assert torch.__version__.startswith("2.11")
+        note, = [n for n in report.notes if "torch.compile'd" in n]
+        assert "(0) but ran eagerly here" in note
     assert (fitted.peak_bytes, fitted.breakdown) == (eager.peak_bytes, eager.breakdown)
     note, = [n for n in fitted.notes if "torch.compile'd" in n]
     assert note.startswith("the model is torch.compile'd (0) but ran eagerly here (fit's step tracker")
@@ -258,9 +267,10 @@ def test_plan_refuses_a_compiled_model_and_says_what_to_plan_instead(compiled):
     and says so in one message naming what to do, instead of finding no candidate block."""
     from gradaudit.errors import GradauditError
 
-    # (the count of regions the planner's audit sees differs between releases: 1 on 2.14.1, 3 on 2.11.0)
-    with pytest.raises(GradauditError, match=r"plan cannot plan a torch.compile'd model \(\d+ compiled regions? "
-                                             r"ran\).*the module given to torch.compile"):
+    # (the regions the planner's audit sees differ between releases: 1 on 2.14.1, none on 2.11.0, whose
+    # TorchDynamo compiles nothing under the watching hooks: the model is known compiled by its modules)
+    with pytest.raises(GradauditError, match=r"plan cannot plan a torch.compile'd model \((\d+ compiled regions? "
+                                             r"ran|compiled: the model)\).*the module given to torch.compile"):
         gradaudit.plan(compiled, torch.randn(8, 16), budget="1KiB")
 
 

@@ -18,7 +18,7 @@ from ..auditing import audit
 from ..conditions import as_audited, meta_inputs, prepare_data_parallel, runs_on_meta
 from ..errors import GradauditError
 from ..records import Bound, Cost, Report
-from ..compiled import compiled_regions
+from ..compiled import compiled_paths, compiled_regions
 from ..sizes import as_bytes
 from ..tracking import collecting_only_new
 from ..torchapi.checkpoint import checkpointing_off
@@ -229,7 +229,7 @@ def _audit(run: _Run, paths: Sequence[str], bitpack: Optional[bool], say: Callab
     tensors is refused (``_refuse_opaque``)."""
     say(f"auditing the forward ({len(paths)} candidate blocks)")
     report = audit(run.model, run.inputs, trainable=run.trainable, frozen=run.frozen, watch=paths, target=run.target)
-    _refuse_compiled(report)
+    _refuse_compiled(report, run.model)
     now = checkpointed_now(report)
     if not now:
         _refuse_opaque(report)
@@ -247,13 +247,17 @@ def _audit(run: _Run, paths: Sequence[str], bitpack: Optional[bool], say: Callab
     return _Audited(report, now, current_held)
 
 
-def _refuse_compiled(report: Report) -> None:
-    """A model whose forward ran compiled regions cannot be planned: checkpointing a block inside one
-    compiles it anew, and what the region keeps then is the partitioner's choice."""
-    regions = compiled_regions(report)
-    if regions:
+def _refuse_compiled(report: Report, model: nn.Module) -> None:
+    """A compiled model (whose forward ran compiled regions, or with a compiled module: torch 2.11 made no
+    region under the plan's watching hooks, where the model's own run makes one) cannot be planned:
+    checkpointing a block inside a region compiles it anew, and what the region keeps then is the
+    partitioner's choice."""
+    regions, compiled = compiled_regions(report), compiled_paths(model)
+    if regions or compiled:
+        ran = (f"{regions} compiled region{'s' if regions > 1 else ''} ran" if regions else
+               f"compiled: {', '.join(compiled[:3])}")
         raise GradauditError(
-            f"plan cannot plan a torch.compile'd model ({regions} compiled region{'s' if regions > 1 else ''} ran): "
+            f"plan cannot plan a torch.compile'd model ({ran}): "
             f"checkpointing a block inside a region compiles it anew, and what the region keeps then is the "
             f"partitioner's choice, which plan cannot tell without compiling each candidate. Plan the model "
             f"before compiling (the module given to torch.compile; scan --eager shows its figures), checkpoint the "
