@@ -93,16 +93,29 @@ def test_inductor_on_meta_partitions_as_inductor_does_and_says_what_it_cannot_co
     partitioner (aot_eager_decomp_partition) without its code generation, which given meta inputs
     makes a region that saves nothing. The saves are those of the CPU's aot_eager_decomp_partition
     run; the note says what is not counted (the weight copies inductor's generated code makes, GA703).
-    Every change to torch is undone after the audit."""
+    The bound, against the CPU's inductor step: the same saves (module, shape, dtype, verdict), and the
+    bytes differ by exactly those of the saves the CPU's audit finds to be copies of parameters (16
+    channels-last weights, 43,941,888 B: on meta the parameter itself, kept anyway). Every change to
+    torch is undone after the audit."""
     import copy
 
     model, _, x = compiled_resnet
     call = torch._TorchCompileInductorWrapper.__call__
     torch._dynamo.reset()
     reference = gradaudit.audit(torch.compile(model, backend="aot_eager_decomp_partition"), x)
+    torch._dynamo.reset()
+    inductor = gradaudit.audit(torch.compile(model), x)
+    torch._dynamo.reset()
     report = gradaudit.audit(torch.compile(copy.deepcopy(model).to("meta")), x, target="cpu")
     assert _regions(report) == 1 and report.saved_bytes == reference.saved_bytes > 0
     assert _saves(report) == _saves(reference)
+
+    def judged(r):
+        return sorted((t.module, tuple(t.shape), t.dtype, str(t.verdict)) for t in r.tensors)
+
+    copies = {t.storage_id for t in inductor.tensors if t.copy_of is not None}
+    assert judged(report) == judged(inductor) and copies
+    assert inductor.saved_bytes - report.saved_bytes == sum(inductor.storages[i].nbytes for i in copies)
     note, = [n for n in report.notes if n.startswith("on the meta device")]
     assert "1 graph compiled for inductor" in note and "GA703" in note
     assert torch._TorchCompileInductorWrapper.__call__ is call
