@@ -75,10 +75,13 @@ def test_a_compiled_model_on_meta_is_compiled_as_on_the_cpu_and_fit_says_it_runs
     import copy
 
     model, compiled, x = compiled_resnet
-    on_cpu = gradaudit.audit(compiled, x)
+    on_cpu = gradaudit.audit(compiled, x, compare_eager=True)
     meta = torch.compile(copy.deepcopy(model).to("meta"), backend="aot_eager")
-    report = gradaudit.audit(meta, x, target="cpu")
+    report = gradaudit.audit(meta, x, target="cpu", compare_eager=True)
     assert report.device == "meta" and _regions(report) == _regions(on_cpu) == 1
+    # compiled against eager, per module, on meta as on the CPU
+    assert report.eager.saved_bytes == on_cpu.eager.saved_bytes > 0
+    assert report.eager.modules == on_cpu.eager.modules
     assert report.saved_bytes == on_cpu.saved_bytes > 0 and _saves(report) == _saves(on_cpu)
     assert [(f.code, f.module, f.bytes) for f in report.findings] == [(f.code, f.module, f.bytes)
                                                                      for f in on_cpu.findings]
