@@ -177,6 +177,48 @@ def test_a_region_whose_input_is_not_a_leaf_keeps_its_gradient_on_meta():
     assert {t.node for t in on_meta.tensors if t.node.startswith("CtcLoss")} == {"CtcLossBackward0"}
 
 
+class _AutocastInside(nn.Module):
+    """A forward that enters autocast itself (as a training step written for one device does)."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.device = device
+        self.seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def forward(self, x):
+        with torch.autocast(self.device, dtype=torch.bfloat16):
+            return self.seq(x)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_autocast_inside_a_compiled_region_on_meta_casts_as_on_the_device(device):
+    """Autocast entered inside a compiled region is traced with the emulation's casts: on meta the
+    region keeps bfloat16 saves for either target (torch.autocast("cuda") switches itself on there), as
+    the eager audit on meta does, and standing for the CPU it keeps the CPU compiled audit's saves."""
+    if not torchapi.has("compiler stance"):
+        pytest.skip("torch.compile is missing its stance API")
+    reports = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for where, compiled in (("cpu", True), ("meta", False), ("meta", True)):
+            if where == "cpu" and device != "cpu":
+                continue
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = _AutocastInside(device).to(where)
+            model = torch.compile(model, backend="aot_eager") if compiled else model
+            try:
+                reports[where, compiled] = gradaudit.audit(model, torch.randn(4, 8, device=where),
+                                                           **({"target": device} if where == "meta" else {}))
+            finally:
+                torch._dynamo.reset()
+    on_meta, eager = reports["meta", True], reports["meta", False]
+    assert _regions(on_meta) == 1 and {t.dtype for t in on_meta.tensors} == {"bfloat16"}
+    assert on_meta.saved_bytes == eager.saved_bytes > 0
+    if device == "cpu":
+        assert _saves(on_meta) == _saves(reports["cpu", True])
+
+
 def test_a_compiled_llama_on_meta_for_cuda_takes_the_gpus_attention_kernel_in_its_region():
     """Standing for CUDA, the attention call inside the region takes the kernel an H100 would take for a
     padded batch (memory-efficient attention: its output and logsumexp saved by the region), chosen once
