@@ -20,9 +20,9 @@ from .rules.registry import check_codes
 from .tracking import held_after_forward
 from .tensors import ModelTree, first_meta_parameter, iter_tensors, split_inputs, unique
 from .values import to_meta
-from .compiled import (EAGER_ASKED, compare_with_eager, compiled_paths, compiled_regions, on_meta_note,
-                       ran_eagerly_note)
-from .torchapi.compiler import COMPILED_NODE, compiled_original, force_eager, keeping_graphs
+from .compiled import (EAGER_ASKED, compare_with_eager, compile_failed_on_meta_note, compiled_paths,
+                       compiled_regions, on_meta_note, ran_eagerly_note)
+from .torchapi.compiler import COMPILED_NODE, compiled_original, dynamo_error, force_eager, keeping_graphs
 from .torchapi.distributed import distributed_rank, wait_unwaited
 from .torchapi.fsdp import fsdp_reshard, fsdp_unsharded_parameters
 from .torchapi.pipelining import is_schedule
@@ -73,9 +73,34 @@ def audit(
     The model is left exactly as found: parameters, buffers, requires_grad flags, ``.grad``,
     train/eval flags, the RNG state and module hooks - also when the forward raises.
     """
+    options = dict(verify=verify, trainable=trainable, frozen=frozen, select=select, ignore=ignore, eager=eager,
+                   progress=progress, watch=watch, target=target)
     if compare_eager:
-        return _compared_with_eager(model, inputs, verify=verify, trainable=trainable, frozen=frozen, select=select,
-                                    ignore=ignore, eager=eager, progress=progress, watch=watch, target=target)
+        return _compared_with_eager(model, inputs, **options)
+    try:
+        return _audited(model, inputs, **options)
+    except ForwardError as error:
+        if eager or not _compile_failed_on_meta(model, error):
+            raise
+        # TorchDynamo could not compile the model on meta under the emulation: its eager figures, said so
+        report = _audited(model, inputs, **{**options, "eager": True})
+        report.notes[:] = [n for n in report.notes if not n.startswith("the model is torch.compile'd")]
+        report.notes.append(compile_failed_on_meta_note(model, error.__cause__))
+        return report
+
+
+def _compile_failed_on_meta(model: Any, error: ForwardError) -> bool:
+    """Whether ``error`` is TorchDynamo's, raised compiling a compiled model on the meta device."""
+    module = model if isinstance(model, nn.Module) else None
+    return (dynamo_error(error.__cause__) and module is not None and bool(compiled_paths(module))
+            and first_meta_parameter(module.parameters()) is not None)
+
+
+def _audited(model: nn.Module, inputs: Any, verify: bool, trainable: Optional[Sequence[str]],
+             frozen: Optional[Sequence[str]], select: Optional[Sequence[str]], ignore: Optional[Sequence[str]],
+             eager: bool, progress: Optional[Callable[[str], None]], watch: Sequence[str], target: Optional[str],
+             ) -> Report:
+    """``audit`` without ``compare_eager`` and without its fallback for a compile that fails on meta."""
     model, inputs, stage_note = one_stage(model, inputs) if is_schedule(model) else (model, inputs, None)
     model, trainable, frozen = _checked_model(model, trainable, frozen, eager)
     select, ignore = check_codes(select, "select entry"), check_codes(ignore, "ignore entry")

@@ -199,6 +199,17 @@ def ran_eagerly_note(model: nn.Module, why: str) -> Optional[str]:
             f"433,586,176 B). For what its compiled graphs keep, {where}")
 
 
+def compile_failed_on_meta_note(model: nn.Module, error: BaseException) -> str:
+    """The note of a compiled model audited eagerly on meta because TorchDynamo failed to compile it there."""
+    error = getattr(error, "inner_exception", None) or error  # (a backend's own error, inside dynamo's)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return (f"the model is torch.compile'd ({', '.join(compiled_paths(model)[:5])}) but TorchDynamo could not compile "
+            f"it on the meta device under gradaudit's emulation ({type(error).__name__}: {first[:200]}), so it ran "
+            f"eagerly here: these figures are what eager autograd keeps, not what its compiled graphs keep. For "
+            f"those, audit it on the CPU or the GPU (on torch 2.11, a literal made for the meta device inside a "
+            f"region, such as GPT-Neo's attention mask value, fails to trace this way; later releases trace it)")
+
+
 def on_meta_note(target: Optional[str], inductor_regions: int) -> str:
     """What a compiled model's audit on the meta device stands for (``target``: the device it stands
     for; ``inductor_regions``: graphs compiled for inductor, partitioned but not code-generated)."""

@@ -177,12 +177,15 @@ class AttentionCalls(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention and func is not emulated_sdpa:
+            if compiling():
+                # traced by torch.compile: none of this bookkeeping belongs in a region (a region's saves
+                # are named from its graphs), and changing the mode's state inside a higher-order op
+                # breaks the graph (torch 2.11, Bloom); a tensor attribute is set as dynamo can trace it
+                setting = traced_setter(func)
+                return setattr(args[0], setting, args[1]) if setting is not None else func(*args, **kwargs)
             # the name of the function running, for saves hidden inside CopySlices (their node
             # is never exposed); the mode is off inside func, so this is the outermost call
             name = self.current = getattr(func, "__name__", None)
-            if name == "__set__" and traced_setter(func) is not None:  # (a tensor attribute set while compiled)
-                self.current = None
-                return setattr(args[0], traced_setter(func), args[1])
             try:
                 out = func(*args, **kwargs)
             finally:

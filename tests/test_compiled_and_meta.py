@@ -219,6 +219,36 @@ def test_autocast_inside_a_compiled_region_on_meta_casts_as_on_the_device(device
         assert _saves(on_meta) == _saves(reports["cpu", True])
 
 
+def _fails_on_meta(gm, example_inputs):
+    """A torch.compile backend that compiles on the CPU and fails on meta, as TorchDynamo fails on torch 2.11
+    for GPT-Neo's mask value made for the meta device."""
+    if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs):
+        raise RuntimeError("cannot compile on meta")
+    return gm
+
+
+def test_a_model_torchdynamo_cannot_compile_on_meta_is_audited_eagerly_and_said_so():
+    """Where TorchDynamo fails to compile the model on meta under the emulation (torch 2.11 does for
+    GPT-Neo), the audit does not fail: it audits the model eagerly, its figures those of the eager audit,
+    and says why they are not the compiled graphs' and where to get those."""
+    if not torchapi.has("compiler stance"):
+        pytest.skip("torch.compile is missing its stance API")
+    x = torch.randn(8, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            torch._dynamo.reset()
+            report = gradaudit.audit(torch.compile(_frozen_mlp().to("meta"), backend=_fails_on_meta), x, target="cpu")
+            eager = gradaudit.audit(_frozen_mlp().to("meta"), x, target="cpu")
+        finally:
+            torch._dynamo.reset()
+    assert _regions(report) == 0 and report.saved_bytes == eager.saved_bytes > 0
+    assert _saves(report) == _saves(eager)
+    note, = [n for n in report.notes if "torch.compile'd" in n]
+    assert "could not compile it on the meta device" in note and "cannot compile on meta" in note
+    assert "audit it on the CPU or the GPU" in note
+
+
 def test_a_compiled_llama_on_meta_for_cuda_takes_the_gpus_attention_kernel_in_its_region():
     """Standing for CUDA, the attention call inside the region takes the kernel an H100 would take for a
     padded batch (memory-efficient attention: its output and logsumexp saved by the region), chosen once

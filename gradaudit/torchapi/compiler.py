@@ -84,6 +84,11 @@ def constant_when_traced(function: Any) -> Any:
     return function
 
 
+def dynamo_error(error: Optional[BaseException]) -> bool:
+    """Whether ``error`` is TorchDynamo's (it failed to compile: ``torch._dynamo.exc``)."""
+    return error is not None and type(error).__module__.startswith("torch._dynamo")
+
+
 def graph_break() -> None:
     """Where TorchDynamo traces the caller, end the graph here: what follows runs eagerly."""
     torch._dynamo.graph_break()
