@@ -56,21 +56,24 @@ class ParameterLayouts:
     tensor in a storage of its own whose values equal exactly one parameter's."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.by_layout: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+        # (name, tensor, whether a parameter) by shape and dtype: buffers too, so that a copy whose values
+        # equal a buffer's as well (a fresh batch norm's running mean, zeros like its bias) is no one's
+        self.by_layout: dict[tuple, list[tuple[str, torch.Tensor, bool]]] = {}
         self.storages: set[int] = set()
-        for name, p in model.named_parameters():
-            self.by_layout.setdefault((tuple(p.shape), p.dtype), []).append((original_path(name), p))
-            if p.device.type != "meta":
+        members = [(n, p, True) for n, p in model.named_parameters()] + [(n, b, False) for n, b in model.named_buffers()]
+        for name, p, parameter in members:
+            self.by_layout.setdefault((tuple(p.shape), p.dtype), []).append((original_path(name), p, parameter))
+            if p.device.type != "meta" and parameter:
                 self.storages.add(p.untyped_storage().data_ptr())
 
     def copied(self, t: torch.Tensor) -> Optional[str]:
         """The name of the one parameter ``t`` is a copy of, or None (no values to compare on meta, the
-        parameter itself, no parameter or several with its values)."""
+        parameter itself, no parameter or several parameters or buffers with its values)."""
         if type(t) is not torch.Tensor or t.device.type == "meta" or t.untyped_storage().data_ptr() in self.storages:
             return None
-        same = [name for name, p in self.by_layout.get((tuple(t.shape), t.dtype), ())
+        same = [(name, parameter) for name, p, parameter in self.by_layout.get((tuple(t.shape), t.dtype), ())
                 if p.device == t.device and torch.equal(p.detach(), t)]
-        return same[0] if len(same) == 1 else None
+        return same[0][0] if len(same) == 1 and same[0][1] else None
 
 
 def compiled_reason(origin: SavedOrigin, itself: Optional[str], copy_of: Optional[str] = None,

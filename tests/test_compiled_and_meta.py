@@ -249,6 +249,26 @@ def test_a_model_torchdynamo_cannot_compile_on_meta_is_audited_eagerly_and_said_
     assert "audit it on the CPU or the GPU" in note
 
 
+def test_a_saved_copy_whose_values_a_buffer_has_too_is_no_parameters_copy():
+    """Inductor's region of a fresh convolution and eval batch norm saves copies of the running statistics
+    (zeros and ones), whose values the batch norm's bias and weight have too: such a copy is no one's (the
+    running mean was named a copy of the bias before), where the convolution's weight copy is named."""
+    if not torchapi.has("compiler stance"):
+        pytest.skip("torch.compile is missing its stance API")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8).eval(), nn.ReLU())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            torch._dynamo.reset()
+            report = gradaudit.audit(torch.compile(model), torch.randn(2, 3, 8, 8, requires_grad=True))
+        finally:
+            torch._dynamo.reset()
+    named = {t.copy_of for t in report.tensors if t.copy_of is not None}
+    assert "1.bias" not in named and "1.weight" not in named
+    assert all(t.copy_of is None for t in report.tensors if tuple(t.shape) == (8,))
+
+
 def test_a_compiled_llama_on_meta_for_cuda_takes_the_gpus_attention_kernel_in_its_region():
     """Standing for CUDA, the attention call inside the region takes the kernel an H100 would take for a
     padded batch (memory-efficient attention: its output and logsumexp saved by the region), chosen once
