@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from test_compiled_and_meta import graph_saves  # noqa: E402  (the tests' independent count)
+from test_compiled_and_meta import graph_saves, save_rows  # noqa: E402  (the tests' count and comparison)
 
 VISION = "resnet18,mobilenet_v3_small,efficientnet_b0,convnext_tiny,swin_t,regnet_y_400mf,densenet121,squeezenet1_1"
 
@@ -46,19 +46,12 @@ def _running_statistics(t: Any) -> bool:
     return t.storage_kind == "buffer"
 
 
-def _same_saves(report: Any, other: Any) -> bool:
-    """Whether two audits list the same saves: module, shape, dtype, size, verdict and source line of each,
-    in any order (a region's graph may number its saves otherwise when its inputs come in another order)."""
-    def rows(r: Any) -> list[tuple]:
-        return sorted((t.module, tuple(t.shape), t.dtype, t.numel, str(t.verdict), t.source or "") for t in r.tensors)
-    return rows(report) == rows(other)
-
-
 def on_meta(name: str, build_meta: Any, inputs: Any, backend: str, on_cpu: Any) -> list[str]:
     """Two rows: the same model built on the meta device (``build_meta()``), compiled and audited standing
     for the CPU (checked save by save against ``on_cpu``, the CPU's audit) and for CUDA (regions, bytes
     and verdicts only: no GPU here to compare with)."""
     import gradaudit
+    from gradaudit.compiled import compiled_regions
 
     rows = []
     for target in ("cpu", "cuda"):
@@ -73,10 +66,9 @@ def on_meta(name: str, build_meta: Any, inputs: Any, backend: str, on_cpu: Any) 
             continue
         finally:
             torch._dynamo.reset()
-        seen = sum(n.name == "CompiledFunctionBackward" for n in report.nodes)
+        seen, cpu_seen = compiled_regions(report), compiled_regions(on_cpu)
         unknown = sum(1 for t in report.tensors if t.verdict == "unknown")
-        cpu_seen = sum(n.name == "CompiledFunctionBackward" for n in on_cpu.nodes)
-        same = _same_saves(report, on_cpu) if target == "cpu" else None
+        same = save_rows(report) == save_rows(on_cpu) if target == "cpu" else None
         ok = seen == cpu_seen and not unknown and same is not False
         compared = {True: "saves as the CPU audit", False: "saves differ from the CPU audit", None: ""}[same]
         rows.append(f"{'OK ' if ok else 'BAD'} {name + ' meta ' + target:34s} regions {cpu_seen}/{seen}  bytes "

@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import cuda_choices, kernel_cache
 from .torchapi.checkpoint import checkpoint_meta_as, recomputing_under
-from .torchapi.compiler import CompilingOnMeta, compiling, graph_break, never_compiled_alone, traced_setter
+from .torchapi.compiler import CompilingOnMeta, InlinedMode, compiling, graph_break, traced_setter
 from .torchapi.dispatch import TorchDispatchMode, op_namespaces
 from .sdpa import (SdpaChoice, as_sdpa, call_key, choice_when_traced, choosing, chosen, cpu_additive_mask, cpu_choice,
                    emulated_sdpa, meta_query, sdpa_arguments)
@@ -72,7 +72,7 @@ def _ctc_lengths_as_lists(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return (*bound, *args[4:]), {k: v for k, v in kwargs.items() if k not in moved}
 
 
-class CpuKernelChoices(TorchFunctionMode):
+class CpuKernelChoices(InlinedMode):
     """Sends meta-device SDPA calls to the kernel the CPU would choose (its flash kernel, or the math
     composite the meta device runs anyway), through ``emulated_sdpa``; Python composites that call
     SDPA inside (``F.multi_head_attention_forward``) run with the mode on inside. Subclasses choose
@@ -103,7 +103,6 @@ class CpuKernelChoices(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def __enter__(self) -> "CpuKernelChoices":
-        never_compiled_alone(type(self).__torch_function__)  # (inlined where TorchDynamo traces, never alone)
         choosing(self)
         return super().__enter__()
 
@@ -614,7 +613,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-class AutocastOnMeta(TorchFunctionMode):
+class AutocastOnMeta(InlinedMode):
     """Emulates ``torch.autocast`` for a forward on the meta device, as ``device_type`` would run it.
 
     For each call of a function autocast puts in a cast policy for an enabled autocast context,
@@ -639,10 +638,6 @@ class AutocastOnMeta(TorchFunctionMode):
         self._seen_other: set[str] = set()
         self._seen_opaque: set[tuple[str, str]] = set()
         self._others = _KNOWN_OTHERS
-
-    def __enter__(self) -> "AutocastOnMeta":
-        never_compiled_alone(type(self).__torch_function__)  # (inlined where TorchDynamo traces, never alone)
-        return super().__enter__()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -24,13 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
 
 from . import torchapi
 from .sdpa import SdpaChoice, cpu_choice, emulated_sdpa, sdpa_arguments
 from .module_tracker import ModuleTracker
 from .compiled import ParameterLayouts, attribute
-from .torchapi.compiler import COMPILED_NODE, SavedOrigin, compiling, never_compiled_alone, traced_setter
+from .torchapi.compiler import COMPILED_NODE, InlinedMode, SavedOrigin, compiling, traced_setter
 from .records import NEEDED, AttentionCall, Leaf, Manager
 from .sites import constructed, user_frame, construction_site, short_path, user_source_line
 from .sites import noting_construction  # noqa: F401  (recorder.noting_construction, as before the move)
@@ -150,7 +149,7 @@ _GATHERING = frozenset({_ALL_GATHER, "wait_tensor", "_wrap_tensor_autograd", "ch
                         "view", "view_as", "reshape", "permute", "transpose", "flatten", "unflatten"})
 
 
-class AttentionCalls(TorchFunctionMode):
+class AttentionCalls(InlinedMode):
     """Notes every ``F.scaled_dot_product_attention`` call: the kernel it picks (and would pick
     without dropout) and the sequence numbers of the nodes it creates, so a rule can tell the
     math fallback of a fused-attention call from attention written out by hand. Also names the
@@ -169,10 +168,6 @@ class AttentionCalls(TorchFunctionMode):
     current: Optional[str] = None  # the outermost torch function running now (its __name__)
     # storages holding all-gathered data: storage key -> (weak reference, ranks gathered over)
     gathered: dict[int, tuple[StorageWeakRef, int]]
-
-    def __enter__(self) -> "AttentionCalls":
-        never_compiled_alone(type(self).__torch_function__)  # (inlined where TorchDynamo traces, never alone)
-        return super().__enter__()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

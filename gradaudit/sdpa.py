@@ -17,10 +17,9 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from . import kernel_cache
-from .torchapi.compiler import constant_when_traced, never_compiled_alone, traced_setter
+from .torchapi.compiler import InlinedMode, constant_when_traced, traced_setter
 from .torchapi.kernels import fused_sdp_choice, sdp_settings
 
 
@@ -56,15 +55,11 @@ def sdpa_backend(bound: dict[str, Any], dropout_p: Optional[float] = None) -> in
     return fused_sdp_choice(*tensors, p, bound["is_causal"], scale=bound["scale"], enable_gqa=bound["enable_gqa"])
 
 
-class WithoutAttentionDropout(TorchFunctionMode):
+class WithoutAttentionDropout(InlinedMode):
     """A what-if: every ``F.scaled_dot_product_attention`` call runs with ``dropout_p=0``."""
 
     # a checkpoint's recomputation in backward runs under it again, as the forward did (planning/apply.py)
     reenter_on_recompute = True
-
-    def __enter__(self) -> "WithoutAttentionDropout":
-        never_compiled_alone(type(self).__torch_function__)  # (inlined where TorchDynamo traces, never alone)
-        return super().__enter__()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -27,9 +27,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
 
-from .torchapi.compiler import compiling, never_compiled_alone, traced_setter
+from .torchapi.compiler import InlinedMode, compiling, traced_setter
 from .torchapi.dispatch import TorchDispatchMode, op_schema, tree_map, without_dispatch_modes
 from .torchapi.storages import storage_key, version_counter
 
@@ -408,7 +407,7 @@ def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tenso
     return written
 
 
-class LiteralsOnMeta(TorchFunctionMode):
+class LiteralsOnMeta(InlinedMode):
     """``torch.tensor(...)`` / ``torch.as_tensor(...)`` on meta, and a list used as an index
     (``ids[:, [-1, 0]]``), build a CPU tensor and move it without an op a dispatch mode sees: build it
     on CPU here, and keep its values beside the meta tensor (an index list stays a CPU tensor, which
@@ -420,10 +419,6 @@ class LiteralsOnMeta(TorchFunctionMode):
     def __init__(self, values: Values = VALUES) -> None:
         super().__init__()
         self.values = values
-
-    def __enter__(self) -> "LiteralsOnMeta":
-        never_compiled_alone(type(self).__torch_function__)  # (inlined where TorchDynamo traces, never alone)
-        return super().__enter__()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import gradaudit
 from gradaudit import torchapi
+from gradaudit.compiled import compiled_regions
 
 
 def _frozen_mlp():
@@ -55,15 +56,11 @@ def test_a_compiled_model_is_named_as_such(compiled):
     assert [f.message.endswith("(proven)") for f in verified.findings] == [True]
 
 
-def _saves(report) -> list[tuple]:
+def save_rows(report) -> list[tuple]:
     """A report's saves as the CPU and meta audits must agree on them, in any order (a region may number
-    its saves otherwise when its inputs come in another order)."""
+    its saves otherwise when its inputs come in another order; benchmarks/compiled_zoo.py compares so too)."""
     return sorted((t.node, t.module, tuple(t.shape), t.dtype, t.numel, t.storage_kind, str(t.verdict), t.source or "")
                   for t in report.tensors)
-
-
-def _regions(report) -> int:
-    return sum(n.name == "CompiledFunctionBackward" for n in report.nodes)
 
 
 def test_a_compiled_model_on_meta_is_compiled_as_on_the_cpu_and_fit_says_it_runs_it_eagerly(compiled_resnet):
@@ -78,11 +75,11 @@ def test_a_compiled_model_on_meta_is_compiled_as_on_the_cpu_and_fit_says_it_runs
     on_cpu = gradaudit.audit(compiled, x, compare_eager=True)
     meta = torch.compile(copy.deepcopy(model).to("meta"), backend="aot_eager")
     report = gradaudit.audit(meta, x, target="cpu", compare_eager=True)
-    assert report.device == "meta" and _regions(report) == _regions(on_cpu) == 1
+    assert report.device == "meta" and compiled_regions(report) == compiled_regions(on_cpu) == 1
     # compiled against eager, per module, on meta as on the CPU
     assert report.eager.saved_bytes == on_cpu.eager.saved_bytes > 0
     assert report.eager.modules == on_cpu.eager.modules
-    assert report.saved_bytes == on_cpu.saved_bytes > 0 and _saves(report) == _saves(on_cpu)
+    assert report.saved_bytes == on_cpu.saved_bytes > 0 and save_rows(report) == save_rows(on_cpu)
     assert [(f.code, f.module, f.bytes) for f in report.findings] == [(f.code, f.module, f.bytes)
                                                                      for f in on_cpu.findings]
     assert any(n.startswith("on the meta device the compiled regions were traced and partitioned as for cpu")
@@ -110,8 +107,8 @@ def test_inductor_on_meta_partitions_as_inductor_does_and_says_what_it_cannot_co
     inductor = gradaudit.audit(torch.compile(model), x)
     torch._dynamo.reset()
     report = gradaudit.audit(torch.compile(copy.deepcopy(model).to("meta")), x, target="cpu")
-    assert _regions(report) == 1 and report.saved_bytes == reference.saved_bytes > 0
-    assert _saves(report) == _saves(reference)
+    assert compiled_regions(report) == 1 and report.saved_bytes == reference.saved_bytes > 0
+    assert save_rows(report) == save_rows(reference)
 
     def judged(r):
         return sorted((t.module, tuple(t.shape), t.dtype, str(t.verdict)) for t in r.tensors)
@@ -170,8 +167,8 @@ def test_a_region_whose_input_is_not_a_leaf_keeps_its_gradient_on_meta():
             finally:
                 torch._dynamo.reset()
     on_cpu, on_meta = reports["cpu"], reports["meta"]
-    assert _regions(on_cpu) >= 2 and _regions(on_meta) == _regions(on_cpu)
-    assert on_meta.saved_bytes == on_cpu.saved_bytes and _saves(on_meta) == _saves(on_cpu)
+    assert compiled_regions(on_cpu) >= 2 and compiled_regions(on_meta) == compiled_regions(on_cpu)
+    assert on_meta.saved_bytes == on_cpu.saved_bytes and save_rows(on_meta) == save_rows(on_cpu)
     # the loss region's saves are there: the log-softmax of the cross-entropy among them
     assert any("made by aten._log_softmax" in t.reason for t in on_meta.tensors)
     assert {t.node for t in on_meta.tensors if t.node.startswith("CtcLoss")} == {"CtcLossBackward0"}
@@ -213,10 +210,10 @@ def test_autocast_inside_a_compiled_region_on_meta_casts_as_on_the_device(device
             finally:
                 torch._dynamo.reset()
     on_meta, eager = reports["meta", True], reports["meta", False]
-    assert _regions(on_meta) == 1 and {t.dtype for t in on_meta.tensors} == {"bfloat16"}
+    assert compiled_regions(on_meta) == 1 and {t.dtype for t in on_meta.tensors} == {"bfloat16"}
     assert on_meta.saved_bytes == eager.saved_bytes > 0
     if device == "cpu":
-        assert _saves(on_meta) == _saves(reports["cpu", True])
+        assert save_rows(on_meta) == save_rows(reports["cpu", True])
 
 
 def _fails_on_meta(gm, example_inputs):
@@ -242,8 +239,8 @@ def test_a_model_torchdynamo_cannot_compile_on_meta_is_audited_eagerly_and_said_
             eager = gradaudit.audit(_frozen_mlp().to("meta"), x, target="cpu")
         finally:
             torch._dynamo.reset()
-    assert _regions(report) == 0 and report.saved_bytes == eager.saved_bytes > 0
-    assert _saves(report) == _saves(eager)
+    assert compiled_regions(report) == 0 and report.saved_bytes == eager.saved_bytes > 0
+    assert save_rows(report) == save_rows(eager)
     note, = [n for n in report.notes if "torch.compile'd" in n]
     assert "could not compile it on the meta device" in note and "cannot compile on meta" in note
     assert "audit it on the CPU or the GPU" in note
@@ -292,9 +289,10 @@ def test_a_compiled_llama_on_meta_for_cuda_takes_the_gpus_attention_kernel_in_it
                 torch._dynamo.reset()
     made = {target: {t.reason.split("made by ")[1].split(" ")[0] for t in r.tensors if "made by" in t.reason}
             for target, r in reports.items()}
-    assert all(_regions(r) == 1 and all(t.node == "CompiledFunctionBackward" for t in r.tensors)
+    assert all(compiled_regions(r) == 1 and all(t.node == "CompiledFunctionBackward" for t in r.tensors)
                for r in reports.values())
-    assert _saves(reports["cpu"]) == _saves(reports[None]) and reports["cpu"].saved_bytes == reports[None].saved_bytes
+    assert save_rows(reports["cpu"]) == save_rows(reports[None])
+    assert reports["cpu"].saved_bytes == reports[None].saved_bytes
     assert "aten._scaled_dot_product_flash_attention_for_cpu" in made[None] & made["cpu"]
     assert "aten._scaled_dot_product_efficient_attention" in made["cuda"]
     assert "aten._scaled_dot_product_flash_attention_for_cpu" not in made["cuda"]

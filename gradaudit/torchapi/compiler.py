@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .features import require
 
@@ -74,6 +75,15 @@ def never_compiled_alone(*functions: Any) -> None:
         if code is not None and code not in _NEVER_ALONE:
             eval_frame.set_code_exec_strategy(code, eval_frame.FrameExecStrategy(skip, skip))
             _NEVER_ALONE.add(code)
+
+
+class InlinedMode(TorchFunctionMode):
+    """A TorchFunctionMode of gradaudit's: entered, TorchDynamo inlines its ``__torch_function__`` where it
+    traces and never compiles it alone (``never_compiled_alone``)."""
+
+    def __enter__(self) -> Any:
+        never_compiled_alone(type(self).__torch_function__)
+        return super().__enter__()
 
 
 def constant_when_traced(function: Any) -> Any:
