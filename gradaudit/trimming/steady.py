@@ -88,13 +88,17 @@ def _unpack_dropped(saved: tuple) -> torch.Tensor:
     return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
-def _bit_packer(packer: Callable) -> Callable[[torch.Tensor], Any]:
+def _bit_packer(packer: Callable, version: Optional[int] = None) -> Callable[[torch.Tensor], Any]:
+    """The pack hook of a bit- or byte-packable save; ``version``: the version the save had in the forward
+    that planned it (``_Modified`` where it differs), None for a pack hook that does not check."""
     # a byte packer's comparison is elementwise: on the dense tensor itself its bools come in its own
     # layout (one dispatch fewer to pack, and to unpack: codec.unpack_bytes); bits are packed from the
     # values in memory order
     flat = packer not in _BYTE_PACKERS
 
     def pack(t: torch.Tensor) -> Any:
+        if version is not None and version_counter(t) != version:
+            return _Modified(t, version)
         if not (t.is_floating_point() or t.dtype == torch.bool) or t.numel() == 0 or not dense(t):
             return _Kept(t)
         # (grad mode is off here: autograd runs a pack hook set by register_hooks under its own guard)
@@ -116,40 +120,23 @@ class _Modified:
         self.tensor, self.version = tensor, version
 
 
-def _unmodified(pack: Callable[[torch.Tensor], Any], version: int) -> Callable[[torch.Tensor], Any]:
-    """``pack`` for a save whose version when saved was ``version`` in the forward that planned it
-    (a tensor the forward makes: no parameter, buffer or input is ever packed, so its version
-    counter starts afresh each forward and the same ops bump it alike)."""
-    def pack_unmodified(t: torch.Tensor) -> Any:
-        if version_counter(t) != version:
-            return _Modified(t, version)
-        return pack(t)
-
-    return pack_unmodified
-
-
-def _kept(saved: Any) -> Optional[torch.Tensor]:
-    """The tensor of a save its pack hook kept, or None where it packed the save."""
-    kind = type(saved)
-    if kind is _Kept:
-        return saved.tensor
-    if kind is _Modified:
+def _kept(saved: Any) -> torch.Tensor:
+    """The tensor of a save its pack hook kept (``_Kept``, ``_Modified``: autograd's error)."""
+    if type(saved) is _Modified:
         raise modified_since_saved(saved.tensor, saved.version)
-    return None
+    return saved.tensor
 
 
 def _unpack_bits(saved: Any) -> torch.Tensor:
-    kept = _kept(saved)
-    if kept is not None:
-        return kept
+    if type(saved) is not _Bits:
+        return _kept(saved)
     _refuse_double_backward()
     return unpack_bits(saved)
 
 
 def _unpack_fused(saved: Any) -> torch.Tensor:
-    kept = _kept(saved)
-    if kept is not None:
-        return kept
+    if type(saved) is not _Bits:
+        return _kept(saved)
     _refuse_double_backward()
     return unpack_bits(saved, fused_kernels=True)
 
@@ -164,10 +151,13 @@ _CHECKED_MASKS = {_PACK_BITS[scaled_mask]: "bits", _PACK_BITS[BYTES[scaled_mask]
                   _PACK_BITS[FUSED[scaled_mask]]: "fused"}
 
 
-def _dropout_packer(scale: float, dtype: torch.dtype, form: str) -> Callable[[torch.Tensor], Any]:
+def _dropout_packer(scale: float, dtype: torch.dtype, form: str, version: int) -> Callable[[torch.Tensor], Any]:
     """The pack hook of a stock dropout module's keep-mask of ``dtype``, whose set value is ``scale``
-    (``form``: "bytes", a bool per element; "bits"; "fused", bits packed by one Triton kernel)."""
+    (``form``: "bytes", a bool per element; "bits"; "fused", bits packed by one Triton kernel), and
+    whose version when saved was ``version`` (``_bit_packer``)."""
     def pack(t: torch.Tensor) -> Any:
+        if version_counter(t) != version:
+            return _Modified(t, version)
         if t.dtype != dtype or t.numel() == 0 or not dense(t):
             return _Kept(t)
         if form == "bytes":
@@ -182,11 +172,12 @@ class Slot:
     """One save of a planned node: where it is (``attr``, ``item`` of a saved list or -1) and the
     pack and unpack hooks it gets."""
 
-    __slots__ = ("attr", "item", "pack", "unpack", "dropped", "box")
+    __slots__ = ("attr", "item", "pack", "unpack", "dropped", "stat", "box")
 
     def __init__(self, attr: str, item: int, pack: Callable, unpack: Callable, dropped: bool,
                  box: Any = None) -> None:
         self.attr, self.item, self.pack, self.unpack, self.dropped = attr, item, pack, unpack, dropped
+        self.stat = "dropped" if dropped else "bitpacked"  # the handle's count it adds to
         self.box = box  # the full forward's box, while the plan is built
 
 
@@ -200,7 +191,7 @@ class Entry:
     def __init__(self, out: int, path: tuple[int, ...], node: Any, slots: list[Slot],
                  fresh: Optional[float]) -> None:
         self.out, self.path, self.kind = out, path, type(node)
-        self.edges = tuple([fn is not None for fn, _ in node.next_functions])
+        self.edges = [fn is not None for fn, _ in node.next_functions]
         names = kind_of(node).scalars
         self.scalars = (names, node_scalars(node, names)) if names else None
         self.slots = slots
@@ -209,11 +200,9 @@ class Entry:
         # (SteadyPlan._pre notes where the call's nodes start) and the module's p be the same
         self.fresh = fresh
 
-    def find(self, tensors: list[Any], start: int) -> Any:
-        if self.out >= len(tensors):
-            return None
-        t = tensors[self.out]
-        node = t.grad_fn if isinstance(t, torch.Tensor) else None
+    def check(self, node: Any, start: int) -> Any:
+        """The node this entry changes, from the node of its module call's output tensor ``node``, or
+        None where what is found is not what was decided on."""
         for i in self.path:
             if node is None:
                 return None
@@ -221,9 +210,9 @@ class Entry:
             if i >= len(nexts):
                 return None
             node = nexts[i][0]
-        if node is None or type(node) is not self.kind:
+        if type(node) is not self.kind:  # (None too)
             return None
-        if tuple([fn is not None for fn, _ in node.next_functions]) != self.edges:
+        if [fn is not None for fn, _ in node.next_functions] != self.edges:
             return None
         if self.scalars is not None and node_scalars(node, self.scalars[0]) != self.scalars[1]:
             return None
@@ -290,13 +279,23 @@ class SteadyPlan:
         return post
 
     def apply(self, entries: list[Entry], output: Any, start: int, module: Optional[nn.Module] = None) -> None:
-        tensors = [output] if type(output) is torch.Tensor else list(iter_tensors(output))
+        single = type(output) is torch.Tensor
+        tensors = None
         stats = self.stats
         for entry in entries:
             # (a dropout's p read only for its entry: a missing attribute costs nn.Module's __getattr__ a raise)
             if entry.fresh is not None and entry.fresh != getattr(module, "p", None):
                 continue
-            node = entry.find(tensors, start)
+            if single and entry.out == 0:
+                node = output.grad_fn
+            else:
+                if tensors is None:
+                    tensors = [output] if single else list(iter_tensors(output))
+                if entry.out >= len(tensors):
+                    continue
+                t = tensors[entry.out]
+                node = t.grad_fn if isinstance(t, torch.Tensor) else None
+            node = entry.check(node, start)
             if node is None:
                 continue
             for slot in entry.slots:
@@ -311,7 +310,7 @@ class SteadyPlan:
                     # its hooks are set already (a checkpoint, save_on_cpu, the user's own
                     # saved_tensors_hooks packed it) or it was freed: autograd's, left alone
                     continue
-                stats["dropped" if slot.dropped else "bitpacked"] += 1
+                stats[slot.stat] += 1
 
 
 def _slot(attr: str, box: Any, dropped: int, packed: int) -> Optional[Slot]:
@@ -380,13 +379,16 @@ def build(session: Any, key: Any, dropped: int, packed: int) -> SteadyPlan:
             fresh = None
             if fresh_allowed and where[1] == () and any(slot.pack in _CHECKED_MASKS for slot in slots):
                 fresh = call.module.p
-                for slot in slots:
-                    if slot.pack in _CHECKED_MASKS:
-                        slot.pack = _dropout_packer(slot.box.scale, slot.box.dtype, _CHECKED_MASKS[slot.pack])
-            # elsewhere a mask keeps the packer that checks its values
+            # a packed save's pack hook checks its version is the one this forward saw when it was saved
+            # (a tensor the forward makes: no parameter, buffer or input is ever packed, so its version
+            # counter starts afresh each forward and the same ops bump it alike)
             for slot in slots:
-                if not slot.dropped:
-                    slot.pack = _unmodified(slot.pack, slot.box.version)
+                if fresh is not None and slot.pack in _CHECKED_MASKS:
+                    slot.pack = _dropout_packer(slot.box.scale, slot.box.dtype, _CHECKED_MASKS[slot.pack],
+                                                slot.box.version)
+                elif not slot.dropped:
+                    # elsewhere a mask keeps the packer that checks its values
+                    slot.pack = _bit_packer(slot.box.packer, slot.box.version)
                 slot.box = None
             entries.append(Entry(where[0], where[1], node, slots, fresh))
         if not entries:
