@@ -71,7 +71,8 @@ def time_ratios(model: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float,
     Each repeat times a block of 3 steps per variant, back to back, and keeps each block's fastest
     step (the one least disturbed by other processes and by this VM's page-fault cost, which varies
     several-fold from minute to minute); each ratio is the median of the per-repeat ratios."""
-    variants = [None, "bits", "bytes", "drops", None]  # plain, trim(), masks="bytes", bitpack=False, plain
+    # plain, masks="bits" (trim()'s default on the CPU), masks="bytes", bitpack=False, plain
+    variants = [None, "bits", "bytes", "drops", None]
 
     def block(how: object) -> float:
         if how is None:

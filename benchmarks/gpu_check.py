@@ -402,7 +402,8 @@ def _same(a: list, b: list) -> bool:
 def _variants(model, memsave_model):
     from gradaudit.trimming import trim
     from gradaudit.trimming import fused
-    variants = {"plain": (model, None), "trim": (model, lambda: trim(model)),
+    # "trim": its masks as bits; trim's default on a GPU (masks="auto") is the "trim bytes" row
+    variants = {"plain": (model, None), "trim": (model, lambda: trim(model, masks="bits")),
                 "trim bytes": (model, lambda: trim(model, masks="bytes"))}
     if fused.installed():
         # the bits packed and unpacked by one fused Triton kernel each way (the same bytes as "trim")

@@ -303,7 +303,7 @@ def test_the_remedy_keeps_masks_as_bytes_on_a_gpu_where_bits_recompute_no_less()
     remedy = roomy.remedy
     assert remedy is not None and remedy.plan.masks == "bytes" and not remedy.checkpointed
     assert remedy.describe() == "gradaudit.trim (bitpack=True, masks='bytes')"
-    beside = next(a for a in roomy.alternatives if a.name == "gradaudit.trim (bitpack=True)")
+    beside = next(a for a in roomy.alternatives if a.name == "gradaudit.trim (bitpack=True, masks='bits')")
     assert beside.fits and beside.peak_bytes < remedy.peak_bytes and beside.extra_compute == remedy.extra_compute == 0
     tight = gradaudit.fit(model, x, memory=peak * 70 // 100, target="cuda", optimizer="sgd").remedy
     assert tight is not None and tight.plan.masks == "bits" and tight.peak_bytes == beside.peak_bytes

@@ -1501,7 +1501,7 @@ def test_a_plan_follows_an_installed_trims_masks_and_refuses_others():
             plan(model, x, 3 * 4608, trim=True, masks="bits", measure_peak=False)
     with pytest.raises(GradauditError, match="masks='bytes' is an option of trim"):
         plan(model, x, 10**9, masks="bytes")
-    with pytest.raises(GradauditError, match="masks='bit': choose one of 'bits', 'bytes'"):
+    with pytest.raises(GradauditError, match="masks='bit': choose one of 'auto', 'bits', 'bytes'"):
         plan(model, x, 10**9, trim=True, masks="bit")
     with trim(model):  # bits installed: a plan with byte masks cannot apply over it
         with pytest.raises(GradauditError, match="with masks='bits': plan with masks='bits'"):
@@ -1622,7 +1622,7 @@ def test_cli_plans_on_top_of_trim(tmp_path, monkeypatch):
     refused = run("--budget", "1MiB", "--masks", "bytes")
     assert refused.exit_code == 2 and "--masks is an option of --trim" in refused.stderr
     refused = run("--budget", "1MiB", "--trim", "--masks", "bit")
-    assert refused.exit_code == 2 and "'bit' is not one of 'bits', 'bytes'" in refused.stderr
+    assert refused.exit_code == 2 and "'bit' is not one of 'auto', 'bits', 'bytes'" in refused.stderr
 
 
 def test_the_plans_step_is_the_training_loops_and_its_peaks_are_fits(tiny_hf_model):

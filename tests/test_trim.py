@@ -1086,18 +1086,51 @@ def test_masks_as_bytes_hold_one_byte_per_element_and_cost_one_operation_each_wa
     assert kernels == ["_to_copy", "_to_copy", "empty_strided"], steady
 
 
-def test_masks_takes_bits_or_bytes_and_plans_count_either():
+def test_masks_takes_auto_bits_or_bytes_and_plans_count_each():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2).requires_grad_(False))
     x = torch.randn(3, 4)
-    with pytest.raises(GradauditError, match="choose one of 'bits', 'bytes'"):
+    with pytest.raises(GradauditError, match="choose one of 'auto', 'bits', 'bytes'"):
         trim(model, masks="bit")
     # the ReLU's result (3 x 4 float32, 48 B) is read by its backward as a sign, and the frozen
     # Linear's save of it is dropped: bits keep 12 / 8 -> 2 B of it, bools 12 B; a plan follows the
-    # installed trim's masks
-    for masks, held in (("bytes", 12), ("bits", 2)):
-        with trim(model, masks=masks):
+    # installed trim's masks, and the default (auto) keeps bits on the CPU
+    for masks, form, held in (("bytes", "bytes", 12), ("bits", "bits", 2), ("auto", "bits", 2)):
+        with trim(model, masks=masks) as handle:
+            assert handle.masks == masks and handle.masks_on("cpu") == form
             planned = gradaudit.plan(model, x, 10**9, measure_peak=False)
-        assert (planned.masks, planned.unplanned_held_bytes) == (masks, held)
+        assert (planned.masks, planned.unplanned_held_bytes) == (form, held)
+
+
+def test_auto_masks_are_bits_on_the_cpu_and_bytes_on_a_gpu():
+    """masks="auto" (trim's default) by device: bits where packing is one numpy loop beside slow kernels
+    (the CPU; meta, which runs none), bytes on a GPU (one kernel each way where bits take more), bits
+    there too with the fused Triton kernels."""
+    from gradaudit.trimming.codec import mask_form
+
+    assert [mask_form("auto", d) for d in ("cpu", "meta", "cuda", "xpu")] == ["bits", "bits", "bytes", "bytes"]
+    assert mask_form("auto", "cuda", "triton") == "bits"
+    assert [mask_form(m, "cuda") for m in ("bits", "bytes")] == ["bits", "bytes"]
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)).requires_grad_(False)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    # the CPU trim's default holds what bits hold (the test above: the ReLU's 512 elements as 64 bytes)
+    assert compare(model, x)["held_after"] == compare(model, x, masks="bits")["held_after"] == 64
+    with trim(model) as handle:
+        assert (handle.masks, handle.masks_on("cpu"), handle.masks_on("cuda")) == ("auto", "bits", "bytes")
+
+
+def test_a_plan_for_a_gpu_counts_byte_masks_by_default():
+    """A plan with trim for target="cuda" (the model on meta) counts what trim's default keeps there, a
+    bool per element of the ReLU's result (2 x 4 x 8 x 8 = 512 elements: 512 B, the second conv's save of
+    it dropped); for the CPU target, bits (512 / 8 = 64 B); an explicit masks= is counted as given."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)).requires_grad_(False)
+        x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    found = {(target, masks): gradaudit.plan(model, x, 10**9, trim=True, target=target, masks=masks,
+                                             measure_peak=False)
+             for target, masks in (("cuda", None), ("cpu", None), ("cuda", "bits"), ("cpu", "bytes"))}
+    assert {key: (p.masks, p.unplanned_held_bytes) for key, p in found.items()} == {
+        ("cuda", None): ("bytes", 512), ("cpu", None): ("bits", 64),
+        ("cuda", "bits"): ("bits", 64), ("cpu", "bytes"): ("bytes", 512)}
 
 
 # ----------------------------------------------------------------------------------------------

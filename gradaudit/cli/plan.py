@@ -118,9 +118,10 @@ def _sweep(first: Any, budgets: Sequence[int], options: CommandOptions, output: 
 @click.option("--trim", is_flag=True, help="Plan the bytes that remain with gradaudit.trim installed: every "
               "figure is with trim and the plan (in Python plan(..., trim=True), whose apply installs trim too).")
 @click.option("--no-bitpack", is_flag=True, help="With --trim: trim(bitpack=False), drops only.")
-@click.option("--masks", type=click.Choice(["bits", "bytes"]), default=None,
+@click.option("--masks", type=click.Choice(["auto", "bits", "bytes"]), default=None,
               help="With --trim: what trim keeps of a save read only as a sign or a two-valued mask, one bit per "
-              "element (bits, the default) or one bool (bytes: trim(masks='bytes'), fewer operations on a GPU).")
+              "element (bits) or one bool (bytes, fewer operations on a GPU); auto, trim's default: bits on the "
+              "CPU, bytes on a GPU (the --target).")
 @click.option("--loss", "loss_spec", metavar="MODULE:FN", help="A function from the model's output to the scalar "
               "loss the measured steps backpropagate (default: the output's loss, as Hugging Face models given "
               "labels return, else the sum of its first tensor; as fit takes it).")

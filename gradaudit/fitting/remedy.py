@@ -119,7 +119,8 @@ class Remedy:
         if self.micro_batch:
             parts.append(f"micro-batches of {self.micro_batch} with {self.accumulation} accumulation steps")
         if self.trim:
-            masks = f", masks={self.plan.masks!r}" if self.plan.bitpack and self.plan.masks != "bits" else ""
+            # (named: what trim's default chooses depends on the device)
+            masks = f", masks={self.plan.masks!r}" if self.plan.bitpack else ""
             parts.append(f"gradaudit.trim (bitpack={self.plan.bitpack}{masks})")
         if self.checkpointed:
             selective = f", {len(self.plan.selective)} of them op by op" if self.plan.selective else ""

@@ -78,8 +78,12 @@ def figures(report: Report, plan: Any = None, trimmed: bool = False, fitted: Any
         logged["plan_held_bytes"] = plan.held_bytes  # with trim too where the plan was made with it
         logged["plan_checkpointed_modules"] = len(plan.checkpointed)
     elif trimmed:
-        # trim drops and bit-packs exactly what the audit counts as reclaimable with bit-packing
-        logged["trimmed_held_bytes"] = report.saved_bytes - report.reclaimable_with_bitpacking_bytes
+        # what the audit counts trim's default keeping on this device: every save reclaimable with
+        # bit-packing dropped or packed, its masks as bits on the CPU, as bools on a GPU
+        from ..planning.chain import held_by_report
+        from ..trimming.codec import mask_form
+
+        logged["trimmed_held_bytes"] = held_by_report(report, True, mask_form("auto", report.target))
     if fitted is not None:
         logged["step_peak_bytes"] = fitted.peak_bytes
         logged["step_fits"] = int(fitted.fits)

@@ -37,7 +37,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..conditions import trimmed_now
 from ..errors import GradauditError
-from ..tensors import flatten
+from ..tensors import first_meta_parameter, flatten
 from ..torchapi.checkpoint import KEEP_CHECKPOINTING
 from ..torchapi.dispatch import function_modes, function_modes_entered, overload_packet
 from ..torchapi.modules import BATCH_NORM
@@ -227,9 +227,13 @@ class PlanHandle:
         if trim is not None and installed is not None and installed.bitpack != trim:
             raise GradauditError(f"this plan's figures are with gradaudit.trim(bitpack={trim}), and trim is installed "
                                  f"on this model with bitpack={installed.bitpack}: remove that handle first")
-        if trim and installed is not None and installed.masks != masks:
-            raise GradauditError(f"this plan's figures are with gradaudit.trim(masks={masks!r}), and trim is installed "
-                                 f"on this model with masks={installed.masks!r}: remove that handle first")
+        if trim and installed is not None:
+            first = first_meta_parameter(model.parameters())
+            there = installed.masks_on(first.device.type if first is not None else "cpu")
+            if there != masks:
+                raise GradauditError(f"this plan's figures are with gradaudit.trim(masks={masks!r}), and trim is "
+                                     f"installed on this model with masks={installed.masks!r} ({there} here): remove "
+                                     f"that handle first")
         self._model_ref = weakref.ref(model)
         self.paths = paths
         self.policies = {path: policies.get(path, FULL_POLICY) for path in paths}

@@ -15,11 +15,12 @@ from torch import nn
 
 from .. import torchapi
 from ..auditing import audit
-from ..conditions import as_audited, meta_inputs, prepare_data_parallel, runs_on_meta
+from ..conditions import as_audited, meta_inputs, prepare_data_parallel, resolve_target, runs_on_meta
 from ..errors import GradauditError
 from ..records import Bound, Cost, Report
 from ..compiled import compiled_paths, compiled_regions
 from ..sizes import as_bytes
+from ..tensors import first_meta_parameter, iter_tensors
 from ..tracking import collecting_only_new
 from ..torchapi.checkpoint import checkpointing_off
 from ..values import is_assumption_note
@@ -57,6 +58,13 @@ class _Audited:
     report: Any
     now: list[str]
     current_held: Optional[int]
+
+
+def _target_device(model: nn.Module, inputs: Any, target: Optional[str]) -> str:
+    """The device type the plan is for (the audit's target, as ``audit`` resolves it)."""
+    tensors = list(iter_tensors(inputs))
+    first = first_meta_parameter(model.parameters())
+    return resolve_target(target, runs_on_meta(first, tensors), ([first] if first is not None else []) + tensors)
 
 
 @collecting_only_new()  # (its runs' garbage collections look at what it made, not at the model)
@@ -102,7 +110,7 @@ def plan(
         ``Plan.apply`` installs trim too where it is not installed. None (the default) follows the
         model: with trim installed on it, as True (with its bitpack); without, as False. trim=False
         on a trimmed model raises GradauditError (its figures would be wrong for it).
-    bitpack, masks: trim's options (default True and "bits", or the installed handle's); only with trim.
+    bitpack, masks: trim's options, with trim (True and "auto": bits for the CPU, bytes for CUDA; or the installed's).
     loss: a callable from the model's output to the scalar loss that the measured steps backpropagate,
         as a training loop does (default: the output's ``loss`` when it has one, as Hugging Face
         models given labels do, else the sum of its first tensor; as ``fit`` takes it).
@@ -112,7 +120,7 @@ def plan(
     with cache_off(model) as cache_was_on:  # (planned as Hugging Face's checkpointing trains: see CACHE_NOTE)
         inputs = meta_inputs(model, inputs)  # CPU token ids and masks beside a meta model keep their values
         budget_bytes, bound, cost = _checked_arguments(model, inputs, budget, bound, measure_peak, cost)
-        installed, bitpack, masks = trim_options(model, trim, bitpack, masks)
+        installed, bitpack, masks = trim_options(model, trim, bitpack, masks, _target_device(model, inputs, target))
         say = progress or _silent
         run = _Run(model, inputs, trainable, frozen, target, masks)
         paths, found = _candidates(run, blocks, say)
@@ -208,8 +216,6 @@ def _own_checkpointing(model: nn.Module, now: Sequence[str], current_held: Any) 
 def _checked_arguments(model: Any, inputs: Any, budget: Any, bound: Any, measure_peak: bool,
                        cost: Any) -> tuple[int, Bound, Cost]:
     """The budget in bytes, the bound and the cost, once every argument that needs no audit is checked."""
-    from ..tensors import first_meta_parameter, iter_tensors
-
     if not isinstance(model, nn.Module):
         raise GradauditError(f"plan() needs a torch.nn.Module, got {type(model).__name__}")
     prepare_data_parallel(model)

@@ -12,6 +12,7 @@ from typing import Any, Iterator, Optional, Sequence
 from torch import nn
 
 from ..conditions import trimmed_now
+from ..tensors import first_meta_parameter
 from ..errors import GradauditError
 from ..recorder import CHECKPOINT_INPUTS
 from ..records import Manager
@@ -93,11 +94,12 @@ def trimmed(model: nn.Module, bitpack: Optional[bool], masks: str = "bits") -> I
 
 
 def trim_options(model: nn.Module, trim: Optional[bool], bitpack: Optional[bool],
-                 masks: Optional[str] = None) -> tuple[Any, Optional[bool], str]:
+                 masks: Optional[str] = None, target: str = "cpu") -> tuple[Any, Optional[bool], str]:
     """(the trim handle installed on ``model`` or None, the plan's bitpack: None for a plan without
-    trim, the form of its masks: "bits" or "bytes"). Every combination that would make the figures
-    wrong for the model is refused."""
-    from ..trimming.codec import MASK_FORMATS
+    trim, the form of its masks: "bits" or "bytes", what trim's ``masks`` option makes of them on the
+    device type ``target`` the plan is for, or for an installed trim on the device its model is on).
+    Every combination that would make the figures wrong for the model is refused."""
+    from ..trimming.codec import MASK_FORMATS, mask_form
 
     for name, value in (("trim", trim), ("bitpack", bitpack)):
         if value is not None and not isinstance(value, bool):
@@ -120,9 +122,13 @@ def trim_options(model: nn.Module, trim: Optional[bool], bitpack: Optional[bool]
                 raise GradauditError(f"{name}={value!r} is an option of trim: pass trim=True with it (--trim)")
         return None, None, "bits"
     if installed is not None:
-        for name, value, theirs in (("bitpack", bitpack, installed.bitpack), ("masks", masks, installed.masks)):
+        # what the installed trim does where it runs: its model's device
+        first = first_meta_parameter(model.parameters())
+        form = installed.masks_on(first.device.type if first is not None else target)
+        asked = None if masks is None else mask_form(masks, target, installed.kernels)
+        for name, value, theirs in (("bitpack", bitpack, installed.bitpack), ("masks", asked, form)):
             if value is not None and value != theirs:
                 raise GradauditError(f"gradaudit.trim is installed on this model with {name}={theirs!r}: plan with "
                                      f"{name}={theirs!r}, or remove the trim handle first")
-        return installed, installed.bitpack, installed.masks
-    return None, True if bitpack is None else bitpack, masks or "bits"
+        return installed, installed.bitpack, form
+    return None, True if bitpack is None else bitpack, mask_form(masks or "auto", target)

@@ -8,10 +8,10 @@ from .shared import shape_text
 
 
 @claims_rule("GA401", "sign-only-save-kept-as-float", SIGN_ONLY,
-      fix="Keep a 1-bit sign mask instead of the float tensor (gradaudit.trim(bitpack=True))",
+      fix="Keep a 1-bit sign mask instead of the float tensor (gradaudit.trim(model, masks=\"bits\"))",
       fix_code="""
         import gradaudit
-        with gradaudit.trim(model, bitpack=True):
+        with gradaudit.trim(model, masks="bits"):
             model(x).sum().backward()
       """)
 def sign_only_save_kept_as_float(node: GraphNode, hits: list[SavedTensor]) -> str:
@@ -26,7 +26,9 @@ def sign_only_save_kept_as_float(node: GraphNode, hits: list[SavedTensor]) -> st
         model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10))
         report = gradaudit.audit(model, torch.randn(8, 16))
     Fix:
-        ``gradaudit.trim(model, bitpack=True)`` stores the sign pattern packed 8 per byte.
+        ``gradaudit.trim(model, masks="bits")`` stores the sign pattern packed 8 per byte.
+        ``gradaudit.trim(model)`` (``masks="auto"``) does so on the CPU; on a GPU it keeps a bool
+        per element instead (75% of a float32 save freed, one kernel each way, where bits take more).
     Fix safety:
         Gradients are bit-identical: the backward reads only the sign.
     Known limits:
@@ -38,10 +40,10 @@ def sign_only_save_kept_as_float(node: GraphNode, hits: list[SavedTensor]) -> st
 
 
 @claims_rule("GA402", "dropout-mask-saved-as-float", NEEDED, bitpackable=True, each=True,
-      fix="Keep dropout's mask as bits (gradaudit.trim(bitpack=True)): gradients stay bit-identical",
+      fix="Keep dropout's mask as bits (gradaudit.trim(model, masks=\"bits\")): gradients stay bit-identical",
       fix_code="""
         import gradaudit
-        with gradaudit.trim(model, bitpack=True):   # the 0 / 1/(1-p) mask kept as 1 bit per element
+        with gradaudit.trim(model, masks="bits"):   # the 0 / 1/(1-p) mask kept as 1 bit per element
             model(x).sum().backward()
       """)
 def dropout_mask_saved_as_float(node: GraphNode, hits: list[SavedTensor]) -> str:
@@ -58,7 +60,8 @@ def dropout_mask_saved_as_float(node: GraphNode, hits: list[SavedTensor]) -> str
         model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.Linear(32, 10)).train()
         report = gradaudit.audit(model, torch.randn(8, 16))   # on CPU dropout runs as input * mask
     Fix:
-        Bit-pack the saved mask (``gradaudit.trim(model, bitpack=True)``, the snippet). Or, in your
+        Bit-pack the saved mask (``gradaudit.trim(model, masks="bits")``, the snippet; ``masks="auto"``,
+        the default, keeps a bool per element on a GPU). Or, in your
         own code, a dropout that saves a bool mask: ``keep = torch.rand_like(x) >= p`` then
         ``torch.where(keep, x / (1 - p), 0.0)`` (``torch.where`` saves only its bool condition).
     Fix safety:
@@ -74,11 +77,11 @@ def dropout_mask_saved_as_float(node: GraphNode, hits: list[SavedTensor]) -> str
 
 
 @claims_rule("GA403", "dropout-mask-saved-as-bytes", NEEDED, bitpackable=True, each=True,
-      fix="Keep the bool keep-mask as bits (gradaudit.trim(model), masks=\"bits\", the default): gradients "
-          "stay bit-identical",
+      fix="Keep the bool keep-mask as bits (gradaudit.trim(model, masks=\"bits\")): gradients stay "
+          "bit-identical",
       fix_code="""
         import gradaudit
-        with gradaudit.trim(model):   # each bool of the keep-mask kept as 1 bit
+        with gradaudit.trim(model, masks="bits"):   # each bool of the keep-mask kept as 1 bit
             model(x).sum().backward()
       """)
 def dropout_mask_saved_as_bytes(node: GraphNode, hits: list[SavedTensor]) -> str:
@@ -98,8 +101,9 @@ def dropout_mask_saved_as_bytes(node: GraphNode, hits: list[SavedTensor]) -> str
             model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.Linear(32, 10)).train()
         report = gradaudit.audit(model, torch.randn(8, 16, device="meta"), target="cuda")
     Fix:
-        ``gradaudit.trim(model)`` (bits, the default) keeps the mask packed 8 elements per byte and
-        gives backward the same bools; ``masks="bytes"`` leaves it as it is.
+        ``gradaudit.trim(model, masks="bits")`` keeps the mask packed 8 elements per byte and gives
+        backward the same bools; ``masks="bytes"``, and ``"auto"`` (the default) on a GPU, leave it as
+        it is.
     Fix safety:
         Bit-identical: a bool holds one of two values, which the bits keep exactly.
     Known limits:

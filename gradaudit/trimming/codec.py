@@ -166,7 +166,21 @@ BYTES: dict[Packer, Packer] = {
     _scaled_mask: _byte_scaled_mask,
     _bool_bits: _bool_kept,
 }
-MASK_FORMATS = ("bits", "bytes")
+MASK_FORMATS = ("auto", "bits", "bytes")
+
+
+def mask_form(masks: str, device_type: str, kernels: str = "torch") -> str:
+    """What the ``masks`` option makes of a save needed only as a sign or a two-valued mask on a device
+    of ``device_type``: "bits" or "bytes". "auto" chooses by what each costs there: on the CPU (and
+    meta, where no kernel runs) bits, whose packing is one numpy loop each way beside kernels that
+    take far longer; on a GPU bytes, one kernel each way where bits take four or five (H200, ResNet-50
+    with its weights frozen: 1.35-1.51x a plain step with bytes, 1.70-1.88x with bits,
+    docs/benchmarks.md), unless ``kernels="triton"`` packs bits in one fused kernel each way."""
+    if masks != "auto":
+        return masks
+    if kernels == "triton" or device_type in ("cpu", "meta"):
+        return "bits"
+    return "bytes"
 
 
 def _fused_passes_unless_le_zero(values: torch.Tensor) -> tuple[torch.Tensor, float]:

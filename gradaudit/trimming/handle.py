@@ -17,7 +17,7 @@ from ..tracking import forward_backward
 from ..tensors import iter_tensors, split_inputs, unique
 from ..torchapi.autograd import packed_by_checkpoint, saved_tensors_hooks_enabled, top_saved_tensors_hooks
 from . import fused, steady
-from .codec import KERNELS, MASK_FORMATS
+from .codec import KERNELS, MASK_FORMATS, mask_form
 from .session import DROPPED, PACKED, Session
 
 _TRIMMED: "weakref.WeakKeyDictionary[nn.Module, TrimHandle]" = weakref.WeakKeyDictionary()
@@ -68,7 +68,7 @@ class Engine:
     ``conditions``), or by the steady plan the last such forward left (``steady``: only the saves it
     changed are touched)."""
 
-    def __init__(self, model: nn.Module, bitpack: bool, masks: str = "bits", kernels: str = "torch") -> None:
+    def __init__(self, model: nn.Module, bitpack: bool, masks: str = "auto", kernels: str = "torch") -> None:
         self.session = Session(model, bitpack, masks, kernels)
         self.plan: Optional[steady.SteadyPlan] = None
         self.mode: Optional[str] = None  # "full" or "steady" while a forward runs
@@ -161,7 +161,7 @@ class Engine:
 class TrimHandle:
     """Returned by ``trim``: ``remove()`` (or leaving the ``with`` block) restores the model."""
 
-    def __init__(self, model: nn.Module, bitpack: bool, masks: str = "bits", kernels: str = "torch") -> None:
+    def __init__(self, model: nn.Module, bitpack: bool, masks: str = "auto", kernels: str = "torch") -> None:
         self._model_ref = weakref.ref(model)
         self._engine = engine = Engine(model, bitpack, masks, kernels)
         self._session = engine.session
@@ -183,8 +183,12 @@ class TrimHandle:
 
     @property
     def masks(self) -> str:
-        """The ``masks`` option it was installed with: ``"bits"`` or ``"bytes"``."""
+        """The ``masks`` option it was installed with: ``"auto"``, ``"bits"`` or ``"bytes"``."""
         return self._session.masks
+
+    def masks_on(self, device_type: str) -> str:
+        """What its masks are on a device of that type: ``"bits"`` or ``"bytes"`` (``codec.mask_form``)."""
+        return mask_form(self._session.masks, device_type, self._session.kernels)
 
     @property
     def kernels(self) -> str:
@@ -265,7 +269,7 @@ def settle(model: nn.Module, args: tuple, kwargs: dict, run: Callable[[], Any]) 
             t.grad = grad
 
 
-def trim(model: nn.Module, *, bitpack: bool = True, masks: str = "bits", kernels: str = "torch") -> TrimHandle:
+def trim(model: nn.Module, *, bitpack: bool = True, masks: str = "auto", kernels: str = "torch") -> TrimHandle:
     """Make every forward of ``model`` keep only what backward can need; gradients stay bit-identical.
 
     Saves backward cannot read are forgotten (backward gets a placeholder of the same shape and strides, never read);
@@ -284,9 +288,12 @@ def trim(model: nn.Module, *, bitpack: bool = True, masks: str = "bits", kernels
     Refuses (GradauditError) when saved-tensor hooks are disabled and in double backward.
 
     ``masks``: what a save needed only as a sign or a two-valued mask becomes (with ``bitpack``):
-    ``"bits"`` (the default), one bit per element, ~97% of a float32 save freed, made and unpacked by
-    several operations (numpy's on the CPU; on a GPU each is a kernel launch); ``"bytes"``, one bool per
-    element, 75% freed, one operation to make and one to unpack. ``plan`` and ``fit`` count bits.
+    ``"bits"``, one bit per element, ~97% of a float32 save freed, made and unpacked by several
+    operations (numpy's on the CPU; on a GPU each is a kernel launch); ``"bytes"``, one bool per
+    element, 75% freed, one operation to make and one to unpack; ``"auto"`` (the default), chosen per
+    save by its device: bits on the CPU (and meta), bytes on a GPU, where bits cost more time than their
+    extra memory is worth to most steps, unless ``kernels="triton"`` packs them in one kernel
+    (``codec.mask_form``). ``plan`` and ``fit`` count what it chooses on their target.
 
     ``kernels``: what packs and unpacks bits on a GPU: ``"torch"`` (the default), torch operations
     (three elementwise kernels each way); ``"triton"``, one fused Triton kernel each way
@@ -311,7 +318,7 @@ def _check_kernels(kernels: str, bitpack: bool, masks: str) -> None:
     if kernels not in KERNELS:
         raise GradauditError(f"trim(kernels={kernels!r}): choose one of {', '.join(map(repr, KERNELS))}")
     if kernels == "triton":
-        if not bitpack or masks != "bits":
+        if not bitpack or masks == "bytes":
             raise GradauditError(f"trim(kernels='triton') packs bits; with bitpack={bitpack}, masks={masks!r} there "
                                  f"are none to pack: leave kernels='torch'")
         if not fused.installed():
@@ -320,7 +327,7 @@ def _check_kernels(kernels: str, bitpack: bool, masks: str) -> None:
 
 
 
-def compare(model: nn.Module, inputs: Any, *, bitpack: bool = True, masks: str = "bits") -> dict[str, int]:
+def compare(model: nn.Module, inputs: Any, *, bitpack: bool = True, masks: str = "auto") -> dict[str, int]:
     """Held bytes after the forward and peak bytes through forward+backward, plain vs trimmed.
 
     Returns ``{"held_before", "held_after", "peak_before", "peak_after"}`` in bytes; the trimmed

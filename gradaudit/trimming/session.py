@@ -15,7 +15,7 @@ from ..errors import GradauditError
 from ..tensors import iter_tensors, storage_key
 from ..torchapi.modules import add_forward_hooks, remove_forward_hooks
 from ..tensors import contiguous_strides
-from .codec import BYTES, FUSED, Packer, dense, shape_stand_in, unfilled_strided, unpack_bits
+from .codec import BYTES, FUSED, Packer, dense, mask_form, shape_stand_in, unfilled_strided, unpack_bits
 from .plan import KEEP, kind_of, plan_for
 from ..torchapi.autograd import (NO_SEQUENCE, called_from_autograd, caller_frame, in_backward,
                                  node_sequence_number, pop_node_creation_hook, push_node_creation_hook,
@@ -134,10 +134,10 @@ class Session:
     ``trim`` runs such a forward first and whenever the steady plan does not apply; the forward also
     records what the steady plan needs (``changed``, ``calls``)."""
 
-    def __init__(self, model: nn.Module, bitpack: bool, masks: str = "bits", kernels: str = "torch") -> None:
+    def __init__(self, model: nn.Module, bitpack: bool, masks: str = "auto", kernels: str = "torch") -> None:
         self.model_ref = weakref.ref(model)
         self.bitpack = bitpack
-        self.masks = masks  # codec.MASK_FORMATS: what a bit-packable save becomes
+        self.masks = masks  # codec.MASK_FORMATS: what a bit-packable save becomes (codec.mask_form)
         self.kernels = kernels  # codec.KERNELS: what packs and unpacks bits
         self.active = False
         self.pending: list[tuple[Any, Optional[Call]]] = []  # (node, module call) since the last boundary
@@ -431,7 +431,7 @@ class Session:
                 self.stats["unpacked_again"] += 1
 
     def pack_bits(self, box: Box, packer: Packer) -> None:
-        if self.masks == "bytes":
+        if mask_form(self.masks, box.device.type, self.kernels) == "bytes":
             packer = BYTES[packer]
         elif self.kernels == "triton":
             packer = FUSED[packer]
