@@ -134,7 +134,7 @@ def _one_line(report: Any) -> str:
             f"{len(report.waste_findings)} waste findings{counted}")
 
 
-def _trim(model: Any, inputs: Any, options: CommandOptions) -> dict[str, int]:
+def _trim(model: Any, inputs: Any, options: CommandOptions) -> dict[str, Any]:
     try:
         from ..trimming import compare
     except ImportError as error:
@@ -150,17 +150,25 @@ def _trim(model: Any, inputs: Any, options: CommandOptions) -> dict[str, int]:
     apply_trainable(model, options.trainable_patterns, list(options.freeze))
     options.progress("measuring held and peak memory with and without trimming")
     try:
-        return compare(model, inputs)
+        figures = compare(model, inputs)
     except GradauditError:
         raise
     except Exception as error:
         raise CommandFailed(f"--trim failed: {type(error).__name__}: {error}", error) from error
+    from ..tensors import first_meta_parameter
+    from ..trimming.codec import mask_form
+
+    # what trim's default kept the masks as here (masks="auto": bits on the CPU, bools on a GPU)
+    first = first_meta_parameter(model.parameters())
+    figures["masks"] = mask_form("auto", first.device.type if first is not None else "cpu")
+    return figures
 
 
-def _trim_lines(figures: dict[str, int]) -> str:
+def _trim_lines(figures: dict[str, Any]) -> str:
     from ..report.units import human_bytes
 
-    lines = ["With gradaudit.trim (measured):"]
+    masks = {"bits": "masks as bits", "bytes": "masks as bools"}[figures["masks"]]
+    lines = [f"With gradaudit.trim (measured, {masks}):"]
     for label, key in (("held for backward", "held"), ("peak, forward+backward", "peak")):
         before, after = figures[f"{key}_before"], figures[f"{key}_after"]
         lines.append(f"  {label:<22} {human_bytes(before):>10} -> {human_bytes(after):>10}  "
