@@ -84,7 +84,9 @@ def audit(
             raise
         # TorchDynamo could not compile the model on meta under the emulation: its eager figures, said so
         report = _audited(model, inputs, **{**options, "eager": True})
-        report.notes[:] = [n for n in report.notes if not n.startswith("the model is torch.compile'd")]
+        # (its note that it ran eagerly as asked gives way to the note saying why it did)
+        asked = ran_eagerly_note(model, EAGER_ASKED)
+        report.notes[:] = [n for n in report.notes if n != asked]
         report.notes.append(compile_failed_on_meta_note(model, error.__cause__))
         return report
 
