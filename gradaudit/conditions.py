@@ -161,6 +161,13 @@ def meta_inputs(model: nn.Module, inputs: Any) -> Any:
     return inputs
 
 
+def device_type_of(model: nn.Module, default: str = "cpu") -> str:
+    """The device type ``model`` runs on (its first meta parameter's, else its first parameter's), or
+    ``default`` for a model without parameters."""
+    first = first_meta_parameter(model.parameters())
+    return first.device.type if first is not None else default
+
+
 def runs_on_meta(first_parameter: Optional[torch.Tensor], input_tensors: Sequence[torch.Tensor]) -> bool:
     """Whether an audit runs on the meta device: an input or ``first_parameter`` (the model's first
     meta parameter, if any) is a meta tensor."""

@@ -155,12 +155,11 @@ def _trim(model: Any, inputs: Any, options: CommandOptions) -> dict[str, Any]:
         raise
     except Exception as error:
         raise CommandFailed(f"--trim failed: {type(error).__name__}: {error}", error) from error
-    from ..tensors import first_meta_parameter
+    from ..conditions import device_type_of
     from ..trimming.codec import mask_form
 
     # what trim's default kept the masks as here (masks="auto": bits on the CPU, bools on a GPU)
-    first = first_meta_parameter(model.parameters())
-    figures["masks"] = mask_form("auto", first.device.type if first is not None else "cpu")
+    figures["masks"] = mask_form("auto", device_type_of(model))
     return figures
 
 

@@ -35,9 +35,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import flop_registry
 
-from ..conditions import trimmed_now
+from ..conditions import device_type_of, trimmed_now
 from ..errors import GradauditError
-from ..tensors import first_meta_parameter, flatten
+from ..tensors import flatten
 from ..torchapi.checkpoint import KEEP_CHECKPOINTING
 from ..torchapi.dispatch import function_modes, function_modes_entered, overload_packet
 from ..torchapi.modules import BATCH_NORM
@@ -228,8 +228,7 @@ class PlanHandle:
             raise GradauditError(f"this plan's figures are with gradaudit.trim(bitpack={trim}), and trim is installed "
                                  f"on this model with bitpack={installed.bitpack}: remove that handle first")
         if trim and installed is not None:
-            first = first_meta_parameter(model.parameters())
-            there = installed.masks_on(first.device.type if first is not None else "cpu")
+            there = installed.masks_on(device_type_of(model))
             if there != masks:
                 raise GradauditError(f"this plan's figures are with gradaudit.trim(masks={masks!r}), and trim is "
                                      f"installed on this model with masks={installed.masks!r} ({there} here): remove "

@@ -11,8 +11,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from torch import nn
 
-from ..conditions import trimmed_now
-from ..tensors import first_meta_parameter
+from ..conditions import device_type_of, trimmed_now
 from ..errors import GradauditError
 from ..recorder import CHECKPOINT_INPUTS
 from ..records import Manager
@@ -123,8 +122,7 @@ def trim_options(model: nn.Module, trim: Optional[bool], bitpack: Optional[bool]
         return None, None, "bits"
     if installed is not None:
         # what the installed trim does where it runs: its model's device
-        first = first_meta_parameter(model.parameters())
-        form = installed.masks_on(first.device.type if first is not None else target)
+        form = installed.masks_on(device_type_of(model, target))
         asked = None if masks is None else mask_form(masks, target, installed.kernels)
         for name, value, theirs in (("bitpack", bitpack, installed.bitpack), ("masks", asked, form)):
             if value is not None and value != theirs:
