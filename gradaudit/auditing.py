@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .analysis import build_report
+from .collecting import collecting_only_new
 from .conditions import ModelState, apply_trainable, one_stage, resolve_target, runs_on_meta, trimmed_now
 from .errors import ForwardError, GradauditError, NothingRequiresGradError
 from .meta import standing_for
@@ -28,6 +29,7 @@ from .torchapi.fsdp import fsdp_reshard, fsdp_unsharded_parameters
 from .torchapi.pipelining import is_schedule
 
 
+@collecting_only_new()  # (its collections look at what it makes, not at the model and the libraries)
 def audit(
     model: nn.Module,
     inputs: Any,

@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from .collecting import collecting_only_new
 from .errors import GradauditError, LoadError
 
 _DOTTED_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -119,10 +120,12 @@ def call(factory: Callable[[], Any], what: str, device: Optional[str] = None) ->
     if not callable(factory):
         return factory
     try:
-        if device == "meta":
-            with meta_device():
-                return factory()
-        return factory()
+        # (a model's build makes hundreds of thousands of objects: its collections look at those, not at torch's)
+        with collecting_only_new():
+            if device == "meta":
+                with meta_device():
+                    return factory()
+            return factory()
     except GradauditError:
         raise
     except Exception as error:

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .collecting import collecting_only_new
+
 SCHEMA_VERSION = 1
 
 
@@ -495,6 +497,7 @@ class Report:
             "inputs_requiring_grad": self.inputs_requiring_grad,
         }
 
+    @collecting_only_new()  # (thousands of dicts: a collection they start looks at them, not at the model)
     def to_dict(self) -> dict[str, Any]:
         """The report's JSON document (``gradaudit scan --json``; fields in docs/json.md)."""
         return {

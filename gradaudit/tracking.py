@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
+from .collecting import collecting_only_new
 from .records import Name
 from .tensors import iter_tensors, split_inputs, storage_key, strided_parts, unique
 from .torchapi.autograd import graph_nodes, is_custom_function, raw_saved_slots
@@ -230,24 +231,6 @@ def peak_of(lives: Sequence[Life], samples: int) -> int:
         running += change
         peak = max(peak, running)
     return peak
-
-
-@contextlib.contextmanager
-def collecting_only_new() -> Any:
-    """Within the block, a garbage collection looks only at the objects made since it began (gc.freeze
-    sets the older ones aside; nested blocks leave the outer one's freeze as it is). A full collection
-    costs tens of milliseconds once transformers is imported and ~0.3 s with a large model loaded (2.6 s
-    of an 80-layer plan's peak steps); this one misses only a garbage cycle through an older object.
-    ``plan``, ``fit`` and ``largest`` run whole in one such block: Python's own collections of the oldest
-    generation, which come when enough objects have been made, took ~0.3 s of each 80-layer plan."""
-    freeze = gc.get_freeze_count() == 0
-    if freeze:
-        gc.freeze()
-    try:
-        yield
-    finally:
-        if freeze:
-            gc.unfreeze()
 
 
 def keys_of(tensors: Iterable[torch.Tensor]) -> set[int]:

@@ -239,6 +239,74 @@ def test_young_only_measurement_matches_a_full_collection(tiny_hf_model):
         assert gc.get_freeze_count() == 0
 
 
+def test_an_audit_its_json_and_a_command_lines_build_collect_only_what_they_make():
+    """audit, Report.to_dict and the command line's call of a model factory set the older objects aside
+    from the collector while they run (gc.freeze: a full collection there looks at what they made, not
+    at torch and the model), and put them back after: a garbage cycle made before is kept through a
+    collection inside and freed by the next one outside; the figures are those of an audit under the
+    caller's own freeze, which the audit leaves in force."""
+    import gc
+    import weakref
+
+    from gradaudit.loading import call
+
+    class Old:
+        pass
+
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            gc.collect()  # a full collection inside the audit: the cycle made before it survives
+            seen.append((gc.get_freeze_count() > 0, cycle_alive()))
+            return self.fc(x).relu()
+
+    def made_cycle():
+        old = Old()
+        old.self = old
+        return weakref.ref(old)
+
+    def cycle_alive():
+        return ref() is not None
+
+    audit = gradaudit.audit  # (imported now: an import's collections would find the cycle before the audit)
+    gc.collect()
+    model, x = Probe(), torch.randn(4, 8)
+    ref = made_cycle()
+    report = audit(model, x)
+    assert seen == [(True, True)] and gc.get_freeze_count() == 0
+    gc.collect()
+    assert not cycle_alive()  # outside, the next full collection finds it
+
+    node_class = type(report.nodes[0])
+    dumping = node_class.to_dict
+    dumped = []
+    node_class.to_dict = lambda node: dumped.append(gc.get_freeze_count() > 0) or dumping(node)
+    try:
+        document = report.to_dict()
+    finally:
+        node_class.to_dict = dumping
+    assert dumped and all(dumped) and document == report.to_dict() and gc.get_freeze_count() == 0
+
+    assert call(lambda: gc.get_freeze_count() > 0, "factory") is True
+    assert gc.get_freeze_count() == 0
+
+    gc.freeze()  # the caller's own: left as it is, the figures the same
+    try:
+        seen.clear()
+        again = gradaudit.audit(model, x)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    assert seen == [(True, False)] and again.to_dict() == report.to_dict()
+    # the ReLU's result, 4 x 8 fp32 (the Linear's saved input is the caller's tensor, alive anyway)
+    assert again.saved_bytes == report.saved_bytes == 4 * 8 * 4
+
+
 def test_a_torchscript_module_is_refused_with_what_to_do():
     import warnings
 

@@ -24,7 +24,7 @@ from .levers import other_levers
 from .remedy import Alternative, search_levers
 from .pipeline import StageSizes, stage_remedy, stage_step
 from .result import Figures, Fit, Live, allocated, figures
-from ..tracking import collecting_only_new
+from ..collecting import collecting_only_new
 from .step import BUCKETS, CATEGORIES, GRADIENTS, STATE, Step, prepared_step
 
 __all__ = ["fit", "Fit", "CATEGORIES"]

@@ -16,7 +16,7 @@ from ..errors import GradauditError
 from ..tensors import iter_tensors
 from ..torchapi.dispatch import tree_map
 from ..torchapi.storages import storage_key
-from ..tracking import collecting_only_new
+from ..collecting import collecting_only_new
 
 DIMENSIONS = {"batch": 0, "seq": 1}
 MOST_STEPS = 40  # measurements before giving up on the search (halving 2 ** 24 takes 24)

@@ -45,7 +45,8 @@ from ..torchapi.distributed import in_fake_world, local_of
 from ..torchapi.pipelining import (following_chunks, passes_between_own_stages, received_buffers,
                                    sends_held_by_their_work, stages_of)
 from ..torchapi.optimizers import fused_optimizers_on_meta
-from ..tracking import Category, Life, Lifetimes, collecting_only_new, forward_backward, keys_of
+from ..collecting import collecting_only_new
+from ..tracking import Category, Life, Lifetimes, forward_backward, keys_of
 from . import optimizers
 from .workspaces import GemmCount, workspaces
 

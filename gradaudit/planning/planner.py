@@ -21,7 +21,7 @@ from ..records import Bound, Cost, Report
 from ..compiled import compiled_paths, compiled_regions
 from ..sizes import as_bytes
 from ..tensors import first_meta_parameter, iter_tensors
-from ..tracking import collecting_only_new
+from ..collecting import collecting_only_new
 from ..torchapi.checkpoint import checkpointing_off
 from ..values import is_assumption_note
 from . import segments, timing

@@ -1,0 +1,33 @@
+"""Python's garbage collector kept off what gradaudit did not make: ``collecting_only_new``.
+
+A collection of the oldest generation looks at every object the process holds: tens of milliseconds
+once transformers is imported, ~0.3 s with an 80-layer model loaded. CPython starts one whenever
+enough objects have outlived the younger collections (a quarter more than the last full one left),
+so an answer that makes many objects (an audit's records, a plan's steps, a report's JSON) pays for
+the whole heap, often more than once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any
+
+
+@contextlib.contextmanager
+def collecting_only_new() -> Any:
+    """Within the block, a garbage collection looks only at the objects made since it began (gc.freeze
+    sets the older ones aside; nested blocks leave the outer one's freeze as it is); it misses only a
+    garbage cycle through an older object, which the next full collection outside finds. ``audit``,
+    ``Report.to_dict``, ``plan``, ``fit`` and ``largest`` run whole in one such block (and so the command
+    line's, which call them once the model is built): Python's own collections of the oldest generation, which come when enough objects
+    have been made, took ~0.3 s of each 80-layer plan, and one in the JSON of the 80-layer audit took
+    0.28 s where the document took 0.06."""
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.unfreeze()
