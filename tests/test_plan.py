@@ -1732,3 +1732,69 @@ def test_a_guided_peak_search_finds_the_bisections_point(error):
         assert len(set(probed[1])) <= 2 * len(set(probed[0])), (budget, probed)
         if error == 0:
             assert len(set(probed[1])) <= 4, (budget, probed[1])
+
+
+def _flops_both_ways(model, inputs, paths, monkeypatch, **options):
+    """count_flops with gradaudit's counter, then with torch's FlopCounterMode (its fallback) forced."""
+    from gradaudit.planning import costs
+
+    light = costs.count_flops(model, inputs, None, None, "cpu", paths, **options)
+    with monkeypatch.context() as patched:
+        patched.setattr(costs, "_shared", lambda *_: True)
+        full = costs.count_flops(model, inputs, None, None, "cpu", paths, **options)
+    return light, full
+
+
+@pytest.mark.parametrize("case", ["llama", "bert", "resnet18"])
+def test_flops_counted_without_torchs_module_tracker_equal_its_count(case, tiny_hf_model, vision_model, monkeypatch):
+    """The planner's FLOP counter (forward hooks on the candidate blocks only) gives torch's
+    FlopCounterMode's figures, per block, kept by a selective checkpoint and for the whole step, on
+    models nobody here wrote: a Llama (grouped attention, a padded mask, labels, half frozen), a BERT
+    with dropout, a ResNet-18 (convolutions, batch norm in training); nested paths too."""
+    if case == "resnet18":
+        model, inputs = vision_model("resnet18").train(), torch.randn(2, 3, 32, 32)
+        paths = ["conv1", "layer1", "layer1.0", "layer1.0.conv1", "layer4", "fc"]
+    else:
+        model = tiny_hf_model(case, **({"num_key_value_heads": 1} if case == "llama" else {})).train()
+        ids = torch.randint(0, 100, (2, 16))
+        mask = torch.ones(2, 16, dtype=torch.long)
+        mask[1, 12:] = 0
+        inputs = {"input_ids": ids, "attention_mask": mask}
+        if case == "llama":
+            inputs["labels"] = ids.masked_fill(mask == 0, -100)
+            model.model.embed_tokens.requires_grad_(False)
+            model.model.layers[0].requires_grad_(False)
+        paths = [path for path, _ in model.named_modules() if path.count(".") <= 3 and path]
+    light, full = _flops_both_ways(model, inputs, paths, monkeypatch)
+    assert light == full
+    assert light[1] > sum(light[0][p][0] for p in paths if p.count(".") == 0) > 0  # the step counts backward too
+    assert any(kept > 0 for _, kept in light[0].values())  # products and convolutions: what a selective checkpoint keeps
+
+
+def test_flops_of_a_shared_block_and_of_a_higher_order_op_are_torchs_count(monkeypatch):
+    """A module at two paths (the tracker names it by one) and a torch.cond in the forward (torch's
+    mode counts higher-order ops its own way, which changed between releases): counted by torch's
+    FlopCounterMode itself, with the same figures as forcing it."""
+    from gradaudit.planning import costs
+
+    class Branching(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+
+        def forward(self, x):
+            # (a branch on values that need no gradient: torch.cond has no eager backward on these releases)
+            scale = torch.cond(x.detach().sum() > 0, lambda t: t * 2, lambda t: t + 1, (x.detach(),))
+            return self.a(x) * scale
+
+    shared = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    tied = nn.Sequential(shared, nn.Linear(8, 8), shared)
+    x = torch.randn(4, 8, requires_grad=True)
+    assert costs._shared(tied, ["0", "1"]) and not costs._shared(tied, ["1"])
+    light, full = _flops_both_ways(tied, x, ["0", "1"], monkeypatch)
+    assert light == full and light[0]["1"][0] == 2 * 4 * 8 * 8  # addmm: torch's formula counts the product
+    handed_over = []
+    monkeypatch.setattr(costs._Fallback, "__init__", lambda self, what: handed_over.append(what))
+    light, full = _flops_both_ways(Branching(), x, ["a"], monkeypatch)
+    assert handed_over and "cond" in handed_over[0]  # it reached the light counter, which handed the step over
+    assert light == full

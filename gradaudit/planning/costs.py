@@ -1,7 +1,10 @@
 """What recomputing a block costs, counted: each candidate block's forward FLOPs (and of those, the
-FLOPs a selective checkpoint does not redo) and one whole step's, under
-``torch.utils.flop_counter.FlopCounterMode`` with one FLOP per element for the ops torch has no
-formula for; ``Costs`` holds them per chain block (with ``cost="time"`` beside the forward times
+FLOPs a selective checkpoint does not redo) and one whole step's, as
+``torch.utils.flop_counter.FlopCounterMode`` counts them with one FLOP per element for the ops torch has
+no formula for (by its formulas, in a mode of gradaudit's that hooks the candidate blocks alone where
+torch's module tracker hooks every module call and its tensors' gradients: half the counted step's time
+on an 80-layer Llama; torch's mode itself where a block sits at two paths or a higher-order op runs);
+``Costs`` holds them per chain block (with ``cost="time"`` beside the forward times
 timing.py measures) and prices any plan in FLOPs and seconds.
 """
 
@@ -14,7 +17,7 @@ import torch
 from torch import nn
 
 from ..conditions import as_audited
-from ..torchapi.dispatch import first_overload_schema
+from ..torchapi.dispatch import SIZE_QUERIES, TorchDispatchMode, first_overload_schema, is_higher_order, overload_packet
 from .apply import kept_by_selective
 
 
@@ -128,6 +131,82 @@ def _query_heads_for_grouped(formula: Callable[..., int]) -> Callable[..., int]:
     return count
 
 
+class _Fallback(Exception):
+    """A higher-order operator reached the counter: torch's FlopCounterMode counts the step instead."""
+
+
+class _Counting(TorchDispatchMode):
+    """Counts what ``counting()``'s FlopCounterMode counts, without its module tracker: each op's FLOPs by
+    the same formulas (``_EveryOp``), in all and for each of the modules ``paths`` names whose forward
+    is running (forward hooks on those modules alone, where the tracker hooks every module's call and
+    its inputs' and outputs' gradients; the same set of names, entered and left as it enters and leaves
+    them). A higher-order operator raises ``_Fallback``: torch's mode handles those differently by release."""
+
+    supports_higher_order_operators = True  # (they reach the handler, which hands them to torch's mode)
+
+    def __init__(self, model: Optional[nn.Module] = None, paths: Sequence[str] = ()) -> None:
+        super().__init__()
+        self.registry = counting().flop_registry
+        self.total = 0
+        self.per_path: dict[str, dict[Any, int]] = {path: {} for path in paths}
+        self._running: set[str] = set()
+        self._inside: tuple[dict[Any, int], ...] = ()
+        self._handles: list[Any] = []
+        self._model, self._paths = model, tuple(paths)
+
+    def __enter__(self) -> "_Counting":
+        modules = dict(self._model.named_modules()) if self._model is not None else {}
+        for path in self._paths:
+            if path in modules:
+                self._watch(modules[path], path)
+        return super().__enter__()
+
+    def _watch(self, module: nn.Module, path: str) -> None:
+        # (first among the module's own hooks, as the tracker's global hooks come before them)
+        def enter(*_: Any) -> None:
+            self._running.add(path)
+            self._inside = tuple(self.per_path[p] for p in self._running)
+
+        def leave(*_: Any) -> None:
+            self._running.discard(path)
+            self._inside = tuple(self.per_path[p] for p in self._running)
+
+        self._handles += [module.register_forward_pre_hook(enter, prepend=True),
+                          module.register_forward_hook(leave, prepend=True, always_call=True)]
+
+    def __exit__(self, *exc: Any) -> Any:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._running.clear()
+        self._inside = ()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if func in SIZE_QUERIES:
+            return NotImplemented
+        if is_higher_order(func):
+            raise _Fallback(str(func))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = overload_packet(func)
+        flops = self.registry[packet](*args, **kwargs, out_val=out)
+        self.total += flops
+        for counts in self._inside:
+            counts[packet] = counts.get(packet, 0) + flops
+        return out
+
+
+def _shared(model: nn.Module, paths: Sequence[str]) -> bool:
+    """Whether one of the modules ``paths`` names sits at more than one path (the tracker names it by
+    one of them: torch's mode counts those)."""
+    seen: dict[int, int] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        seen[id(module)] = seen.get(id(module), 0) + 1
+    modules = dict(model.named_modules())
+    return any(seen.get(id(modules[p]), 0) > 1 for p in paths if p in modules)
+
+
 def count_flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str,
                 paths: Sequence[str], loss: Optional[Callable[[Any], torch.Tensor]] = None,
                 step: Optional[Callable[[Callable[[str], Any]], Any]] = None) -> tuple[dict[str, tuple[int, int]], int]:
@@ -139,20 +218,16 @@ def count_flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, targ
     ``step(watch)``: where given, runs that step itself (the planner's unplanned peak probe, which
     measures its peak in the same run), with ``watch(phase)`` in force around its forward ("forward")
     and its loss and backward ("backward"); the loss's FLOPs count in the step's either way."""
-    from ..tensors import default_loss, split_inputs
-
+    if not _shared(model, paths):
+        try:
+            forward, backward = _Counting(model, paths), _Counting()
+            _count_step(model, inputs, trainable, frozen, target, loss, step, forward, backward)
+            return ({path: (sum(ops.values()), sum(n for op, n in ops.items() if kept_by_selective(op)))
+                     for path, ops in forward.per_path.items()}, forward.total + backward.total)
+        except _Fallback:
+            pass  # (the step runs again, counted by torch's mode)
     forward, backward = counting(), counting()
-    if step is not None:
-        step(lambda phase: forward if phase == "forward" else backward)
-    else:
-        args, kwargs = split_inputs(inputs)
-        with as_audited(model, inputs, trainable, frozen, target):
-            with forward:
-                value = (loss or default_loss)(model(*args, **kwargs))
-            with backward:
-                if value.requires_grad:
-                    value.backward()
-            del value
+    _count_step(model, inputs, trainable, frozen, target, loss, step, forward, backward)
     counts = forward.get_flop_counts()
     root = type(model).__name__
     per_module = {}
@@ -161,3 +236,22 @@ def count_flops(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, targ
         per_module[path] = (sum(ops.values()), sum(n for op, n in ops.items() if kept_by_selective(op)))
     step_flops = forward.get_total_flops() + backward.get_total_flops()
     return per_module, step_flops
+
+
+def _count_step(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: str, loss: Any, step: Any,
+                forward: Any, backward: Any) -> None:
+    """Run the step ``count_flops`` counts, ``forward`` and ``backward`` (counting modes) in force around
+    its two phases."""
+    from ..tensors import default_loss, split_inputs
+
+    if step is not None:
+        step(lambda phase: forward if phase == "forward" else backward)
+        return
+    args, kwargs = split_inputs(inputs)
+    with as_audited(model, inputs, trainable, frozen, target):
+        with forward:
+            value = (loss or default_loss)(model(*args, **kwargs))
+        with backward:
+            if value.requires_grad:
+                value.backward()
+        del value

@@ -78,3 +78,21 @@ def first_overload_schema(packet: Any) -> Optional[Any]:
         return getattr(packet, packet.overloads()[0])._schema
     except (AttributeError, IndexError, RuntimeError):
         return None
+
+
+def is_higher_order(func: Any) -> bool:
+    """Whether a dispatch mode's ``func`` is a higher-order operator (``torch.cond``, flex attention...),
+    not an aten op."""
+    return isinstance(func, torch._ops.HigherOrderOperator)
+
+
+# the ops that ask a tensor's sizes, strides or layout, which torch.utils.flop_counter hands on uncounted
+# (NotImplemented: a tensor subclass with its own sizes policy answers them)
+SIZE_QUERIES = frozenset(getattr(space, name).default
+                         for space, names in ((torch.ops.aten, ("sym_is_contiguous", "is_contiguous", "is_strides_like_format",
+                                                                 "is_non_overlapping_and_dense", "size", "sym_size", "stride",
+                                                                 "sym_stride", "storage_offset", "sym_storage_offset",
+                                                                 "numel", "sym_numel", "dim")),
+                                              (torch.ops.prim, ("layout",)))
+                         for name in names if hasattr(space, name)) | (
+    {torch.ops.aten.is_contiguous.memory_format} if hasattr(torch.ops.aten, "is_contiguous") else set())
