@@ -19,10 +19,10 @@ def collecting_only_new() -> Any:
     """Within the block, a garbage collection looks only at the objects made since it began (gc.freeze
     sets the older ones aside; nested blocks leave the outer one's freeze as it is); it misses only a
     garbage cycle through an older object, which the next full collection outside finds. ``audit``,
-    ``Report.to_dict``, ``plan``, ``fit`` and ``largest`` run whole in one such block (and so the command
-    line's, which call them once the model is built): Python's own collections of the oldest generation, which come when enough objects
-    have been made, took ~0.3 s of each 80-layer plan, and one in the JSON of the 80-layer audit took
-    0.28 s where the document took 0.06."""
+    ``Report.to_dict``, ``plan``, ``fit``, ``largest`` and the command line's call of a model factory
+    run whole in one such block: Python's own collections of the oldest generation, which come when
+    enough objects have been made, took ~0.3 s of each 80-layer plan, and one in the JSON of the
+    80-layer audit 0.28 s where the document took 0.06."""
     freeze = gc.get_freeze_count() == 0
     if freeze:
         gc.freeze()

@@ -1768,7 +1768,7 @@ def test_flops_counted_without_torchs_module_tracker_equal_its_count(case, tiny_
     light, full = _flops_both_ways(model, inputs, paths, monkeypatch)
     assert light == full
     assert light[1] > sum(light[0][p][0] for p in paths if p.count(".") == 0) > 0  # the step counts backward too
-    assert any(kept > 0 for _, kept in light[0].values())  # products and convolutions: what a selective checkpoint keeps
+    assert any(kept > 0 for _, kept in light[0].values())  # products, convolutions: a selective checkpoint keeps
 
 
 def test_flops_of_a_shared_block_and_of_a_higher_order_op_are_torchs_count(monkeypatch):

@@ -88,11 +88,10 @@ def is_higher_order(func: Any) -> bool:
 
 # the ops that ask a tensor's sizes, strides or layout, which torch.utils.flop_counter hands on uncounted
 # (NotImplemented: a tensor subclass with its own sizes policy answers them)
-SIZE_QUERIES = frozenset(getattr(space, name).default
-                         for space, names in ((torch.ops.aten, ("sym_is_contiguous", "is_contiguous", "is_strides_like_format",
-                                                                 "is_non_overlapping_and_dense", "size", "sym_size", "stride",
-                                                                 "sym_stride", "storage_offset", "sym_storage_offset",
-                                                                 "numel", "sym_numel", "dim")),
-                                              (torch.ops.prim, ("layout",)))
+_SIZE_QUERY_NAMES = {torch.ops.aten: ("sym_is_contiguous", "is_contiguous", "is_strides_like_format",
+                                      "is_non_overlapping_and_dense", "size", "sym_size", "stride", "sym_stride",
+                                      "storage_offset", "sym_storage_offset", "numel", "sym_numel", "dim"),
+                     torch.ops.prim: ("layout",)}
+SIZE_QUERIES = frozenset(getattr(space, name).default for space, names in _SIZE_QUERY_NAMES.items()
                          for name in names if hasattr(space, name)) | (
     {torch.ops.aten.is_contiguous.memory_format} if hasattr(torch.ops.aten, "is_contiguous") else set())
