@@ -242,9 +242,9 @@ def test_young_only_measurement_matches_a_full_collection(tiny_hf_model):
 def test_an_audit_its_json_and_a_command_lines_build_collect_only_what_they_make():
     """audit, Report.to_dict and the command line's call of a model factory set the older objects aside
     from the collector while they run (gc.freeze: a full collection there looks at what they made, not
-    at torch and the model), and put them back after: a garbage cycle made before is kept through a
-    collection inside and freed by the next one outside; the figures are those of an audit under the
-    caller's own freeze, which the audit leaves in force."""
+    at torch and the model), and put them back after: an old garbage cycle made before is kept through a
+    collection inside and freed by the next one outside, a young one is collected as they begin; the
+    figures are those of an audit under the caller's own freeze, which the audit leaves in force."""
     import gc
     import weakref
 
@@ -265,10 +265,12 @@ def test_an_audit_its_json_and_a_command_lines_build_collect_only_what_they_make
             seen.append((gc.get_freeze_count() > 0, cycle_alive()))
             return self.fc(x).relu()
 
-    def made_cycle():
-        old = Old()
-        old.self = old
-        return weakref.ref(old)
+    def made_cycle(old=True):
+        made = Old()
+        made.self = made
+        if old:
+            gc.collect()  # (alive through a full collection: among the oldest objects, then garbage)
+        return weakref.ref(made)
 
     def cycle_alive():
         return ref() is not None
@@ -281,6 +283,10 @@ def test_an_audit_its_json_and_a_command_lines_build_collect_only_what_they_make
     assert seen == [(True, True)] and gc.get_freeze_count() == 0
     gc.collect()
     assert not cycle_alive()  # outside, the next full collection finds it
+    ref = made_cycle(old=False)
+    seen.clear()
+    audit(model, x)
+    assert seen == [(True, False)]  # collected as the audit began
 
     node_class = type(report.nodes[0])
     dumping = node_class.to_dict
