@@ -24,7 +24,7 @@ from .tensors import ModelTree, dtype_name, first_meta_parameter, itemsize, stor
 from .torchapi.compiler import original_path
 from .torchapi.distributed import local_of
 from .torchapi.fsdp import fsdp_unsharded_storages
-from .torchapi.storages import storage_id
+from .torchapi.storages import storage_id, version_counter
 
 
 class KnownStorages:
@@ -248,8 +248,9 @@ def _module_calls(recording: Recording, saves: _Saves, alive: KnownStorages) -> 
     ids (a storage no save holds gets an id after the saved ones)."""
     others: dict[int, int] = {}
     return [ModuleCall(path, cls, *_call_storages(passed, saves, others, alive), tuple(opaque),
-                       _call_storages(returned, saves, others, alive)[0])
-            for path, cls, passed, opaque, returned in recording.calls]
+                       _call_storages(returned, saves, others, alive)[0],
+                       any(version_counter(t) != v for t, v in zip(passed, versions)))
+            for path, cls, passed, opaque, returned, versions in recording.calls]
 
 
 def _call_storages(tensors: list[torch.Tensor], saves: _Saves, others: dict[int, int],

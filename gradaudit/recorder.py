@@ -43,7 +43,7 @@ from .torchapi.checkpoint import (REENTRANT_CHECKPOINT_NODE, cached_tensors, che
                                   reentrant_checkpoint_frames, saving_checkpoint_inputs)
 from .torchapi.distributed import local_of
 from .torchapi.kernels import sdp_backend_name
-from .torchapi.storages import storage_id
+from .torchapi.storages import storage_id, version_counter
 
 _COPY_SLICES_REACH = 4  # nodes announced between an in-place-on-view save and its CopySlices
 
@@ -295,7 +295,8 @@ class Recording:
     # storages of the modules' plain tensor attributes before the forward (module state, not activations)
     attributes_before: set[int] = field(default_factory=set)
     # calls of the watched modules (Recorder.watch): [path, class, aliases of the tensors passed in,
-    # class names of the other arguments that hold tensors, aliases of the tensors it returned]
+    # class names of the other arguments that hold tensors, aliases of the tensors it returned, the
+    # version counters of the tensors passed in when it was called]
     calls: list[list[Any]] = field(default_factory=list)
     # storages holding all-gathered data (AttentionCalls.gathered): storage key -> ranks gathered over
     gathered: dict[int, int] = field(default_factory=dict)
@@ -520,7 +521,11 @@ class Recorder:
             # detached aliases: they keep each storage (and so its key) alive until the report is
             # built, and no grad_fn, so no graph either
             tensors, _, opaque = flatten((args, kwargs))
-            calls.append([path, cls, [t.detach() for t in unique(tensors)], [type(v).__name__ for v in opaque], []])
+            passed = unique(tensors)
+            # (the aliases share each tensor's version counter: a write in place to an input from here to the
+            # forward's end shows as a later version, where a checkpoint of the module could not recompute it)
+            calls.append([path, cls, [t.detach() for t in passed], [type(v).__name__ for v in opaque], [],
+                          [version_counter(t) for t in passed]])
             running.append(len(calls) - 1)
 
         def after(module: nn.Module, args: Any, output: Any) -> None:

@@ -369,6 +369,9 @@ class ModuleCall:
     opaque: tuple[str, ...] = ()
     # (storage id, bytes, kind) per distinct storage of the tensors it returned (ids as for inputs)
     outputs: tuple[tuple[int, int, StorageKind], ...] = ()
+    # a tensor it was passed was written in place during the call or after it, before the forward ended
+    # (an in-place module, a later op on its input): a checkpoint of it could not recompute it
+    inputs_written: bool = False
 
 
 @dataclass

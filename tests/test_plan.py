@@ -1798,3 +1798,60 @@ def test_flops_of_a_shared_block_and_of_a_higher_order_op_are_torchs_count(monke
     light, full = _flops_both_ways(Branching(), x, ["a"], monkeypatch)
     assert handed_over and "cond" in handed_over[0]  # it reached the light counter, which handed the step over
     assert light == full
+
+
+def test_blocks_passed_a_tensor_written_in_place_are_left_out_and_the_plan_trains(vision_model):
+    """torchvision's MobileNetV3-Small, half frozen: its classifier's Hardswish and Dropout run in place
+    on their inputs, which a checkpoint of them could not recompute (torch raises in backward: the plan's
+    "every block" baseline did, measuring its peak). They are left out with a note saying why; the other
+    candidates are planned, every peak is measured, and the plan applied trains with the same gradients."""
+    model = vision_model("mobilenet_v3_small").train()
+    for parameter in list(model.parameters())[: len(list(model.parameters())) // 2]:
+        parameter.requires_grad_(False)
+    x = torch.randn(2, 3, 64, 64)
+    report = gradaudit.audit(model, x, watch=["classifier.0", "classifier.1", "classifier.2", "classifier.3"])
+    assert [c.inputs_written for c in report.module_calls] == [False, True, True, False]
+    free = gradaudit.plan(model, x, budget="1GiB")
+    paths = [b["path"] for b in free.blocks]
+    assert "classifier.1" not in paths and "classifier.2" not in paths and "classifier.0" in paths
+    assert any(note.startswith("2 block(s) are passed a tensor written in place during or after their call "
+                               "(classifier.1, classifier.2") for note in free.notes)
+    assert all(b.peak_bytes > 0 for b in free.baselines)
+    tight = gradaudit.plan(model, x, budget=free.unplanned_held_bytes - 1)
+    assert tight.checkpointed and tight.held_bytes < free.unplanned_held_bytes
+
+    def gradients():
+        model.zero_grad()
+        torch.manual_seed(1)  # (the classifier's dropout draws the same mask)
+        model(x).sum().backward()
+        return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    plain = gradients()
+    with tight.apply(model):
+        planned = gradients()
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned))
+
+
+def test_a_block_whose_input_a_later_op_writes_in_place_is_left_out():
+    """The write need not be the block's own: a block whose input the model shifts in place after the
+    call cannot be checkpointed either; its neighbours can."""
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))
+
+        def forward(self, x):
+            for i, block in enumerate(self.blocks):
+                y = block(x)
+                if i == 1:
+                    x.mul_(0.5)  # block 1's input, written after its call
+                x = y + x
+            return x
+
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(4, 16, requires_grad=True)
+    model.blocks[1][0].requires_grad_(False)  # (then nothing saves block 1's input: plain autograd runs)
+    model(x).sum().backward()
+    planned = gradaudit.plan(model, x, budget="1GiB")
+    assert [b["path"] for b in planned.blocks] == ["blocks.0", "blocks.2", "blocks.3"]
+    assert any("(blocks.1: an in-place module" in note for note in planned.notes)

@@ -133,7 +133,7 @@ def plan(
         probes.set_blocks([b.path for b in chain.blocks])
         points, optimal, notes = _solved(run, audited, chained, paths, selective, cost, bitpack, say,
                                          cache_was_on=cache_was_on, trim_installed=installed is not None and trim is None)
-        fixed, applying, segment_notes = _segments(run, report, paths, now, chain, costs, bitpack, say)
+        fixed, applying, segment_notes = _segments(run, report, paths, now, chained, bitpack, say)
         frontier = Frontier(chain, points, costs, fixed)
         chosen = frontier.cheapest(budget_bytes, 0, probes.peak if bound == Bound.PEAK else None)
         point = chosen if chosen is not None else points[-1]
@@ -165,6 +165,7 @@ class _Chained:
     step_flops: int
     step_seconds: Optional[float]
     graphless: Any
+    written: Sequence[str] = ()  # candidates passed a tensor written in place: left out
 
 
 def _chain(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], cost: Cost, bitpack: Optional[bool],
@@ -173,6 +174,10 @@ def _chain(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], cos
     ``counted_in``: the step the FLOPs are counted in (``count_flops``'s ``step``), where not their own."""
     flops, step_flops, nanoseconds, step_seconds = _block_costs(run, report, paths, now, cost, say, loss, counted_in)
     ran, graphless, calls = _blocks_that_ran(report, paths)
+    # a block passed a tensor that is written in place during or after its call: a checkpoint of it would
+    # find its saved input changed when backward recomputes it (torch raises): never planned
+    written = [p for p in ran if any(call.inputs_written for call in calls[p])]
+    ran = [p for p in ran if p not in written]
     chain = build_chain(report, ran, calls, {path: (nanoseconds.get(path, 0), 0) if nanoseconds is not None
                                              else flops.get(path, (0, 0)) for path in ran}, bitpack, run.masks)
     # the solver minimises the integer it is given as a block's cost: FLOPs, or nanoseconds
@@ -181,7 +186,7 @@ def _chain(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], cos
     unplanned = held_by_report(report, bitpack, run.masks)
     if chain.held(()) != unplanned:  # both count the held saves' storages of held kinds, as trim leaves them
         raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit {unplanned}")
-    return _Chained(chain, costs, step_flops, step_seconds, graphless)
+    return _Chained(chain, costs, step_flops, step_seconds, graphless, written)
 
 
 def _solved(run: _Run, audited: _Audited, chained: _Chained, paths: Sequence[str], selective: bool, cost: Cost,
@@ -194,7 +199,7 @@ def _solved(run: _Run, audited: _Audited, chained: _Chained, paths: Sequence[str
     notes = [note for note in report.notes if is_assumption_note(note)]
     notes += [CACHE_NOTE] if cache_was_on else []
     notes += _selective_option(run, chain, chained.costs, report, paths, selective, cost, now, bitpack, say)
-    notes += _blind_spots(report, chained.graphless)
+    notes += _blind_spots(report, chained.graphless, chained.written)
     say(f"solving ({len(chain.blocks)} blocks)")
     points, optimal = solve(chain)
     notes = _own_checkpointing(run.model, now, audited.current_held) + notes + _assumed(chain)
@@ -357,9 +362,14 @@ def _selective_option(run: _Run, chain: Chain, costs: Costs, report: Any, paths:
     return [note] if note else []
 
 
-def _blind_spots(report: Any, graphless: Sequence[str]) -> list[str]:
-    """Notes on the blocks that build no graph and the tensors passed to blocks no figure counts."""
+def _blind_spots(report: Any, graphless: Sequence[str], written: Sequence[str] = ()) -> list[str]:
+    """Notes on the blocks that build no graph or cannot be checkpointed, and the tensors passed to blocks
+    no figure counts."""
     notes = []
+    if written:
+        notes.append(f"{len(written)} block(s) are passed a tensor written in place during or after their call "
+                     f"({_few(written)}: an in-place module, or an in-place op on its input later): a checkpoint "
+                     f"of them could not recompute them (torch raises in backward), so the plan leaves them out")
     if graphless:
         notes.append(f"{len(graphless)} block(s) build no autograd graph ({_few(graphless)}): no gradient flows "
                      f"through them, so they hold nothing and checkpointing them would change nothing")
@@ -379,7 +389,7 @@ def _assumed(chain: Chain) -> list[str]:
             f"plan may exist (the bytes of every plan shown are exact)"]
 
 
-def _segments(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], chain: Chain, costs: Costs,
+def _segments(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], chained: _Chained,
               bitpack: Optional[bool], say: Callable[[str], None]
               ) -> tuple[tuple[Baseline, ...], dict[str, Callable[[], Any]], list[str]]:
     """The sqrt(n) segments baseline, where the blocks are one nn.Sequential's children or a looped
@@ -387,6 +397,9 @@ def _segments(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], 
     not these): (the baseline, or none; what puts it in force, by name; the note where there is none)."""
     if len(paths) < 4:
         return (), {}, []
+    chain, costs = chained.chain, chained.costs
+    if chained.written:  # (a segment that began with one could not be recomputed)
+        return (), {}, ["no sqrt(n) segments baseline: some of these blocks are passed a tensor written in place"]
     in_segments = stack_runner(run.model, paths, report.module_calls) if not now else None
     if in_segments is None:
         return (), {}, ["no sqrt(n) segments baseline: these blocks are neither the children of one nn.Sequential "
