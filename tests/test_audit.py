@@ -313,6 +313,24 @@ def test_an_audit_its_json_and_a_command_lines_build_collect_only_what_they_make
     assert again.saved_bytes == report.saved_bytes == 4 * 8 * 4
 
 
+def test_blocks_nested_in_a_collecting_block_never_ask_how_much_is_frozen(monkeypatch):
+    """gc.get_freeze_count walks every frozen object (~50 ms with an 80-layer model frozen): the outermost
+    block asks once, before it freezes; the audits, plans and reports nested in it count themselves."""
+    import gc
+
+    from gradaudit import collecting
+
+    asked = []
+    counting = gc.get_freeze_count
+    monkeypatch.setattr(collecting.gc, "get_freeze_count", lambda: asked.append(1) or counting())
+    with collecting.collecting_only_new():
+        report = gradaudit.audit(nn.Linear(4, 4), torch.randn(2, 4, requires_grad=True))
+        report.to_dict()
+        with collecting.collecting_only_new():
+            assert counting() > 0  # (the outer block's freeze, left as it is)
+    assert asked == [1] and counting() == 0
+
+
 def test_a_torchscript_module_is_refused_with_what_to_do():
     import warnings
 
