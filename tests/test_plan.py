@@ -125,6 +125,59 @@ def test_sqrt_n_segments_baseline_of_a_sequential_stack_is_measured():
     assert model.__dict__.get("forward") is None  # the stack runs its own forward again
 
 
+def test_a_segment_whose_first_blocks_build_no_graph_recomputes_them_too():
+    """A checkpointed segment runs again from its first block, one that builds no graph included: the
+    baseline's recompute counts what backward reruns, counted independently by the matrix products the
+    recomputation dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gradaudit.planning import segments
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(9)])
+    for block in model[:2]:
+        block.requires_grad_(False)  # blocks 0 and 1 build no graph (the input needs no grad either)
+    x = torch.randn(8, 64)
+    chosen = plan(model, x, 10**9, measure_peak=False)
+    baseline = next(b for b in chosen.baselines if b.name == "3 segments")
+    assert [b["path"] for b in chosen.blocks] == [str(i) for i in range(2, 9)]
+    # segments 0-2 and 3-5 are checkpointed: the first reruns blocks 0, 1 and 2, the second 3, 4 and 5;
+    # a block's forward is its addmm (2 * 8 * 64 * 64) and its tanh (one per element written, 8 * 64)
+    assert baseline.extra_flops == 6 * (2 * 8 * 64 * 64 + 8 * 64)
+
+    class Products(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Products.count += func is torch.ops.aten.addmm.default  # (a forward Linear: backward's are mm)
+            return func(*args, **(kwargs or {}))
+
+    with segments.segmented(model, 3):
+        loss = model(x).sum()
+        with Products():
+            loss.backward()
+    assert Products.count == 6
+
+
+def test_a_segment_may_not_begin_with_a_block_written_in_place_but_may_hold_one():
+    """A block passed a tensor written in place cannot begin a checkpointed segment (the segment's
+    checkpoint holds that tensor: backward would raise); inside one, its input is what the segment
+    recomputes. Where no segment begins with one, the baseline is planned and its peak measured."""
+    def stack(kinds):
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(32, 32) if kind == "L" else nn.ReLU(inplace=True) for kind in kinds])
+
+    x = torch.randn(4, 32, requires_grad=True)
+    inside = plan(stack("LRLLRLLRL"), x, 10**9)  # segments 0-2, 3-5, 6-8 begin with a Linear
+    segmented = next(b for b in inside.baselines if b.name == "3 segments")
+    assert segmented.peak_bytes > 0 and segmented.checkpointed == tuple(str(i) for i in range(6))
+    assert not any("segments baseline" in note for note in inside.notes)
+    starting = plan(stack("LRLRLRLRL"), x, 10**9, measure_peak=False)  # the second begins with ReLU 3
+    assert not any(b.name.endswith("segments") for b in starting.baselines)
+    assert any(note.startswith("no sqrt(n) segments baseline: its segment 2 would begin with 3, whose input is "
+                               "written in place") for note in starting.notes)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_sqrt_n_segments_of_a_stack_a_model_loop_runs(tiny_hf_model, family):
     from gradaudit.planning import segments

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Collection, Iterator, Optional, Sequence
 
 from torch import nn
 
@@ -74,18 +74,44 @@ def _in_segments(in_segments: Callable[[int], Any], count: int, model: nn.Module
         yield ranges
 
 
+@dataclass(frozen=True)
+class BlockCosts:
+    """Every candidate block's forward FLOPs (and of those, what a selective checkpoint keeps) and with
+    cost="time" its nanoseconds, by path: ``count_flops``'s and ``timing.measure``'s figures."""
+
+    flops: dict[str, tuple[int, int]]
+    nanoseconds: Optional[dict[str, int]] = None
+
+
 def segments_baseline(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: Optional[str],
-                      chain: Chain, costs: Costs, children: Sequence[str], in_segments: Callable[[int], Any],
-                      bitpack: Optional[bool], masks: str = "bits") -> tuple[Baseline, Callable[[], Any]]:
+                      children: Sequence[str], built: Collection[str], costs: BlockCosts,
+                      in_segments: Callable[[int], Any], bitpack: Optional[bool],
+                      masks: str = "bits") -> tuple[Baseline, Callable[[], Any]]:
     """The sqrt(n) segments baseline of the stack ``children`` (see segments.py; ``in_segments(k)``
     runs it in k segments): its held bytes from an audit with it in force, its recompute from the
-    blocks of its checkpointed segments that build a graph; and what puts it in force (to measure
-    its peak)."""
+    blocks backward runs again (``recomputed``: ``built`` names the children that build a graph;
+    ``costs`` gives every child's FLOPs, and with cost="time" its nanoseconds); and what puts it in
+    force (to measure its peak)."""
     count = segments.square_root_segments(len(children))
     applied = functools.partial(_in_segments, in_segments, count, model, bitpack, masks)
     with applied() as ranges:
         held = held_by_report(audit(model, inputs, trainable=trainable, frozen=frozen, target=target), bitpack, masks)
-    recomputed = {children[k] for first, last in ranges[:-1] for k in range(first, last + 1)}
-    chosen = [i for i, b in enumerate(chain.blocks) if b.path in recomputed]
-    return Baseline(f"{count} segments", tuple(p for p in children if p in recomputed), held,
-                    costs.extra_flops(chosen), extra_seconds=costs.extra_seconds(chosen)), applied
+    checkpointed = {children[k] for first, last in ranges[:-1] for k in range(first, last + 1)}
+    again = recomputed(children, ranges, built)
+    seconds = (sum(costs.nanoseconds.get(p, 0) for p in again) / 1e9 if costs.nanoseconds is not None else None)
+    return Baseline(f"{count} segments", tuple(p for p in children if p in checkpointed), held,
+                    sum(costs.flops.get(p, (0, 0))[0] for p in again), extra_seconds=seconds), applied
+
+
+def recomputed(children: Sequence[str], ranges: Sequence[tuple[int, int]], built: Collection[str]) -> list[str]:
+    """The children backward runs again when ``ranges`` but the last are checkpointed segments: a segment
+    one of whose blocks builds a graph (``built``) is recomputed from its first block (one that builds
+    none included: the region's function runs from its start) to the last that builds one (non-reentrant
+    checkpoint stops once the saves backward asked for are made again); a segment none of whose blocks
+    builds a graph saves nothing and is never recomputed."""
+    again = []
+    for first, last in ranges[:-1]:
+        ends = [k for k in range(first, last + 1) if children[k] in built]
+        if ends:
+            again += [children[k] for k in range(first, ends[-1] + 1)]
+    return again

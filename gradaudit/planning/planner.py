@@ -25,7 +25,7 @@ from ..collecting import collecting_only_new
 from ..torchapi.checkpoint import checkpointing_off
 from ..values import is_assumption_note
 from . import segments, timing
-from .baselines import Baseline, segments_baseline, stack_runner
+from .baselines import Baseline, BlockCosts, segments_baseline, stack_runner
 from .candidates import called_repeatedly, candidates, inside, repeated_blocks
 from .chain import add_selective, audited_with, build_chain, held_by_report, trim_changes
 from .costs import Costs, count_flops
@@ -166,6 +166,7 @@ class _Chained:
     step_seconds: Optional[float]
     graphless: Any
     written: Sequence[str] = ()  # candidates passed a tensor written in place: left out
+    every: Optional[BlockCosts] = None  # every candidate's costs, by path (those left out of the chain too)
 
 
 def _chain(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], cost: Cost, bitpack: Optional[bool],
@@ -186,7 +187,7 @@ def _chain(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], cos
     unplanned = held_by_report(report, bitpack, run.masks)
     if chain.held(()) != unplanned:  # both count the held saves' storages of held kinds, as trim leaves them
         raise AssertionError(f"planner: the chain holds {chain.held(())} bytes unplanned, the audit {unplanned}")
-    return _Chained(chain, costs, step_flops, step_seconds, graphless, written)
+    return _Chained(chain, costs, step_flops, step_seconds, graphless, written, BlockCosts(flops, nanoseconds))
 
 
 def _solved(run: _Run, audited: _Audited, chained: _Chained, paths: Sequence[str], selective: bool, cost: Cost,
@@ -397,20 +398,31 @@ def _segments(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], 
     not these): (the baseline, or none; what puts it in force, by name; the note where there is none)."""
     if len(paths) < 4:
         return (), {}, []
-    chain, costs = chained.chain, chained.costs
-    if chained.written:  # (a segment that began with one could not be recomputed)
-        return (), {}, ["no sqrt(n) segments baseline: some of these blocks are passed a tensor written in place"]
     in_segments = stack_runner(run.model, paths, report.module_calls) if not now else None
     if in_segments is None:
         return (), {}, ["no sqrt(n) segments baseline: these blocks are neither the children of one nn.Sequential "
                         "run by its own forward nor a stack a loop runs passing each block its predecessor's result"]
+    starting = _written_segment_start(paths, chained.written)
+    if starting is not None:
+        return (), {}, [f"no sqrt(n) segments baseline: its segment {starting[0] + 1} would begin with {starting[1]}, "
+                        f"whose input is written in place during or after its call, which the segment's checkpoint "
+                        f"holds: recomputing it in backward would raise (so would checkpoint_sequential's)"]
     say("auditing the forward in sqrt(n) segments")
     try:
-        baseline, applied = segments_baseline(run.model, run.inputs, run.trainable, run.frozen, run.target, chain,
-                                              costs, paths, in_segments, bitpack, run.masks)
+        built = {b.path for b in chained.chain.blocks} | set(chained.written)  # (ran and made autograd nodes)
+        baseline, applied = segments_baseline(run.model, run.inputs, run.trainable, run.frozen, run.target, paths,
+                                              built, chained.every, in_segments, bitpack, run.masks)
     except segments.NotSegmentable as error:  # the loop passed a block other tensors than the audit suggested
         return (), {}, [f"no sqrt(n) segments baseline: {error}"]
     return (baseline,), {baseline.name: applied}, []
+
+
+def _written_segment_start(paths: Sequence[str], written: Sequence[str]) -> Optional[tuple[int, str]]:
+    """(its index, its first block) of the first checkpointed sqrt(n) segment that begins with a block passed a
+    tensor written in place (a segment's checkpoint holds what its first block is passed; a block inside
+    it is passed what the segment computes, which its recomputation computes again), else None."""
+    ranges = segments.segment_ranges(len(paths), segments.square_root_segments(len(paths)))
+    return next(((k, paths[first]) for k, (first, _) in enumerate(ranges[:-1]) if paths[first] in set(written)), None)
 
 
 def _measure_peaks(result: Plan, probes: PeakProbes, applying: dict[str, Callable[[], Any]]) -> None:
