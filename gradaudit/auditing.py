@@ -18,8 +18,8 @@ from .sdpa import WithoutAttentionDropout
 from .recorder import Recorder
 from .records import Leaf, Manager, Report, StorageKind
 from .rules.registry import check_codes
-from .tracking import held_after_forward
-from .tensors import ModelTree, first_meta_parameter, iter_tensors, split_inputs, unique
+from .tracking import TrackedStep, held_after_forward
+from .tensors import ModelTree, default_loss, first_meta_parameter, iter_tensors, split_inputs, unique
 from .values import to_meta
 from .compiled import (EAGER_ASKED, compare_with_eager, compile_failed_on_meta_note, compiled_paths,
                        compiled_regions, on_meta_note, ran_eagerly_note)
@@ -93,6 +93,61 @@ def audit(
         return report
 
 
+def audit_then_step(model: nn.Module, inputs: Any, *, trainable: Optional[Sequence[str]] = None,
+                    frozen: Optional[Sequence[str]] = None, watch: Sequence[str] = (), target: Optional[str] = None,
+                    loss: Optional[Callable[[Any], torch.Tensor]] = None,
+                    step_watch: Optional[Callable[[str], Any]] = None,
+                    backward_if: Callable[[Report], bool] = lambda report: True,
+                    ) -> tuple[Report, Optional[tuple[int, int]]]:
+    """``audit(model, inputs, ...)`` whose forward is also a training step's, tracked as
+    ``tracking.forward_backward`` tracks one (the planner's audit and its unplanned step in one run):
+    once the report is built, and where ``backward_if(report)``, the loss (``loss``, else the default
+    loss) is taken from the output and backpropagated (on meta under the emulation again), with
+    ``step_watch(phase)`` in force as ``forward_backward``'s ``watch``. Returns the report and the step's
+    (held, peak), equal to ``forward_backward``'s on the model as the audit ran it (None where
+    ``backward_if`` said no). Gradients the caller has are set aside, as ``as_audited`` does; the model
+    is left as found. For a forward on the CPU or meta, off a distributed world, eagerly."""
+    then = _ThenStep(loss or default_loss, step_watch, backward_if)
+    with collecting_only_new():  # (as audit's own)
+        report = _audited(model, inputs, verify=False, trainable=trainable, frozen=frozen, select=(), ignore=(),
+                          eager=False, progress=None, watch=watch, target=target, then=then)
+    return report, then.figures
+
+
+class _ThenStep:
+    """What ``audit_then_step`` hands the audit: the tracked step it starts and finishes."""
+
+    def __init__(self, loss: Callable[[Any], torch.Tensor], watch: Optional[Callable[[str], Any]],
+                 backward_if: Callable[[Report], bool]) -> None:
+        self.loss, self.watch, self.backward_if = loss, watch, backward_if
+        self.figures: Optional[tuple[int, int]] = None
+
+    def start(self, model: nn.Module, args: tuple, kwargs: dict) -> TrackedStep:
+        return TrackedStep(model, args, kwargs, self.loss, self.watch)
+
+    def finish(self, report: Report, step: TrackedStep, holder: list, inputs: Sequence[torch.Tensor],
+               target: Optional[str], emulated: Any) -> None:
+        """The step's backward, once nothing of the audit's holds a tensor of its (the recording is gone;
+        on meta, the forward's emulation lets go of its casts, as its next call would)."""
+        if not self.backward_if(report):
+            return
+        if emulated is not None:
+            emulated.regions_closed()
+        model = step.model
+        # backward adds to an existing .grad in place: the caller's are set aside (ModelState puts them back)
+        leaves = [(t, t.grad) for t in inputs if t.is_leaf and t.requires_grad and t.grad is not None]
+        for p in model.parameters():
+            p.grad = None
+        for t, _ in leaves:
+            t.grad = None
+        try:
+            step.backward(holder, standing_for(target) if target is not None else None)
+        finally:
+            for t, grad in leaves:
+                t.grad = grad
+        self.figures = step.figures()
+
+
 def _compile_failed_on_meta(model: Any, error: ForwardError) -> bool:
     """Whether ``error`` is TorchDynamo's, raised compiling a compiled model on the meta device."""
     module = model if isinstance(model, nn.Module) else None
@@ -103,8 +158,9 @@ def _compile_failed_on_meta(model: Any, error: ForwardError) -> bool:
 def _audited(model: nn.Module, inputs: Any, verify: bool, trainable: Optional[Sequence[str]],
              frozen: Optional[Sequence[str]], select: Optional[Sequence[str]], ignore: Optional[Sequence[str]],
              eager: bool, progress: Optional[Callable[[str], None]], watch: Sequence[str], target: Optional[str],
-             ) -> Report:
-    """``audit`` without ``compare_eager`` and without its fallback for a compile that fails on meta."""
+             then: Optional["_ThenStep"] = None) -> Report:
+    """``audit`` without ``compare_eager`` and without its fallback for a compile that fails on meta;
+    ``then``: the forward is a tracked step's, whose backward runs once the report is built (``audit_then_step``)."""
     model, inputs, stage_note = one_stage(model, inputs) if is_schedule(model) else (model, inputs, None)
     model, trainable, frozen = _checked_model(model, trainable, frozen, eager)
     select, ignore = check_codes(select, "select entry"), check_codes(ignore, "ignore entry")
@@ -120,17 +176,27 @@ def _audited(model: nn.Module, inputs: Any, verify: bool, trainable: Optional[Se
         apply_trainable(model, trainable, frozen, tree)
         say("running the forward")
         recorder = Recorder(model, watch=_watched(model, watch, tree), modules=tree.modules)
-        output, emulated = _recorded_forward(model, args, kwargs, recorder, target if on_meta else None, eager)
+        stepping = then.start(model, args, kwargs) if then is not None else None
+        output, emulated = _recorded_forward(model, args, kwargs, recorder, target if on_meta else None, eager,
+                                             stepping.forward if stepping is not None else contextlib.nullcontext)
+        holder = stepping.forward_done(output) if stepping is not None else None
         outputs = _graph_outputs(output)
         after = ModelTree(model)  # as the forward left it (a lazy module has parameters now)
         say("walking the autograd graph")
         recording = recorder.collect(outputs, _leaf_names(model, after, input_tensors))
+        if stepping is not None and _attention_dropout_chose_math(recording):
+            # a second forward runs before the report (``_measured_beside``): what the model's own
+            # machinery keeps of the last forward (a segments runner's hand-over) would not be the step's
+            stepping = holder = None
         measured = _measured_beside(recording, model, inputs, target, on_meta, say)
         after = ModelTree(model) if measured else after  # a second forward may have made parameters
         say("analysing saved tensors")
         report = build_report(model, recording, inputs=input_tensors, verify=verify, select=select, ignore=ignore,
                               prove=_prover() if verify else None, measured=measured, target=target, tree=after)
-        del recording, output, outputs
+        del recording, output, outputs, recorder
+        if stepping is not None:
+            then.finish(report, stepping, holder, input_tensors, target if on_meta else None, emulated)
+        del holder
     finally:
         fsdp_reshard(model)  # (FSDP2) the root keeps its gathered parameters after a forward
         notes = state.restore()
@@ -230,9 +296,10 @@ def _check_verify(verify: bool, on_meta: bool) -> None:
 
 
 def _recorded_forward(model: nn.Module, args: Any, kwargs: Any, recorder: Recorder, target: Optional[str],
-                      eager: bool) -> tuple[Any, Any]:
+                      eager: bool, around: Callable[[], Any] = contextlib.nullcontext) -> tuple[Any, Any]:
     """The model's output of one forward under ``recorder``, and the emulation's record (None off
-    meta). ``target``: on meta, the device type whose kernels the forward takes (None: not on meta)."""
+    meta). ``target``: on meta, the device type whose kernels the forward takes (None: not on meta).
+    ``around()``: in force around the model's call, inside the emulation (a tracked step's forward)."""
     # on meta, attention (and for target cuda batch norm and dropout) must take the kernel the
     # target device would take, or it saves different tensors; and autocast, which meta tensors do not reach,
     # is emulated (entered last: its casts come first)
@@ -243,7 +310,8 @@ def _recorded_forward(model: nn.Module, args: Any, kwargs: Any, recorder: Record
         # checkpoint (its cache bypasses them: the recorder reads the cache itself)
         warnings.filterwarnings("ignore", message="A saved_tensors_hooks context", category=FutureWarning)
         try:
-            output = model(*args, **kwargs)
+            with around():
+                output = model(*args, **kwargs)
         except GradauditError:
             raise
         except Exception as error:

@@ -433,6 +433,12 @@ class Emulation:
     def notes(self) -> list[str]:
         return [*self.autocast.notes, *getattr(self.kernels, "notes", []), *self.values.notes]
 
+    def regions_closed(self) -> None:
+        """Every autocast region of the forward has ended: its casts are let go (autocast's cache is
+        cleared as a region exits; the emulation's at its next call outside every region, which an
+        emulation of its own does not see when another one runs the backward)."""
+        self.autocast.forget_casts()
+
 
 def _reentered_on_recompute(mode: Any) -> bool:
     return getattr(mode, "reenter_on_recompute", False)
@@ -697,6 +703,10 @@ class AutocastOnMeta(InlinedMode):
         cache = name not in ("einsum", "tensordot")
         cast = lambda v: self._cast(v, target, lower, cache)  # noqa: E731
         return func(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
+
+    def forget_casts(self) -> None:
+        """Let go of the cached casts (as its next call outside every autocast region does)."""
+        self._cache.clear()
 
     def _reenter(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run a Python composite with this mode on, so that autocast reaches its inner calls."""

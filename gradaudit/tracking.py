@@ -250,26 +250,73 @@ def forward_backward(model: torch.nn.Module, args: tuple, kwargs: dict,
     grad is backpropagated with a gradient of ones. ``watch(phase)``: a context manager in force
     around the forward ("forward") and around the loss and backward ("backward"), inside the tracker
     (a mode that allocates nothing: the planner counts the step's FLOPs so)."""
-    watch = watch or _unwatched
     device = next((t.device for t in [*model.parameters(), *iter_tensors((args, kwargs))]), torch.device("cpu"))
     if device.type == "cuda":
-        return _on_the_allocator(model, args, kwargs, loss_fn, device, watch)
-    lifetimes = Lifetimes(keys_of([*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs))]))
-    with collecting_only_new(), lifetimes, buckets_seen() as buckets:
-        with watch("forward"):
-            output, outputs = _forward(model, args, kwargs, loss_fn)
-        # not held: the outputs' storages and those registered in the forward (FSDP2's kept gathered parameters)
-        apart = keys_of([*outputs, *model.parameters(), *model.buffers()])
-        held = {key: life.nbytes for key, life in lifetimes.live.items() if key not in apart}
-        del outputs
-        with watch("backward"):
-            _backpropagate(output, loss_fn)
-    lifetimes.close()
-    # DDP's gradient buckets (in a fake process group, those its hook was handed) are alive anyway, as
-    # the parameters are: the tracker sees them when a gradient is copied in (or a rebuild allocates them)
-    alive = keys_of(buckets)
-    lives = [life for life in lifetimes.lives if life.died is not None or life.key not in alive]
-    return sum(n for key, n in held.items() if key not in alive), peak_of(lives, lifetimes.samples)
+        return _on_the_allocator(model, args, kwargs, loss_fn, device, watch or _unwatched)
+    step = TrackedStep(model, args, kwargs, loss_fn, watch)
+    with collecting_only_new():
+        with step.forward():
+            output = model(*args, **kwargs)
+            wait_unwaited(iter_tensors(output))
+        holder = step.forward_done(output)
+        del output
+        step.backward(holder)
+    return step.figures()
+
+
+class TrackedStep:
+    """``forward_backward``'s step on CPU and meta in its phases, for a forward run by someone else (the
+    planner's audit, ``auditing.audit_then_step``): the model's call within ``forward()``, then
+    ``forward_done(output)`` (no op between), ``backward(holder)`` and ``figures()``. What runs between
+    the phases outside them is not followed; it must hold no tensor of the step's into its backward."""
+
+    def __init__(self, model: torch.nn.Module, args: tuple, kwargs: dict,
+                 loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+                 watch: Optional[Callable[[str], Any]] = None) -> None:
+        self.model, self.loss_fn, self.watch = model, loss_fn, watch or _unwatched
+        self.lifetimes = Lifetimes(keys_of([*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs))]))
+        self.buckets: list[torch.Tensor] = []
+        self.held: dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def forward(self) -> Any:
+        """In force around the model's call (on meta inside the emulation, whose KnownValues it rides)."""
+        with self.lifetimes, buckets_seen() as buckets, self.watch("forward"):
+            yield
+        self.buckets += buckets
+
+    def forward_done(self, output: Any) -> list:
+        """Right after the forward returned ``output``: garbage cycles collected, what is held (not the
+        outputs' storages nor those registered in the forward: FSDP2's kept gathered parameters) taken;
+        returns the holder ``backward`` takes the output from (without ``loss_fn``, its tensors that
+        require grad: the caller drops its own references)."""
+        outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
+        if self.loss_fn is None:
+            output = list(outputs)
+        else:
+            outputs = unique([*outputs, *iter_tensors(output)])
+        gc.collect()
+        apart = keys_of([*outputs, *self.model.parameters(), *self.model.buffers()])
+        self.held = {key: life.nbytes for key, life in self.lifetimes.live.items() if key not in apart}
+        return [output]
+
+    def backward(self, holder: list, around: Any = None) -> None:
+        """The loss and its backward (``_backpropagate``), inside ``around`` where given (the emulation
+        again, on meta)."""
+        with around if around is not None else contextlib.nullcontext(), self.lifetimes, \
+                buckets_seen() as buckets, self.watch("backward"):
+            _backpropagate(holder, self.loss_fn)
+        self.buckets += buckets
+        self.lifetimes.close()
+
+    def figures(self) -> tuple[int, int]:
+        """(held after the forward, peak through the step), as ``forward_backward`` returns them."""
+        # DDP's gradient buckets (in a fake process group, those its hook was handed) are alive anyway, as
+        # the parameters are: the tracker sees them when a gradient is copied in (or a rebuild allocates them)
+        alive = keys_of(self.buckets)
+        lives = [life for life in self.lifetimes.lives if life.died is not None or life.key not in alive]
+        return (sum(n for key, n in self.held.items() if key not in alive),
+                peak_of(lives, self.lifetimes.samples))
 
 
 def _unwatched(phase: str) -> Any:

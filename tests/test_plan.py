@@ -200,6 +200,49 @@ def test_sqrt_n_segments_of_a_stack_a_model_loop_runs(tiny_hf_model, family):
     assert all("forward" not in m.__dict__ for m in modules)
 
 
+@pytest.mark.parametrize("device, target", [("cpu", None), ("meta", "cpu"), ("meta", "cuda")])
+def test_the_segments_step_is_measured_in_its_audits_run_to_the_same_figures(tiny_hf_model, monkeypatch, device,
+                                                                            target):
+    """The sqrt(n) segments baseline's step shares its audit's forward (auditing.audit_then_step): the plan
+    runs one step fewer, and its JSON, every baseline's peak included, equals the plan's whose step ran
+    apart (Step.forward_backward) - on the CPU and on meta standing for the CPU and for CUDA."""
+    from gradaudit.fitting.step import Step
+    from gradaudit.planning import planner
+
+    model = tiny_hf_model("llama", num_hidden_layers=9, use_cache=False).train().to(device)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(".5." in name)  # layers 0-4 build no graph; segment 3-5 reruns two of them
+    inputs = {"input_ids": torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))}
+    steps = []
+    stepping = Step.forward_backward
+    monkeypatch.setattr(Step, "forward_backward", lambda self, *a: steps.append(1) or stepping(self, *a))
+    together = plan(model, inputs, 10**12, target=target)
+    ran_together = len(steps)
+    monkeypatch.setattr(planner, "_steps_with_audit", lambda model, inputs: False)
+    steps.clear()
+    apart = plan(model, inputs, 10**12, target=target)
+    assert ran_together == len(steps) - 1 and any(b.name == "3 segments" for b in together.baselines)
+    assert together.to_dict() == apart.to_dict()
+
+
+def test_a_step_measured_in_an_audits_run_is_the_steps_own_and_leaves_the_callers_gradients():
+    """audit_then_step's (held, peak) equal a step of their own on the CPU; its report equals audit's;
+    gradients the caller had are put back untouched."""
+    from gradaudit.auditing import audit_then_step
+    from gradaudit.fitting.step import Step
+
+    model, x = mlp_stack(4), torch.randn(32, 64, requires_grad=True)
+    model(x).sum().backward()
+    had = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    loss = lambda out: out.pow(2).sum()  # noqa: E731
+    report, figures = audit_then_step(model, x, loss=loss)
+    # held: each block's ReLU result (which its second Linear saves too) and Tanh output, the next block's
+    # input: 2 * 4 - 1 storages of 32 x 64 float32 (the last Tanh's output is the output, not held)
+    assert figures == Step(model, x, "cpu", loss_fn=loss).forward_backward() and figures[0] == 7 * 8192
+    assert report.to_dict() == gradaudit.audit(model, x).to_dict()
+    assert all(torch.equal(a, b) for a, b in zip(had, [p.grad for p in model.parameters()] + [x.grad]))
+
+
 class PerLayerScales(nn.Module):
     """A loop passing each block a tensor of its own: no block can run its successors for it."""
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Collection, Iterator, Optional, Sequence
 
 from torch import nn
 
-from ..auditing import audit
+from ..auditing import audit, audit_then_step
 from . import segments
 from .chain import held_by_report
 from .costs import Costs
@@ -85,22 +85,31 @@ class BlockCosts:
 
 def segments_baseline(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, target: Optional[str],
                       children: Sequence[str], built: Collection[str], costs: BlockCosts,
-                      in_segments: Callable[[int], Any], bitpack: Optional[bool],
-                      masks: str = "bits") -> tuple[Baseline, Callable[[], Any]]:
+                      in_segments: Callable[[int], Any], bitpack: Optional[bool], masks: str = "bits",
+                      step: bool = False, loss: Optional[Callable[[Any], Any]] = None
+                      ) -> tuple[Baseline, Callable[[], Any], Optional[tuple[int, int]]]:
     """The sqrt(n) segments baseline of the stack ``children`` (see segments.py; ``in_segments(k)``
     runs it in k segments): its held bytes from an audit with it in force, its recompute from the
     blocks backward runs again (``recomputed``: ``built`` names the children that build a graph;
-    ``costs`` gives every child's FLOPs, and with cost="time" its nanoseconds); and what puts it in
-    force (to measure its peak)."""
+    ``costs`` gives every child's FLOPs, and with cost="time" its nanoseconds); what puts it in
+    force (to measure its peak); and with ``step``, the training step's (held, peak) measured in the
+    same run (``auditing.audit_then_step``: its forward is the audit's, ``loss`` backpropagated; None
+    otherwise, and with trim: the audit sees the forward without it)."""
     count = segments.square_root_segments(len(children))
     applied = functools.partial(_in_segments, in_segments, count, model, bitpack, masks)
+    figures = None
     with applied() as ranges:
-        held = held_by_report(audit(model, inputs, trainable=trainable, frozen=frozen, target=target), bitpack, masks)
+        if step and bitpack is None:
+            report, figures = audit_then_step(model, inputs, trainable=trainable, frozen=frozen, target=target,
+                                              loss=loss)
+        else:
+            report = audit(model, inputs, trainable=trainable, frozen=frozen, target=target)
+        held = held_by_report(report, bitpack, masks)
     checkpointed = {children[k] for first, last in ranges[:-1] for k in range(first, last + 1)}
     again = recomputed(children, ranges, built)
     seconds = (sum(costs.nanoseconds.get(p, 0) for p in again) / 1e9 if costs.nanoseconds is not None else None)
     return Baseline(f"{count} segments", tuple(p for p in children if p in checkpointed), held,
-                    sum(costs.flops.get(p, (0, 0))[0] for p in again), extra_seconds=seconds), applied
+                    sum(costs.flops.get(p, (0, 0))[0] for p in again), extra_seconds=seconds), applied, figures
 
 
 def recomputed(children: Sequence[str], ranges: Sequence[tuple[int, int]], built: Collection[str]) -> list[str]:

@@ -73,6 +73,11 @@ class PeakProbes:
         return self._measure((baseline.checkpointed, ()), functools.partial(self._checkpointing, baseline.checkpointed),
                              baseline.name)
 
+    def remember_baseline(self, baseline: Baseline, figures: tuple[int, int]) -> None:
+        """A baseline's step (held, peak) measured elsewhere as ``baseline_peak`` would measure it, with what
+        puts it in force that is not the checkpointing of its blocks (its audit's run, ``audit_then_step``)."""
+        self._measured[(baseline.name,)] = figures
+
     def _checkpointing(self, paths: tuple[str, ...], selective: tuple[str, ...] = ()) -> PlanHandle:
         return PlanHandle(self._model(), paths, {path: SELECTIVE_POLICY for path in selective}, trim=self._bitpack,
                           masks=self._masks)

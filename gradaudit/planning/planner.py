@@ -19,6 +19,7 @@ from ..conditions import as_audited, meta_inputs, prepare_data_parallel, resolve
 from ..errors import GradauditError
 from ..records import Bound, Cost, Report
 from ..compiled import compiled_paths, compiled_regions
+from ..torchapi.distributed import distributed_rank
 from ..sizes import as_bytes
 from ..tensors import first_meta_parameter, iter_tensors
 from ..collecting import collecting_only_new
@@ -48,6 +49,8 @@ class _Run:
     frozen: Any
     target: Optional[str]
     masks: str = "bits"  # trim's masks option, where the plan has trim
+    loss: Optional[Callable[[Any], torch.Tensor]] = None  # what the measured steps backpropagate
+    measured: bool = True  # measure_peak: the plan measures its steps' peaks
 
 
 @dataclass
@@ -122,7 +125,7 @@ def plan(
         budget_bytes, bound, cost = _checked_arguments(model, inputs, budget, bound, measure_peak, cost)
         installed, bitpack, masks = trim_options(model, trim, bitpack, masks, _target_device(model, inputs, target))
         say = progress or _silent
-        run = _Run(model, inputs, trainable, frozen, target, masks)
+        run = _Run(model, inputs, trainable, frozen, target, masks, loss, measure_peak)
         paths, found = _candidates(run, blocks, say)
         audited = _audit(run, paths, bitpack, say)
         report, now = audited.report, audited.now
@@ -133,7 +136,7 @@ def plan(
         probes.set_blocks([b.path for b in chain.blocks])
         points, optimal, notes = _solved(run, audited, chained, paths, selective, cost, bitpack, say,
                                          cache_was_on=cache_was_on, trim_installed=installed is not None and trim is None)
-        fixed, applying, segment_notes = _segments(run, report, paths, now, chained, bitpack, say)
+        fixed, applying, segment_notes = _segments(run, report, paths, now, chained, bitpack, say, probes)
         frontier = Frontier(chain, points, costs, fixed)
         chosen = frontier.cheapest(budget_bytes, 0, probes.peak if bound == Bound.PEAK else None)
         point = chosen if chosen is not None else points[-1]
@@ -391,11 +394,13 @@ def _assumed(chain: Chain) -> list[str]:
 
 
 def _segments(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], chained: _Chained,
-              bitpack: Optional[bool], say: Callable[[str], None]
+              bitpack: Optional[bool], say: Callable[[str], None], probes: Optional[PeakProbes] = None,
               ) -> tuple[tuple[Baseline, ...], dict[str, Callable[[], Any]], list[str]]:
     """The sqrt(n) segments baseline, where the blocks are one nn.Sequential's children or a looped
     stack (and the model does not checkpoint itself: its regions would be turned off while planning,
-    not these): (the baseline, or none; what puts it in force, by name; the note where there is none)."""
+    not these): (the baseline, or none; what puts it in force, by name; the note where there is none).
+    Where the plan measures peaks, its step's is measured in its audit's run where that can be
+    (``_steps_with_audit``) and remembered in ``probes``."""
     if len(paths) < 4:
         return (), {}, []
     in_segments = stack_runner(run.model, paths, report.module_calls) if not now else None
@@ -407,14 +412,26 @@ def _segments(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], 
         return (), {}, [f"no sqrt(n) segments baseline: its segment {starting[0] + 1} would begin with {starting[1]}, "
                         f"whose input is written in place during or after its call, which the segment's checkpoint "
                         f"holds: recomputing it in backward would raise (so would checkpoint_sequential's)"]
-    say("auditing the forward in sqrt(n) segments")
+    stepped = run.measured and probes is not None and bitpack is None and _steps_with_audit(run.model, run.inputs)
+    say("auditing the forward in sqrt(n) segments" + (", its step's peak measured" if stepped else ""))
     try:
         built = {b.path for b in chained.chain.blocks} | set(chained.written)  # (ran and made autograd nodes)
-        baseline, applied = segments_baseline(run.model, run.inputs, run.trainable, run.frozen, run.target, paths,
-                                              built, chained.every, in_segments, bitpack, run.masks)
+        baseline, applied, figures = segments_baseline(run.model, run.inputs, run.trainable, run.frozen, run.target,
+                                                       paths, built, chained.every, in_segments, bitpack, run.masks,
+                                                       step=stepped, loss=run.loss)
     except segments.NotSegmentable as error:  # the loop passed a block other tensors than the audit suggested
         return (), {}, [f"no sqrt(n) segments baseline: {error}"]
+    if figures is not None:
+        probes.remember_baseline(baseline, figures)
     return (baseline,), {baseline.name: applied}, []
+
+
+def _steps_with_audit(model: nn.Module, inputs: Any) -> bool:
+    """Whether a step's peak can be measured in the run of an audit that watches no module
+    (``auditing.audit_then_step``): the model and its inputs on the CPU or meta (the tracker's devices),
+    off a distributed world, not compiled. The two share one forward, which a step otherwise repeats."""
+    devices = {t.device.type for t in [*model.parameters(), *iter_tensors(inputs)]}
+    return devices <= {"cpu", "meta"} and distributed_rank() is None and not compiled_paths(model)
 
 
 def _written_segment_start(paths: Sequence[str], written: Sequence[str]) -> Optional[tuple[int, str]]:
