@@ -11,7 +11,8 @@ from torch import nn
 
 from .analysis import build_report
 from .collecting import collecting_only_new
-from .conditions import ModelState, apply_trainable, one_stage, resolve_target, runs_on_meta, trimmed_now
+from .conditions import (ModelState, apply_trainable, gradients_set_aside, one_stage, resolve_target,
+                         runs_on_meta, trimmed_now)
 from .errors import ForwardError, GradauditError, NothingRequiresGradError
 from .meta import standing_for
 from .sdpa import WithoutAttentionDropout
@@ -94,57 +95,42 @@ def audit(
 
 
 def audit_then_step(model: nn.Module, inputs: Any, *, trainable: Optional[Sequence[str]] = None,
-                    frozen: Optional[Sequence[str]] = None, watch: Sequence[str] = (), target: Optional[str] = None,
-                    loss: Optional[Callable[[Any], torch.Tensor]] = None,
-                    step_watch: Optional[Callable[[str], Any]] = None,
-                    backward_if: Callable[[Report], bool] = lambda report: True,
-                    ) -> tuple[Report, Optional[tuple[int, int]]]:
+                    frozen: Optional[Sequence[str]] = None, target: Optional[str] = None,
+                    loss: Optional[Callable[[Any], torch.Tensor]] = None) -> tuple[Report, Optional[tuple[int, int]]]:
     """``audit(model, inputs, ...)`` whose forward is also a training step's, tracked as
-    ``tracking.forward_backward`` tracks one (the planner's audit and its unplanned step in one run):
-    once the report is built, and where ``backward_if(report)``, the loss (``loss``, else the default
-    loss) is taken from the output and backpropagated (on meta under the emulation again), with
-    ``step_watch(phase)`` in force as ``forward_backward``'s ``watch``. Returns the report and the step's
-    (held, peak), equal to ``forward_backward``'s on the model as the audit ran it (None where
-    ``backward_if`` said no). Gradients the caller has are set aside, as ``as_audited`` does; the model
-    is left as found. For a forward on the CPU or meta, off a distributed world, eagerly."""
-    then = _ThenStep(loss or default_loss, step_watch, backward_if)
+    ``tracking.forward_backward`` tracks one (the planner's segments baseline: its audit and its step in
+    one run): once the report is built, the loss (``loss``, else the default loss) is taken from the
+    output and backpropagated (on meta under the emulation again). Returns the report and the step's
+    (held, peak), equal to ``forward_backward``'s on the model as the audit ran it; None where the audit
+    ran a second forward (attention dropout's math kernel), after which they would not be. It watches no
+    module: a watched call's tensors are kept alive until the report, which a step would not keep.
+    Gradients the caller has are set aside, as ``as_audited`` does; the model is left as found. For a
+    forward on the CPU or meta, off a distributed world, eagerly."""
+    then = _ThenStep(loss or default_loss)
     with collecting_only_new():  # (as audit's own)
         report = _audited(model, inputs, verify=False, trainable=trainable, frozen=frozen, select=(), ignore=(),
-                          eager=False, progress=None, watch=watch, target=target, then=then)
+                          eager=False, progress=None, watch=(), target=target, then=then)
     return report, then.figures
 
 
 class _ThenStep:
     """What ``audit_then_step`` hands the audit: the tracked step it starts and finishes."""
 
-    def __init__(self, loss: Callable[[Any], torch.Tensor], watch: Optional[Callable[[str], Any]],
-                 backward_if: Callable[[Report], bool]) -> None:
-        self.loss, self.watch, self.backward_if = loss, watch, backward_if
+    def __init__(self, loss: Callable[[Any], torch.Tensor]) -> None:
+        self.loss = loss
         self.figures: Optional[tuple[int, int]] = None
 
     def start(self, model: nn.Module, args: tuple, kwargs: dict) -> TrackedStep:
-        return TrackedStep(model, args, kwargs, self.loss, self.watch)
+        return TrackedStep(model, args, kwargs, self.loss)
 
-    def finish(self, report: Report, step: TrackedStep, holder: list, inputs: Sequence[torch.Tensor],
-               target: Optional[str], emulated: Any) -> None:
+    def finish(self, step: TrackedStep, holder: list, inputs: Sequence[torch.Tensor], target: Optional[str],
+               emulated: Any) -> None:
         """The step's backward, once nothing of the audit's holds a tensor of its (the recording is gone;
         on meta, the forward's emulation lets go of its casts, as its next call would)."""
-        if not self.backward_if(report):
-            return
         if emulated is not None:
             emulated.regions_closed()
-        model = step.model
-        # backward adds to an existing .grad in place: the caller's are set aside (ModelState puts them back)
-        leaves = [(t, t.grad) for t in inputs if t.is_leaf and t.requires_grad and t.grad is not None]
-        for p in model.parameters():
-            p.grad = None
-        for t, _ in leaves:
-            t.grad = None
-        try:
+        with gradients_set_aside(step.model, inputs):
             step.backward(holder, standing_for(target) if target is not None else None)
-        finally:
-            for t, grad in leaves:
-                t.grad = grad
         self.figures = step.figures()
 
 
@@ -195,7 +181,7 @@ def _audited(model: nn.Module, inputs: Any, verify: bool, trainable: Optional[Se
                               prove=_prover() if verify else None, measured=measured, target=target, tree=after)
         del recording, output, outputs, recorder
         if stepping is not None:
-            then.finish(report, stepping, holder, input_tensors, target if on_meta else None, emulated)
+            then.finish(stepping, holder, input_tensors, target if on_meta else None, emulated)
         del holder
     finally:
         fsdp_reshard(model)  # (FSDP2) the root keeps its gathered parameters after a forward

@@ -249,17 +249,11 @@ def as_audited(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, targe
     tensors = list(iter_tensors(inputs))
     on_meta = runs_on_meta(first_meta_parameter(model.parameters()), tensors)
     state = ModelState(model)
-    # gradients the caller has are set aside, not accumulated into: backward adds to an existing
-    # .grad in place, which putting the same tensor object back would not undo
-    leaves = [(t, t.grad) for t in tensors if t.is_leaf and t.requires_grad and t.grad is not None]
     try:
-        for p in model.parameters():
-            p.grad = None
-        for t, _ in leaves:
-            t.grad = None
-        apply_trainable(model, trainable, frozen)
-        with standing_for(target) if on_meta else contextlib.nullcontext():
-            yield
+        with gradients_set_aside(model, tensors):
+            apply_trainable(model, trainable, frozen)
+            with standing_for(target) if on_meta else contextlib.nullcontext():
+                yield
     except RuntimeError as error:
         # a module DistributedDataParallel wraps (its parameters carry DDP's hooks), given on its own
         if in_fake_world() and "hook result is either a Tensor or a TensorList" in str(error):
@@ -267,5 +261,20 @@ def as_audited(model: nn.Module, inputs: Any, trainable: Any, frozen: Any, targe
         raise
     finally:
         state.restore()
+
+
+@contextlib.contextmanager
+def gradients_set_aside(model: nn.Module, tensors: Sequence[Any]) -> Iterator[None]:
+    """Gradients the caller has set aside, not accumulated into (backward adds to an existing .grad in
+    place, which putting the same tensor object back would not undo): the parameters' set to None (the
+    caller's ModelState puts them back), those of the leaf tensors among ``tensors`` put back here."""
+    leaves = [(t, t.grad) for t in tensors if t.is_leaf and t.requires_grad and t.grad is not None]
+    for p in model.parameters():
+        p.grad = None
+    for t, _ in leaves:
+        t.grad = None
+    try:
+        yield
+    finally:
         for t, grad in leaves:
             t.grad = grad

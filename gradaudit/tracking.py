@@ -290,15 +290,10 @@ class TrackedStep:
         outputs' storages nor those registered in the forward: FSDP2's kept gathered parameters) taken;
         returns the holder ``backward`` takes the output from (without ``loss_fn``, its tensors that
         require grad: the caller drops its own references)."""
-        outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
-        if self.loss_fn is None:
-            output = list(outputs)
-        else:
-            outputs = unique([*outputs, *iter_tensors(output)])
-        gc.collect()
+        holder, outputs = _held_output(output, self.loss_fn)
         apart = keys_of([*outputs, *self.model.parameters(), *self.model.buffers()])
         self.held = {key: life.nbytes for key, life in self.lifetimes.live.items() if key not in apart}
-        return [output]
+        return holder
 
     def backward(self, holder: list, around: Any = None) -> None:
         """The loss and its backward (``_backpropagate``), inside ``around`` where given (the emulation
@@ -324,12 +319,17 @@ def _unwatched(phase: str) -> Any:
 
 
 def _forward(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Optional[Callable]) -> tuple[list, list]:
+    """The forward, and its output as ``_held_output`` holds it."""
+    output = model(*args, **kwargs)
+    wait_unwaited(iter_tensors(output))
+    return _held_output(output, loss_fn)
+
+
+def _held_output(output: Any, loss_fn: Optional[Callable]) -> tuple[list, list]:
     """The forward's output in a list of one (so that ``_backpropagate`` can take it out of every
     reference before backward: without ``loss_fn``, only its tensors that require grad) and its
     tensors: those that require grad, and with ``loss_fn`` every one (the output is kept for the loss;
     its tensors that need no grad are outputs too, not held). Garbage cycles are collected."""
-    output = model(*args, **kwargs)
-    wait_unwaited(iter_tensors(output))
     outputs = unique([t for t in iter_tensors(output) if t.requires_grad and t.grad_fn is not None])
     if loss_fn is None:
         output = list(outputs)

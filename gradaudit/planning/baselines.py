@@ -93,13 +93,13 @@ def segments_baseline(model: nn.Module, inputs: Any, trainable: Any, frozen: Any
     blocks backward runs again (``recomputed``: ``built`` names the children that build a graph;
     ``costs`` gives every child's FLOPs, and with cost="time" its nanoseconds); what puts it in
     force (to measure its peak); and with ``step``, the training step's (held, peak) measured in the
-    same run (``auditing.audit_then_step``: its forward is the audit's, ``loss`` backpropagated; None
-    otherwise, and with trim: the audit sees the forward without it)."""
+    same run (``auditing.audit_then_step``: its forward is the audit's, ``loss`` backpropagated; never
+    with trim, which the audit's forward runs without), else None."""
     count = segments.square_root_segments(len(children))
     applied = functools.partial(_in_segments, in_segments, count, model, bitpack, masks)
     figures = None
     with applied() as ranges:
-        if step and bitpack is None:
+        if step:
             report, figures = audit_then_step(model, inputs, trainable=trainable, frozen=frozen, target=target,
                                               loss=loss)
         else:

@@ -394,7 +394,7 @@ def _assumed(chain: Chain) -> list[str]:
 
 
 def _segments(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], chained: _Chained,
-              bitpack: Optional[bool], say: Callable[[str], None], probes: Optional[PeakProbes] = None,
+              bitpack: Optional[bool], say: Callable[[str], None], probes: PeakProbes,
               ) -> tuple[tuple[Baseline, ...], dict[str, Callable[[], Any]], list[str]]:
     """The sqrt(n) segments baseline, where the blocks are one nn.Sequential's children or a looped
     stack (and the model does not checkpoint itself: its regions would be turned off while planning,
@@ -412,7 +412,8 @@ def _segments(run: _Run, report: Any, paths: Sequence[str], now: Sequence[str], 
         return (), {}, [f"no sqrt(n) segments baseline: its segment {starting[0] + 1} would begin with {starting[1]}, "
                         f"whose input is written in place during or after its call, which the segment's checkpoint "
                         f"holds: recomputing it in backward would raise (so would checkpoint_sequential's)"]
-    stepped = run.measured and probes is not None and bitpack is None and _steps_with_audit(run.model, run.inputs)
+    # (with trim the audit's forward runs without it, the step with it: never one run)
+    stepped = run.measured and bitpack is None and _steps_with_audit(run.model, run.inputs)
     say("auditing the forward in sqrt(n) segments" + (", its step's peak measured" if stepped else ""))
     try:
         built = {b.path for b in chained.chain.blocks} | set(chained.written)  # (ran and made autograd nodes)
